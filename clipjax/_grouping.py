@@ -1,0 +1,244 @@
+"""How leaves become groups, and how groups become norms and scaled leaves.
+
+Everything here is static Python over the tree structure (computed once per
+tree structure and cached) plus the two hot-path kernels that touch gradient
+memory: :func:`group_norms` (one read of every leaf, squares accumulated in
+float32) and :func:`apply_scales` (one scalar multiply per leaf, which XLA
+fuses into whatever consumes the result).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+KeyPath = tuple[Any, ...]
+ScopeFn = Callable[[KeyPath, Any], str]
+Scope = Union[str, ScopeFn]
+
+SCOPES = ("global", "per_param", "per_layer")
+
+
+def validate_scope(scope: Any, allowed: Sequence[str] = SCOPES) -> None:
+    """Raises ``ValueError`` naming ``scope`` unless it is allowed or callable."""
+    if callable(scope):
+        return
+    if scope not in allowed:
+        raise ValueError(f"scope must be one of {tuple(allowed)} or a callable, got {scope!r}")
+
+
+def _is_variable(x: Any) -> bool:
+    # flax NNX Variables are pytrees whose only child is ``value``; their names
+    # come from the module path, without the trailing ``value`` (SPEC 8.6).
+    cls = type(x)
+    return cls.__name__.endswith(("Variable", "Param", "VariableState")) and hasattr(x, "value")
+
+
+def _key_name(key: Any) -> str:
+    if isinstance(key, jax.tree_util.DictKey):
+        return str(key.key)
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return str(key.name)
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, jax.tree_util.FlattenedIndexKey):
+        return str(key.key)
+    return str(key)
+
+
+def _strip_wrappers(path: KeyPath) -> KeyPath:
+    """Drops the trailing ``.value`` that NNX Variable wrappers add to a path."""
+    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+        return path[:-1]
+    return path
+
+
+def path_name(path: KeyPath) -> str:
+    """``params/Dense_0/kernel`` for a key path; ``root`` for the empty path."""
+    return "/".join(_key_name(k) for k in path) or "root"
+
+
+@dataclasses.dataclass(frozen=True)
+class Grouping:
+    """The static description of how the leaves of a tree form groups.
+
+    Attributes:
+      names: the group names, in order of first appearance.
+      leaf_groups: for each leaf of ``jax.tree.leaves(tree)``, its group index.
+      leaf_names: the path name of each leaf (wrappers stripped).
+      leaf_shapes: the shape of each leaf, used to check that ``update`` sees
+        the tree that ``init`` saw.
+    """
+
+    names: tuple[str, ...]
+    leaf_groups: tuple[int, ...]
+    leaf_names: tuple[str, ...]
+    leaf_shapes: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.names)
+
+    @functools.cached_property
+    def members(self) -> tuple[tuple[int, ...], ...]:
+        """For each group, the indices of its leaves."""
+        out: list[list[int]] = [[] for _ in self.names]
+        for leaf, group in enumerate(self.leaf_groups):
+            out[group].append(leaf)
+        return tuple(tuple(m) for m in out)
+
+    def check_matches(self, other: Grouping, what: str = "update") -> None:
+        """Raises a clear ``ValueError`` when two trees do not group alike."""
+        if self.names != other.names or self.leaf_shapes != other.leaf_shapes:
+            raise ValueError(
+                f"The tree passed to {what} does not match the tree passed to init: "
+                f"init saw {len(self.leaf_names)} leaves in groups {_short(self.names)}, "
+                f"{what} got {len(other.leaf_names)} leaves in groups {_short(other.names)}."
+                + _first_difference(self, other)
+            )
+
+
+def _short(names: Sequence[str], n: int = 4) -> str:
+    shown = ", ".join(names[:n])
+    return f"[{shown}{', ...' if len(names) > n else ''}]"
+
+
+def _first_difference(a: Grouping, b: Grouping) -> str:
+    for i, (na, nb, sa, sb) in enumerate(
+        zip(a.leaf_names, b.leaf_names, a.leaf_shapes, b.leaf_shapes)
+    ):
+        if na != nb or sa != sb:
+            return f" First difference at leaf {i}: {na} {sa} vs {nb} {sb}."
+    return ""
+
+
+def leaves_with_names(tree: Any) -> tuple[list[Any], list[KeyPath], Any]:
+    """Flattens ``tree`` (``None`` and masked nodes vanish) into leaves and paths."""
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = [leaf for _, leaf in with_path]
+    paths = [_strip_wrappers(tuple(path)) for path, _ in with_path]
+    return leaves, paths, treedef
+
+
+def _label(scope: Scope, path: KeyPath, leaf: Any) -> str:
+    if callable(scope):
+        label = scope(path, leaf)
+        if not isinstance(label, str):
+            raise TypeError(f"scope callable must return a str, got {type(label).__name__}")
+        return label
+    if scope == "global":
+        return "global"
+    if scope == "per_param":
+        return path_name(path)
+    if scope == "per_layer":
+        return path_name(path[:-1])
+    raise ValueError(f"unknown scope {scope!r}")
+
+
+def make_grouping(tree: Any, scope: Scope) -> Grouping:
+    """Groups the leaves of ``tree`` by ``scope`` (SPEC section 2)."""
+    leaves, paths, _ = leaves_with_names(tree)
+    labels = [_label(scope, p, x) for p, x in zip(paths, leaves)]
+    if scope == "global":
+        names: tuple[str, ...] = ("global",)
+        index = {"global": 0}
+    else:
+        index = {}
+        for label in labels:
+            index.setdefault(label, len(index))
+        names = tuple(index)
+    return Grouping(
+        names=names,
+        leaf_groups=tuple(index[label] for label in labels),
+        leaf_names=tuple(path_name(p) for p in paths),
+        leaf_shapes=tuple(tuple(np.shape(x)) for x in leaves),
+    )
+
+
+def norm_dtype(leaves: Sequence[Any]) -> jnp.dtype:
+    """float32, or float64 when a leaf is float64 (SPEC 2: never low precision)."""
+    for x in leaves:
+        if jnp.asarray(x).dtype in (jnp.float64, jnp.complex128):
+            return jnp.dtype(jnp.float64)
+    return jnp.dtype(jnp.float32)
+
+
+def _power_sum(x: jax.Array, p: float, dtype: jnp.dtype) -> jax.Array:
+    if jnp.iscomplexobj(x):
+        sq = jnp.real(x).astype(dtype) ** 2 + jnp.imag(x).astype(dtype) ** 2
+        magnitude = None
+    else:
+        magnitude = x.astype(dtype)
+        sq = magnitude * magnitude
+    if p == 2.0:
+        return jnp.sum(sq)
+    absx = jnp.sqrt(sq) if magnitude is None else jnp.abs(magnitude)
+    if math.isinf(p):
+        return jnp.max(absx, initial=0.0)
+    if p == 1.0:
+        return jnp.sum(absx)
+    return jnp.sum(absx**p)
+
+
+def group_norms(
+    leaves: Sequence[jax.Array], grouping: Grouping, ord: float = 2.0
+) -> jax.Array:
+    """The ``ord``-norm of each group, shape ``[groups]``, in one pass.
+
+    Each leaf is read once: cast to float32 (float64 for float64 leaves),
+    raised to ``ord`` and summed, all in one fused reduction, so float16 and
+    bfloat16 gradients of large magnitude neither overflow nor lose precision.
+    Empty groups have norm 0.
+    """
+    dtype = norm_dtype(leaves)
+    num_groups = grouping.num_groups
+    if not leaves:
+        return jnp.zeros((num_groups,), dtype)
+    partial = [_power_sum(x, ord, dtype) for x in leaves]
+    if math.isinf(ord):
+        per_group = [
+            functools.reduce(jnp.maximum, [partial[i] for i in m]) if m else jnp.zeros((), dtype)
+            for m in grouping.members
+        ]
+        return jnp.stack(per_group)
+    if num_groups == 1:
+        total = jnp.sum(jnp.stack(partial)) if len(partial) > 1 else partial[0]
+        sums = total[None]
+    elif num_groups == len(leaves) and grouping.leaf_groups == tuple(range(num_groups)):
+        sums = jnp.stack(partial)
+    else:
+        sums = jax.ops.segment_sum(
+            jnp.stack(partial), np.asarray(grouping.leaf_groups), num_segments=num_groups
+        )
+    if ord == 2.0:
+        return jnp.sqrt(sums)
+    if ord == 1.0:
+        return sums
+    return sums ** (1.0 / ord)
+
+
+def apply_scales(
+    leaves: Sequence[jax.Array], grouping: Grouping, scale: jax.Array
+) -> list[jax.Array]:
+    """Multiplies every leaf by its group's scalar scale, keeping its dtype.
+
+    One scalar per leaf, applied with a plain multiply: no select and no
+    full-size division, so XLA fuses it into the next elementwise consumer.
+    """
+    if grouping.num_groups == 1:
+        scales = [scale[0]] * len(leaves)
+    else:
+        scales = [scale[g] for g in grouping.leaf_groups]
+    return [x * s.astype(x.dtype) for x, s in zip(leaves, scales)]
+
+
+def leaf_scales(grouping: Grouping, scale: jax.Array) -> list[jax.Array]:
+    """The per-leaf view of a ``[groups]`` vector."""
+    return [scale[g] for g in grouping.leaf_groups]

@@ -1,0 +1,65 @@
+"""Construction-time checks that name the offending argument.
+
+Hyperparameters may arrive as arrays or tracers (``optax.inject_hyperparams``
+calls the factory with them); those cannot be checked in Python and are let
+through, every concrete number is checked.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def _concrete(value: Any) -> float | None:
+    if isinstance(value, jax.core.Tracer):
+        return None
+    try:
+        arr = np.asarray(value)
+    except Exception:  # noqa: BLE001 - anything not array-like is checked by the caller
+        return None
+    if arr.shape != () or not np.issubdtype(arr.dtype, np.number):
+        raise ValueError(f"expected a scalar number, got {value!r}")
+    return float(arr)
+
+
+def check(name: str, value: Any, ok: Callable[[float], bool], expected: str) -> None:
+    """Raises ``ValueError`` naming ``name`` unless ``ok(value)`` holds."""
+    try:
+        x = _concrete(value)
+    except ValueError:
+        raise ValueError(f"{name} must be {expected}, got {value!r}") from None
+    if x is not None and not ok(x):
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def positive(name: str, value: Any) -> None:
+    check(name, value, lambda x: x > 0 and not math.isnan(x), "> 0")
+
+
+def non_negative(name: str, value: Any) -> None:
+    check(name, value, lambda x: x >= 0, ">= 0")
+
+
+def open_unit(name: str, value: Any) -> None:
+    check(name, value, lambda x: 0 < x < 1, "in (0, 1)")
+
+
+def finite_positive(name: str, value: Any) -> None:
+    check(name, value, lambda x: 0 < x < math.inf, "finite and > 0")
+
+
+def integer(name: str, value: Any, minimum: int = 0) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def choice(name: str, value: Any, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ValueError(f"{name} must be one of {options}, got {value!r}")
