@@ -5,17 +5,41 @@ jit-compatible pytree carrying its per-step metrics; read them with
 :func:`clipjax.metrics`.
 """
 
+from clipjax._agc import AGCState, agc
 from clipjax._grouping import path_name
+from clipjax._hist_clip import (
+    Criterion,
+    HistClipState,
+    ema_criterion,
+    hist_clip,
+    max_clipping,
+    mean_clipping,
+    reciprocal_clipping,
+    zstat_criterion,
+)
 from clipjax._metrics import GroupInfo, metrics
 from clipjax._static import ClipByGlobalNormState, clip_by_global_norm, global_norm
+from clipjax._zclip import ZClipState, zclip
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AGCState",
     "ClipByGlobalNormState",
+    "Criterion",
     "GroupInfo",
+    "HistClipState",
+    "ZClipState",
+    "agc",
     "clip_by_global_norm",
+    "ema_criterion",
     "global_norm",
+    "hist_clip",
+    "max_clipping",
+    "mean_clipping",
     "metrics",
     "path_name",
+    "reciprocal_clipping",
+    "zclip",
+    "zstat_criterion",
 ]

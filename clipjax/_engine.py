@@ -61,9 +61,10 @@ class NormRule:
 
     Attributes:
       algo: the factory's name, used as metrics prefix.
-      decide: ``(stats_before, stats_after, norm, count_after, aux) ->
-        Decision``; ``count_after`` counts finite observations including this
-        one; ``aux`` holds ``weight_norm`` for rules that need params.
+      decide: ``(stats_before, stats_after, norm, count, aux) -> Decision``;
+        ``count`` is the number of finite observations before this step (this
+        step's observation is number ``count + 1``); ``aux`` holds
+        ``weight_norm`` for rules that need params.
       init: ``(num_groups, dtype) -> stats``, stacked ``[groups, ...]`` arrays.
       observe: ``(stats, norm, count_before) -> stats`` for one finite norm;
         None for stateless rules.
@@ -118,11 +119,12 @@ def state_class(name: str, doc: str) -> type:
 
 
 def _check_state(state: Any, grouping: _grouping.Grouping, info: _metrics.GroupInfo) -> None:
-    if state.info.groups != grouping.names:
+    if state.info.groups != grouping.names or state.info.tree != grouping.fingerprint:
         raise ValueError(
             f"{info.algo}: the tree passed to update does not match the tree passed to "
             f"init: init saw groups {_grouping._short(state.info.groups)}, update got "
-            f"{_grouping._short(grouping.names)}."
+            f"{_grouping._short(grouping.names)} (leaf names or shapes differ: "
+            f"{len(grouping.leaf_names)} leaves {_grouping._short(grouping.leaf_names)})."
         )
     for field, value in state.metrics.items():
         if jnp.shape(_metrics._unwrap(value))[:1] != (grouping.num_groups,):
@@ -169,7 +171,10 @@ def advance_counters(
 
 
 def gate_scale(threshold: Array, norm: Array, eps: Any, gate_open: Array) -> Array:
-    """``min(1, T / (g + eps))`` where the gate is open, else 1 (SPEC 3)."""
+    """``min(1, T / (g + eps))`` where the gate is open, else 1 (SPEC 3).
+
+    A select on ``[groups]``-sized arrays only; the leaves see one multiply.
+    """
     scale = jnp.minimum(1.0, threshold / (norm + eps))
     return jnp.where(gate_open, scale, jnp.ones_like(scale))
 
@@ -222,8 +227,7 @@ def advance(
         stats_after = stats_before
     else:
         stats_after = _where_groups(observed, rule.observe(stats_before, norm, count), stats_before)
-    count_after = count + observed.astype(count.dtype)
-    decision = rule.decide(stats_before, stats_after, norm, count_after, aux)
+    decision = rule.decide(stats_before, stats_after, norm, count, aux)
     scale = jnp.where(finite, decision.scale, jnp.ones_like(decision.scale)).astype(norm.dtype)
     clipped = scale < 1
     metrics = {"grad_norm": norm}
@@ -299,7 +303,7 @@ def norm_transform(
             inner = fused.init(params)
         else:
             inner = warmup.init(params)
-        info = _metrics.GroupInfo(rule.algo, name, grouping.names)
+        info = _metrics.GroupInfo(rule.algo, name, grouping.names, grouping.fingerprint)
         return _STATE_TYPES[rule.algo](stats, metrics, info, inner)
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:

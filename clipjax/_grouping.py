@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Union
@@ -81,6 +82,12 @@ class Grouping:
     leaf_groups: tuple[int, ...]
     leaf_names: tuple[str, ...]
     leaf_shapes: tuple[tuple[int, ...], ...]
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A deterministic digest of leaf names and shapes (stable across processes)."""
+        text = repr((self.leaf_names, self.leaf_shapes)).encode()
+        return hashlib.blake2b(text, digest_size=8).hexdigest()
 
     @property
     def num_groups(self) -> int:

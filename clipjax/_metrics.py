@@ -44,11 +44,14 @@ class GroupInfo:
       algo: the factory's name (``autoclip``, ``zclip``, ...).
       name: the user-given prefix, or ``None`` for the automatic one.
       groups: the group names, in the order of the ``[groups]`` arrays.
+      tree: a digest of the leaf names and shapes seen by ``init``, so that
+        ``update`` on another tree fails clearly (see ``Grouping.fingerprint``).
     """
 
     algo: str
     name: str | None
     groups: tuple[str, ...]
+    tree: str = ""
 
 
 # flax.serialization turns NamedTuples into dicts field by field and keeps an

@@ -1,0 +1,265 @@
+"""hist_clip: drytorch's HistClipper / ParamHistClipper, clip then observe."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from clipjax import _engine, _static, _validation
+from clipjax._engine import Decision, NormRule
+
+HistClipState = _engine.register_algo(
+    "hist_clip",
+    "State of :func:`hist_clip`: criterion statistics per group; ``inner`` holds "
+    "the ``warmup_clip`` state.",
+    "HistClipState",
+)
+
+# drytorch's guards: the z-statistic's denominator and clip_grad_norm_'s.
+_Z_EPS = 1e-8
+_DIV_EPS = 1e-6
+
+ClipFunction = Callable[[jax.Array, Any], jax.Array]
+
+
+def max_clipping(zt: jax.Array, thresh: Any) -> jax.Array:
+    """Clip to the threshold itself: factor ``thresh`` (drytorch ``max_clipping``)."""
+    return jnp.full_like(zt, thresh)
+
+
+def mean_clipping(zt: jax.Array, thresh: Any) -> jax.Array:
+    """Clip to the running mean (drytorch ``mean_clipping``).
+
+    With :func:`zstat_criterion` the factor is 0 (clip value ``mu``). With
+    :func:`ema_criterion` the factor is 1, i.e. the clip value is ``mu`` too:
+    **FIX**, drytorch returns 0 there, which makes the clip value 0 and zeroes
+    the gradient, contrary to its own documentation ("clip to the mean").
+    """
+    return jnp.zeros_like(zt)
+
+
+def reciprocal_clipping(zt: jax.Array, thresh: Any) -> jax.Array:
+    """Reciprocal clipping, ``thresh**2 / zt``: larger spikes are cut harder (ZClip)."""
+    return thresh**2 / zt
+
+
+@dataclasses.dataclass(frozen=True)
+class Criterion:
+    """A hist_clip criterion: which statistic fires, and how far it clips.
+
+    Attributes:
+      kind: ``"zstat"`` or ``"ema"``.
+      alpha: EMA decay of the statistics.
+      thresh: ``z_thresh`` (zstat) or ``r_thresh`` (ema).
+      clip_fn: ``(statistic, thresh) -> factor``.
+    """
+
+    kind: str
+    alpha: Any
+    thresh: Any
+    clip_fn: ClipFunction
+
+
+def _check_clip_fn(clip_fn: Any) -> None:
+    if not callable(clip_fn):
+        raise ValueError(f"clip_fn must be callable, got {clip_fn!r}")
+
+
+def zstat_criterion(
+    alpha: float = 0.97, z_thresh: float = 2.5, clip_fn: ClipFunction = reciprocal_clipping
+) -> Criterion:
+    """drytorch ``ZStatCriterion``: fire when ``|z| > z_thresh``.
+
+    ``z = (g - mu) / (sqrt(v) + 1e-8)``; clip value ``mu + clip_fn(|z|,
+    z_thresh) * sqrt(v)``; update with the raw norm:
+    ``v <- alpha v + (1-alpha)(g - mu_old)**2`` then
+    ``mu <- alpha mu + (1-alpha) g``.
+    """
+    _validation.open_unit("alpha", alpha)
+    _validation.positive("z_thresh", z_thresh)
+    _check_clip_fn(clip_fn)
+    return Criterion("zstat", alpha, z_thresh, clip_fn)
+
+
+def ema_criterion(
+    alpha: float = 0.98, r_thresh: float = 1.05, clip_fn: ClipFunction = max_clipping
+) -> Criterion:
+    """drytorch ``EMACriterion``: fire when ``r = g / mu > r_thresh``.
+
+    Clip value ``mu * clip_fn(r, r_thresh)`` (``mu`` for :func:`mean_clipping`,
+    a **FIX**); update ``mu <- alpha mu + (1-alpha) g``.
+    """
+    _validation.open_unit("alpha", alpha)
+    _validation.positive("r_thresh", r_thresh)
+    _check_clip_fn(clip_fn)
+    return Criterion("ema", alpha, r_thresh, clip_fn)
+
+
+class HistClipStats(NamedTuple):
+    """Statistics of :func:`hist_clip`, stacked over groups.
+
+    Attributes:
+      mean: running mean ``mu``, ``[groups]`` (0 until warm-up ends).
+      var: running variance ``v``, ``[groups]`` (starts at 1.0; zstat only).
+      warmup: the warm-up samples, ``[groups, warmup_steps]``.
+    """
+
+    mean: jax.Array
+    var: jax.Array
+    warmup: jax.Array
+
+
+def hist_clip(
+    criterion: Criterion | None = None,
+    warmup_steps: int = 20,
+    warmup_clip: optax.GradientTransformation | None | str = "default",
+    scope: Any = "global",
+    *,
+    axis_name: str | None = None,
+    name: str | None = None,
+) -> _engine.ClipTransform:
+    """Clip by a criterion on the history of gradient norms (drytorch HistClipper).
+
+    Warm-up: the first ``warmup_steps`` finite norms of a group are collected
+    while ``warmup_clip`` is applied (default ``clip_by_global_norm(1.0)``,
+    None for none). On the next step the criterion starts from their mean and
+    ddof=1 variance (kept at 1.0 unless positive), and that step is already
+    judged by the criterion. Then, with statistics from *before* the step
+    (clip, then observe): when the criterion fires the gradient is scaled by
+    ``min(1, clip / (g + 1e-6))``; the statistics absorb the raw norm. No
+    clipping while ``mu == 0``.
+
+    ``scope="per_param"`` is drytorch's ParamHistClipper: statistics, warm-up
+    and the warm-up clip per leaf. A clipjax ``warmup_clip`` is applied per
+    group and fused into the same pass; any other optax transform is applied
+    to the whole tree while a group warms up.
+
+    **FIX**: drytorch's EMA criterion with ``mean_clipping`` zeroes the
+    gradient; here it clips to the running mean. A NaN/Inf norm poisons
+    drytorch's statistics; here it is kept out of them (and out of the
+    warm-up clip's state) and the gradient passes unchanged.
+
+    Args:
+      criterion: :func:`zstat_criterion` (default) or :func:`ema_criterion`.
+      warmup_steps: number of finite norms collected before the criterion.
+      warmup_clip: transform applied during warm-up, or None.
+      scope: ``"global"``, ``"per_param"``, ``"per_layer"`` or a callable.
+      axis_name: average group norms over this mapped axis (SPEC 5).
+      name: metrics prefix (default ``hist_clip``).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``. Metrics per group:
+      ``grad_norm``, ``threshold`` (the clip value when the criterion fires,
+      +inf otherwise), ``scale`` (1 during warm-up; the warm-up clip reports
+      its own metrics under ``hist_clip/<its name>/...``), ``clipped``,
+      ``mean``, ``std`` and ``z`` (zstat), and the counters.
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> tx = clipjax.hist_clip(warmup_steps=3)
+      >>> g = lambda x: {"w": jnp.array([x])}
+      >>> state = tx.init(g(0.0))
+      >>> for x in [0.5, 0.6, 0.55, 0.5, 9.0]:
+      ...     out, state = tx.update(g(x), state)
+      >>> round(float(out["w"][0]), 3) < 9.0
+      True
+
+    References:
+      drytorch ``drytorch.lib.gradient_ops.HistClipper``; Kumar et al.,
+      `ZClip <https://arxiv.org/abs/2504.02507>`_ (reciprocal clipping), 2025.
+    """
+    criterion = zstat_criterion() if criterion is None else criterion
+    if not isinstance(criterion, Criterion):
+        raise ValueError(
+            "criterion must come from clipjax.zstat_criterion() or clipjax.ema_criterion(), "
+            f"got {criterion!r}"
+        )
+    _validation.integer("warmup_steps", warmup_steps, minimum=0)
+    if isinstance(warmup_clip, str):
+        if warmup_clip != "default":
+            raise ValueError(f"warmup_clip must be a GradientTransformation or None, got {warmup_clip!r}")
+        warmup_clip = _static.clip_by_global_norm(1.0)
+    if warmup_clip is not None and not hasattr(warmup_clip, "update"):
+        raise ValueError(f"warmup_clip must be a GradientTransformation or None, got {warmup_clip!r}")
+    alpha, thresh, kind = criterion.alpha, criterion.thresh, criterion.kind
+    width = max(warmup_steps, 1)
+
+    def init(num_groups: int, dtype: Any) -> HistClipStats:
+        return HistClipStats(
+            jnp.zeros((num_groups,), dtype),
+            jnp.ones((num_groups,), dtype),
+            jnp.zeros((num_groups, width), dtype),
+        )
+
+    def started(stats: HistClipStats, count: jax.Array) -> HistClipStats:
+        """Statistics as the criterion sees them, initialised on the first step after warm-up."""
+        n = warmup_steps
+        filled = jnp.arange(width) < n
+        mean = jnp.sum(jnp.where(filled, stats.warmup, 0.0), axis=1) / max(n, 1)
+        if n > 1:
+            dev = jnp.where(filled, stats.warmup - mean[:, None], 0.0)
+            sample_var = jnp.sum(dev * dev, axis=1) / (n - 1)
+        else:
+            sample_var = jnp.ones_like(mean)  # drytorch: variance 1.0 with <= 1 sample
+        first = count == warmup_steps
+        var = jnp.where(first & (sample_var > 0), sample_var, stats.var)
+        return HistClipStats(jnp.where(first, mean, stats.mean), var, stats.warmup)
+
+    def judge(stats: HistClipStats, g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        mu, v = stats.mean, stats.var
+        active = mu != 0
+        if kind == "zstat":
+            sd = jnp.sqrt(v)
+            stat = jnp.abs((g - mu) / (sd + _Z_EPS))
+            fires = active & (stat > thresh)
+            safe = jnp.where(fires, stat, 1.0)
+            clip = mu + criterion.clip_fn(safe, thresh) * sd
+        else:
+            stat = g / jnp.where(active, mu, 1.0)
+            fires = active & (stat > thresh)
+            safe = jnp.where(fires, stat, 1.0)
+            factor = (
+                jnp.ones_like(safe)
+                if criterion.clip_fn is mean_clipping
+                else criterion.clip_fn(safe, thresh)
+            )
+            clip = mu * factor
+        return fires, clip, stat
+
+    def observe(stats: HistClipStats, g: jax.Array, count: jax.Array) -> HistClipStats:
+        warming = count < warmup_steps
+        slot = jnp.arange(width) == jnp.minimum(count, width - 1)[:, None]
+        buffer = jnp.where(warming[:, None] & slot, g[:, None], stats.warmup)
+        base = started(stats, count)
+        if kind == "zstat":
+            var = alpha * base.var + (1 - alpha) * (g - base.mean) ** 2
+        else:
+            var = base.var
+        mean = alpha * base.mean + (1 - alpha) * g
+        return HistClipStats(
+            jnp.where(warming, stats.mean, mean), jnp.where(warming, stats.var, var), buffer
+        )
+
+    def decide(before: HistClipStats, after: HistClipStats, g: jax.Array, count: jax.Array, aux):
+        warming = count < warmup_steps
+        fires, clip, stat = judge(started(before, count), g)
+        fires = fires & ~warming
+        threshold = jnp.where(fires, clip, jnp.inf)
+        scale = jnp.where(fires, jnp.minimum(1.0, clip / (g + _DIV_EPS)), 1.0)
+        extra = {"z": jnp.where(warming, 0.0, stat)} if kind == "zstat" else {}
+        return Decision(threshold, scale, extra, in_warmup=warming)
+
+    def report(stats: HistClipStats) -> dict[str, jax.Array]:
+        if kind == "zstat":
+            return {"mean": stats.mean, "std": jnp.sqrt(stats.var)}
+        return {"mean": stats.mean}
+
+    rule = NormRule("hist_clip", decide, init=init, observe=observe, report=report)
+    return _engine.norm_transform(
+        rule, scope=scope, name=name, axis_name=axis_name, warmup=warmup_clip
+    )

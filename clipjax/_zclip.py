@@ -1,0 +1,181 @@
+"""ZClip: z-score spike detection on EMA statistics, clip then observe."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from clipjax import _engine, _validation
+from clipjax._engine import Decision, NormRule
+
+ZClipState = _engine.register_algo(
+    "zclip", "State of :func:`zclip`: EMA mean and variance per group.", "ZClipState"
+)
+
+# zclip's fixed guard in the applied multiplier, T / (g + 1e-6).
+_DIV_EPS = 1e-6
+
+
+class ZClipStats(NamedTuple):
+    """Statistics of :func:`zclip`, stacked over groups.
+
+    Attributes:
+      mean: EMA mean of the (clipped) norms, ``[groups]``.
+      var: EMA variance, ``[groups]``.
+      warmup: the first ``warmup_steps`` finite norms, ``[groups, warmup_steps]``.
+    """
+
+    mean: jax.Array
+    var: jax.Array
+    warmup: jax.Array
+
+
+def zclip(
+    alpha: float = 0.97,
+    z_thresh: float = 2.5,
+    max_grad_norm: float | None = 1.0,
+    eps: float = 1e-6,
+    warmup_steps: int = 25,
+    mode: str = "zscore",
+    clip_option: str = "adaptive_scaling",
+    clip_factor: float = 1.0,
+    skip_update_on_spike: bool = False,
+    scope: Any = "global",
+    *,
+    axis_name: str | None = None,
+    name: str | None = None,
+) -> _engine.ClipTransform:
+    """ZClip: adaptive spike clipping from EMA statistics of the gradient norm.
+
+    Warm-up: the first ``warmup_steps`` finite norms are collected and clipped
+    only by ``max_grad_norm``; the step that completes the set initialises
+    ``mean`` and ``var`` to their mean and population variance. Afterwards,
+    from the statistics *before* the step (clip, then observe)::
+
+        std = sqrt(var);  z = (g - mean) / (std + eps)
+        zscore mode:     spike = z > z_thresh
+            adaptive_scaling: clip_val = clip_factor * (mean + z_thresh**2 * std / z)
+            mean:             clip_val = mean
+        percentile mode: spike = g > mean + z_thresh * std,  clip_val = mean + z_thresh * std
+        T = min(clip_val if spike else g, max_grad_norm);  scale = T / (g + 1e-6) if g > T
+
+    and the statistics absorb ``v = clip_val`` on a spike (``g`` otherwise;
+    nothing on a spike with ``skip_update_on_spike``)::
+
+        mean <- alpha * mean + (1 - alpha) * v
+        var  <- alpha * var + (1 - alpha) * (v - mean_new)**2
+
+    Every scope of SPEC section 2 is supported; each group keeps its own
+    statistics and warm-up.
+
+    **FIX** (reference ``zclip`` package): a NaN or Inf norm poisons zclip's
+    mean and variance for good (and its warm-up mean); here it is kept out of
+    the statistics, the group's gradient passes unchanged and
+    ``nonfinite_count`` grows. Chain ``optax.apply_if_finite`` to drop such
+    steps instead.
+
+    Args:
+      alpha: EMA smoothing factor of mean and variance, in (0, 1).
+      z_thresh: z-score threshold (``> 0``).
+      max_grad_norm: an absolute cap on the norm, also used during warm-up;
+        None for no cap.
+      eps: added to the standard deviation in the z-score.
+      warmup_steps: number of finite norms collected before clipping (``>= 1``).
+      mode: ``"zscore"`` or ``"percentile"``.
+      clip_option: ``"adaptive_scaling"`` or ``"mean"`` (zscore mode only).
+      clip_factor: multiplier of the adaptive threshold.
+      skip_update_on_spike: leave the statistics unchanged on spikes.
+      scope: ``"global"``, ``"per_param"``, ``"per_layer"`` or a callable.
+      axis_name: average group norms over this mapped axis (SPEC 5).
+      name: metrics prefix (default ``zclip``).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``. Metrics per group:
+      ``grad_norm``, ``threshold`` (``max_grad_norm``, or inf, during warm-up),
+      ``scale``, ``clipped``, ``mean``, ``std``, ``z`` and the counters.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, clipjax
+      >>> tx = optax.chain(clipjax.zclip(warmup_steps=5), optax.adam(1e-3))
+      >>> params = {"w": jnp.zeros(4)}
+      >>> state = tx.init(params)
+      >>> for g in [1.0, 1.1, 0.9, 1.0, 1.05, 50.0]:
+      ...     _, state = tx.update({"w": jnp.full(4, g / 2)}, state, params)
+      >>> m = clipjax.metrics(state)
+      >>> bool(m["zclip/global/clipped"]), float(m["zclip/global/threshold"]) < 1.1
+      (True, True)
+
+    References:
+      Kumar et al., `ZClip: Adaptive Spike Mitigation for LLM Pre-Training
+      <https://arxiv.org/abs/2504.02507>`_, 2025; package ``zclip``.
+    """
+    _validation.open_unit("alpha", alpha)
+    _validation.positive("z_thresh", z_thresh)
+    if max_grad_norm is not None:
+        _validation.positive("max_grad_norm", max_grad_norm)
+    _validation.non_negative("eps", eps)
+    _validation.integer("warmup_steps", warmup_steps, minimum=1)
+    _validation.choice("mode", mode, ("zscore", "percentile"))
+    _validation.choice("clip_option", clip_option, ("adaptive_scaling", "mean"))
+    _validation.positive("clip_factor", clip_factor)
+    cap = math.inf if max_grad_norm is None else max_grad_norm
+
+    def init(num_groups: int, dtype: Any) -> ZClipStats:
+        zeros = jnp.zeros((num_groups,), dtype)
+        return ZClipStats(zeros, zeros, jnp.zeros((num_groups, warmup_steps), dtype))
+
+    def spike_and_clip(stats: ZClipStats, g: jax.Array) -> tuple[jax.Array, ...]:
+        std = jnp.sqrt(stats.var)
+        z = (g - stats.mean) / (std + eps)
+        if mode == "percentile":
+            clip_val = stats.mean + z_thresh * std
+            spike = g > clip_val
+        else:
+            spike = z > z_thresh
+            if clip_option == "mean":
+                clip_val = stats.mean
+            else:
+                # Only read where spike (z > z_thresh > 0), so z is never 0 there.
+                safe_z = jnp.where(spike, z, 1.0)
+                clip_val = clip_factor * (stats.mean + z_thresh**2 * std / safe_z)
+        return spike, clip_val, z
+
+    def observe(stats: ZClipStats, g: jax.Array, count: jax.Array) -> ZClipStats:
+        warming = count < warmup_steps
+        slot = jnp.arange(warmup_steps) == jnp.minimum(count, warmup_steps - 1)[:, None]
+        buffer = jnp.where(warming[:, None] & slot, g[:, None], stats.warmup)
+        # The step that completes the warm-up set initialises mean and var.
+        completes = count + 1 == warmup_steps
+        init_mean = jnp.mean(buffer, axis=1)
+        init_var = jnp.mean((buffer - init_mean[:, None]) ** 2, axis=1)
+        spike, clip_val, _ = spike_and_clip(stats, g)
+        v = jnp.where(spike, clip_val, g)
+        mean = alpha * stats.mean + (1 - alpha) * v
+        var = alpha * stats.var + (1 - alpha) * (v - mean) ** 2
+        if skip_update_on_spike:
+            mean = jnp.where(spike, stats.mean, mean)
+            var = jnp.where(spike, stats.var, var)
+        mean = jnp.where(warming, jnp.where(completes, init_mean, stats.mean), mean)
+        var = jnp.where(warming, jnp.where(completes, init_var, stats.var), var)
+        return ZClipStats(mean, var, buffer)
+
+    def decide(before: ZClipStats, after: ZClipStats, g: jax.Array, count: jax.Array, aux: Any):
+        warming = count < warmup_steps
+        limit = jnp.asarray(cap, g.dtype)
+        spike, clip_val, z = spike_and_clip(before, g)
+        threshold = jnp.where(warming, limit, jnp.minimum(jnp.where(spike, clip_val, g), limit))
+        # zclip uses torch's clip_grad_norm_ rule in warm-up (min(1, c/(g+1e-6)))
+        # and scales only when g > T afterwards.
+        ratio = jnp.minimum(1.0, threshold / (g + _DIV_EPS))
+        scale = jnp.where(warming | (g > threshold), ratio, 1.0)
+        z = jnp.where(warming, jnp.zeros_like(z), z)
+        return Decision(threshold=threshold, scale=scale, extra={"z": z})
+
+    def report(stats: ZClipStats) -> dict[str, jax.Array]:
+        return {"mean": stats.mean, "std": jnp.sqrt(stats.var)}
+
+    rule = NormRule("zclip", decide, init=init, observe=observe, report=report)
+    return _engine.norm_transform(rule, scope=scope, name=name, axis_name=axis_name)
