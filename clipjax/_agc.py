@@ -41,7 +41,7 @@ def unit_axes(x: Any) -> Any:
 
 
 def _unit_norm(x: jax.Array, dtype: Any) -> jax.Array:
-    sq = jnp.real(x * jnp.conj(x)) if jnp.iscomplexobj(x) else x.astype(dtype) ** 2
+    sq = jnp.real(x * jnp.conj(x)).astype(dtype) if jnp.iscomplexobj(x) else x.astype(dtype) ** 2
     return jnp.sqrt(jnp.sum(sq, axis=unit_axes(x), keepdims=True))
 
 
@@ -159,6 +159,7 @@ def _unitwise(
             g_unit = _unit_norm(x, dtype)
             w_unit = _unit_norm(p, dtype)
             max_norm = clipping * jnp.maximum(w_unit, eps)
+            # optax's rule, formed on the unit-norm array: keep where g < max_norm.
             unit_scale = jnp.where(
                 (g_unit < max_norm) | ~jnp.isfinite(g_unit),
                 1.0,
@@ -167,13 +168,14 @@ def _unitwise(
             if exclude_bias_bn and jnp.ndim(x) <= 1:
                 unit_scale = jnp.ones_like(unit_scale)
             out.append(x * unit_scale.astype(x.dtype))
-            w_norm = jnp.sqrt(jnp.sum(w_unit**2))
-            rows["grad_norm"].append(jnp.sqrt(jnp.sum(g_unit**2)))
+            w_norm = jnp.sqrt(jnp.sum(w_unit * w_unit))
+            smallest = jnp.min(unit_scale, initial=1.0)
+            rows["grad_norm"].append(jnp.sqrt(jnp.sum(g_unit * g_unit)))
             rows["weight_norm"].append(w_norm)
             rows["target"].append(clipping * jnp.maximum(w_norm, eps))
-            rows["scale"].append(jnp.min(unit_scale, initial=1.0))
-            rows["clipped_fraction"].append(jnp.mean(unit_scale < 1) if unit_scale.size else 0.0)
-            rows["clipped"].append(jnp.any(unit_scale < 1))
+            rows["scale"].append(smallest)
+            rows["clipped_fraction"].append(jnp.mean(unit_scale < 1))
+            rows["clipped"].append(smallest < 1)
         num = grouping.num_groups
         metrics = {
             f: (jnp.stack(v) if v else jnp.zeros((num,))).astype(state.metrics[f].dtype)
