@@ -6,6 +6,7 @@ jit-compatible pytree carrying its per-step metrics; read them with
 """
 
 from clipjax._agc import AGCState, agc
+from clipjax._autoclip import AutoClipState, autoclip
 from clipjax._grouping import path_name
 from clipjax._hist_clip import (
     Criterion,
@@ -20,17 +21,21 @@ from clipjax._hist_clip import (
 from clipjax._metrics import GroupInfo, metrics
 from clipjax._static import ClipByGlobalNormState, clip_by_global_norm, global_norm
 from clipjax._zclip import ZClipState, zclip
+from clipjax._zscore_clip import ZScoreClipState, zscore_clip
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AGCState",
+    "AutoClipState",
     "ClipByGlobalNormState",
     "Criterion",
     "GroupInfo",
     "HistClipState",
     "ZClipState",
+    "ZScoreClipState",
     "agc",
+    "autoclip",
     "clip_by_global_norm",
     "ema_criterion",
     "global_norm",
@@ -41,5 +46,6 @@ __all__ = [
     "path_name",
     "reciprocal_clipping",
     "zclip",
+    "zscore_clip",
     "zstat_criterion",
 ]

@@ -26,15 +26,14 @@ def grads_of(norms: jax.Array, dtype: Any = jnp.float32) -> dict[str, jax.Array]
     return {f"g{i}": (norms[i] * unit).astype(dtype) for i in range(norms.shape[0])}
 
 
-def run(
-    tx: optax.GradientTransformation, norms: np.ndarray, dtype: Any = jnp.float32
-) -> dict[str, np.ndarray]:
-    """Metrics of ``tx`` per step (post-step values), plus the measured ``applied`` scale."""
-    norms = np.asarray(norms, np.float64)
-    two_d = norms.ndim == 2
-    seq = norms if two_d else norms[:, None]
-    params = grads_of(jnp.ones(seq.shape[1]), dtype)
-    state = tx.init(params)
+def runner(tx: optax.GradientTransformation, groups: int = 1, dtype: Any = jnp.float32) -> Any:
+    """A compiled ``[steps, groups] norms -> (metrics, applied)`` function for ``tx``.
+
+    Built once per transform and group count, so property tests that feed many
+    sequences of one length compile once.
+    """
+    params = grads_of(jnp.ones(groups), dtype)
+    state0 = tx.init(params)
 
     def step(state: Any, row: jax.Array) -> Any:
         grads = grads_of(row.astype(dtype), dtype)
@@ -42,11 +41,24 @@ def run(
         before = jnp.stack([jnp.linalg.norm(g.astype(jnp.float32)) for g in grads.values()])
         after = jnp.stack([jnp.linalg.norm(o.astype(jnp.float32)) for o in out.values()])
         applied = jnp.where(before > 0, after / jnp.where(before > 0, before, 1.0), 1.0)
-        return state, (state.metrics, applied)
+        identical = jnp.stack([jnp.all(o == g) for g, o in zip(grads.values(), out.values())])
+        return state, ({**state.metrics, "identical": identical}, applied)
 
-    _, (metrics, applied) = jax.jit(lambda s, x: jax.lax.scan(step, s, x))(
-        state, jnp.asarray(seq, dtype)
-    )
+    return jax.jit(lambda seq: jax.lax.scan(step, state0, seq)[1])
+
+
+def run(
+    tx: optax.GradientTransformation,
+    norms: np.ndarray,
+    dtype: Any = jnp.float32,
+    compiled: Any = None,
+) -> dict[str, np.ndarray]:
+    """Metrics of ``tx`` per step (post-step values), plus the measured ``applied`` scale."""
+    norms = np.asarray(norms, np.float64)
+    two_d = norms.ndim == 2
+    seq = norms if two_d else norms[:, None]
+    compiled = compiled or runner(tx, seq.shape[1], dtype)
+    metrics, applied = compiled(jnp.asarray(seq, dtype))
     out = {k: np.asarray(v) for k, v in metrics.items()}
     out["applied"] = np.asarray(applied)
     if not two_d:
@@ -58,4 +70,4 @@ def first_state(tx: optax.GradientTransformation, groups: int = 1) -> Any:
     return tx.init(grads_of(jnp.ones(groups)))
 
 
-__all__ = ["clipjax", "first_state", "grads_of", "run"]
+__all__ = ["clipjax", "first_state", "grads_of", "run", "runner"]

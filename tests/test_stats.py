@@ -2,10 +2,12 @@
 
 References are smartclip's pure-Python estimators and float64 NumPy
 restatements; streams run through ``lax.scan`` so each test compiles once.
+The ``x64`` fixture (conftest) enables float64 for one test.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -19,26 +21,32 @@ from smartclip.core import stats as sc
 from clipjax import _stats as S
 
 
-@pytest.fixture
-def x64():
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
+@functools.cache
+def _scanner(update, read):
+    def scan(state, xs, *args):
+        def step(carry, x):
+            carry = update(carry, x, *args)
+            return carry, read(carry, *args)
+
+        return jax.lax.scan(step, state, xs)
+
+    return jax.jit(scan)
 
 
-def run(update, state, xs, read=None):
-    """Feed ``xs`` ([T] or [T, G]) through ``update``; final state and per-step reads."""
-    dtype = next(leaf.dtype for leaf in jax.tree.leaves(state) if jnp.issubdtype(leaf.dtype, jnp.floating))
+def run(update, state, xs, read, *args):
+    """Feed ``xs`` ([T] or [T, G]) through ``update(state, x, *args)``.
+
+    Returns the final state and ``read(state, *args)`` after every step. The
+    compiled scan is cached per (update, read) pair and ``args`` are traced,
+    so hyperparameters do not recompile.
+    """
+    dtype = next(
+        leaf.dtype for leaf in jax.tree.leaves(state) if jnp.issubdtype(leaf.dtype, jnp.floating)
+    )
     xs = jnp.asarray(xs, dtype)
     if xs.ndim == 1:
         xs = xs[:, None]
-
-    def step(carry, x):
-        carry = update(carry, x)
-        return carry, (read(carry) if read else None)
-
-    return jax.jit(lambda s, v: jax.lax.scan(step, s, v))(state, xs)
+    return _scanner(update, read)(state, xs, *args)
 
 
 def assert_same_structure(before, after):
@@ -48,26 +56,38 @@ def assert_same_structure(before, after):
         assert a.shape == b.shape and a.dtype == b.dtype
 
 
-# Each entry: init(G, dtype), update(state, x), read(state) -> [G].
+def p2_textbook(state, x, p):
+    return S.p2_update(state, x, p, textbook=True)
+
+
+def p2_smartclip(state, x, p):
+    return S.p2_update(state, x, p, textbook=False)
+
+
+def p2_read(state, p):
+    return S.p2_value(state)
+
+
+def window_push(state, x, percentile):
+    return S.window_update(state, x)
+
+
+def ema_read(state, decay):
+    return S.ema_moments_std(state)
+
+
+def squantile_read(state, q, decay):
+    return S.squantile_value(state)
+
+
+# Each entry: init(G, dtype), update(state, x, *args), read(state, *args), args.
 STATS = {
-    "welford": (S.welford_init, S.welford_update, S.welford_std),
-    "p2": (lambda g, dt: S.p2_init(g, 0.5, dt), lambda s, x: S.p2_update(s, x, 0.5), S.p2_value),
-    "p2_smartclip": (
-        lambda g, dt: S.p2_init(g, 0.9, dt),
-        lambda s, x: S.p2_update(s, x, 0.9, textbook=False),
-        S.p2_value,
-    ),
-    "ema": (S.ema_moments_init, lambda s, x: S.ema_moments_update(s, x, 0.9), S.ema_moments_std),
-    "window": (
-        lambda g, dt: S.window_init(g, 6, dt),
-        S.window_update,
-        lambda s: S.window_percentile(s, 80.0),
-    ),
-    "squantile": (
-        S.squantile_init,
-        lambda s, x: S.squantile_update(s, x, 0.95, 0.9),
-        S.squantile_value,
-    ),
+    "welford": (S.welford_init, S.welford_update, S.welford_std, ()),
+    "p2": (lambda g, dt: S.p2_init(g, 0.5, dt), p2_textbook, p2_read, (0.5,)),
+    "p2_smartclip": (lambda g, dt: S.p2_init(g, 0.9, dt), p2_smartclip, p2_read, (0.9,)),
+    "ema": (S.ema_moments_init, S.ema_moments_update, ema_read, (0.9,)),
+    "window": (lambda g, dt: S.window_init(g, 6, dt), window_push, S.window_percentile, (80.0,)),
+    "squantile": (S.squantile_init, S.squantile_update, squantile_read, (0.95, 0.9)),
 }
 
 
@@ -77,21 +97,27 @@ STATS = {
 @pytest.mark.parametrize("name", sorted(STATS))
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_state_structure_never_changes(name, dtype, x64):
-    init, update, read = STATS[name]
+    init, update, read, args = STATS[name]
     state = init(3, jnp.dtype(dtype))
     assert state.count.dtype == jnp.int32
     floats = [leaf for leaf in jax.tree.leaves(state) if leaf.dtype != jnp.int32]
     assert floats and all(leaf.dtype == jnp.dtype(dtype) for leaf in floats)
     assert all(leaf.shape[0] == 3 for leaf in jax.tree.leaves(state))
-    xs = np.random.default_rng(0).lognormal(size=(12, 3))
-    after, reads = run(update, state, xs, read)
+    xs = np.random.default_rng(0).lognormal(size=(40, 3))
+    after, reads = run(update, state, xs, read, *args)
     assert_same_structure(state, after)
-    assert reads.shape == (12, 3) and reads.dtype == jnp.dtype(dtype)
+    assert reads.shape == (40, 3) and reads.dtype == jnp.dtype(dtype)
     assert np.isfinite(np.asarray(reads)).all()
 
 
 def test_state_classes_are_unique_and_documented():
-    classes = [S.WelfordState, S.P2State, S.EmaMomentsState, S.WindowState, S.StreamingQuantileState]
+    classes = [
+        S.WelfordState,
+        S.P2State,
+        S.EmaMomentsState,
+        S.WindowState,
+        S.StreamingQuantileState,
+    ]
     assert len({c.__name__ for c in classes}) == len(classes)
     for cls in classes:
         assert "Attributes:" in cls.__doc__
@@ -100,18 +126,19 @@ def test_state_classes_are_unique_and_documented():
 
 @pytest.mark.parametrize("name", sorted(STATS))
 def test_groups_are_independent(name):
-    init, update, read = STATS[name]
+    init, update, read, args = STATS[name]
     rng = np.random.default_rng(1)
     xs = np.stack([rng.lognormal(size=40), rng.normal(5, 2, 40), rng.uniform(size=40)], axis=1)
-    _, together = run(update, init(3, jnp.float32), xs, read)
+    _, together = run(update, init(3, jnp.float32), xs, read, *args)
     for g in range(3):
-        _, alone = run(update, init(1, jnp.float32), xs[:, g], read)
+        _, alone = run(update, init(1, jnp.float32), xs[:, g], read, *args)
         np.testing.assert_array_equal(np.asarray(together)[:, g], np.asarray(alone)[:, 0])
 
 
 def test_empty_states_read_zero():
-    for init, _, read in STATS.values():
-        np.testing.assert_array_equal(read(init(2, jnp.float32)), np.zeros(2, np.float32))
+    for init, _, read, args in STATS.values():
+        value = jax.jit(read)(init(2, jnp.float32), *args)
+        np.testing.assert_array_equal(value, np.zeros(2, np.float32))
 
 
 # ---------------------------------------------------------------- Welford
@@ -176,8 +203,7 @@ def p2_textbook_reference(xs, p):
 
 
 def p2_run(xs, p, textbook, dtype):
-    init = S.p2_init(1, p, dtype)
-    return run(lambda s, x: S.p2_update(s, x, p, textbook=textbook), init, xs, S.p2_value)
+    return run(p2_textbook if textbook else p2_smartclip, S.p2_init(1, p, dtype), xs, p2_read, p)
 
 
 @pytest.mark.parametrize("p", [0.5, 0.9, 0.25])
@@ -229,11 +255,12 @@ def test_p2_textbook_tracks_true_median():
     rng = np.random.default_rng(6)
     n = 10_000
     xs = np.stack(
-        [rng.lognormal(0, 1, n), rng.normal(3, 1, n), rng.exponential(1, n), rng.uniform(0, 1, n)], axis=1
+        [rng.lognormal(0, 1, n), rng.normal(3, 1, n), rng.exponential(1, n), rng.uniform(0, 1, n)],
+        axis=1,
     )
     init = S.p2_init(4, 0.5)
-    _, values = run(lambda s, x: S.p2_update(s, x, 0.5), init, xs, S.p2_value)
-    _, buggy = run(lambda s, x: S.p2_update(s, x, 0.5, textbook=False), init, xs, S.p2_value)
+    _, values = run(p2_textbook, init, xs, p2_read, 0.5)
+    _, buggy = run(p2_smartclip, init, xs, p2_read, 0.5)
     error = np.abs(np.asarray(values[-1]) / np.median(xs, axis=0) - 1)
     assert error.max() < 0.02, error
     # smartclip's parabola overshoots on skewed streams (lognormal: +40 %).
@@ -245,9 +272,7 @@ def test_p2_textbook_tracks_true_median():
 
 def test_ema_moments_match_smartclip(x64):
     xs = np.random.default_rng(7).lognormal(0, 1, 500)
-    final, stds = run(
-        lambda s, x: S.ema_moments_update(s, x, 0.97), S.ema_moments_init(1, jnp.float64), xs, S.ema_moments_std
-    )
+    final, stds = run(S.ema_moments_update, S.ema_moments_init(1, jnp.float64), xs, ema_read, 0.97)
     ref = sc.EmaMoments(0.97)
     expected = []
     for x in xs:
@@ -260,7 +285,9 @@ def test_ema_moments_match_smartclip(x64):
 
 def test_ema_variance_does_not_cancel_in_float32():
     d = 0.99
-    xs = 1e4 + np.random.default_rng(8).normal(0, 0.05, 3000)
+    xs = (
+        (1e4 + np.random.default_rng(8).normal(0, 0.05, 3000)).astype(np.float32).astype(np.float64)
+    )
     exact_mean, exact_var = xs[0], 0.0
     m32, m2_32 = np.float32(xs[0]), np.float32(xs[0]) ** 2
     for x in xs[1:]:
@@ -268,19 +295,18 @@ def test_ema_variance_does_not_cancel_in_float32():
         exact_mean = d * exact_mean + (1 - d) * x
         m32 = np.float32(d) * m32 + np.float32(1 - d) * np.float32(x)
         m2_32 = np.float32(d) * m2_32 + np.float32(1 - d) * np.float32(x) ** 2
-    _, stds = run(lambda s, x: S.ema_moments_update(s, x, d), S.ema_moments_init(1), xs, S.ema_moments_std)
-    np.testing.assert_allclose(stds[-1, 0], math.sqrt(exact_var), rtol=1e-2)
+    _, stds = run(S.ema_moments_update, S.ema_moments_init(1), xs, ema_read, d)
+    np.testing.assert_allclose(stds[-1, 0], math.sqrt(exact_var), rtol=1e-3)
     # smartclip's m2 - m² in float32 is off by orders of magnitude here.
     naive = math.sqrt(max(float(m2_32) - float(m32) ** 2, 0.0))
-    assert abs(naive / math.sqrt(exact_var) - 1) > 1.0
+    assert abs(naive / math.sqrt(exact_var) - 1) > 10
 
 
 # ---------------------------------------------------------------- window
 
 
 def window_run(xs, size, percentile, dtype=jnp.float32):
-    read = jax.jit(lambda s, pct: S.window_percentile(s, pct))
-    return run(S.window_update, S.window_init(1, size, dtype), xs, lambda s: read(s, percentile))
+    return run(window_push, S.window_init(1, size, dtype), xs, S.window_percentile, percentile)
 
 
 @pytest.mark.parametrize("size", [1, 7, 64])
@@ -299,6 +325,21 @@ def test_window_matches_smartclip_and_numpy(size, x64):
         np.testing.assert_allclose(values[:, 0], numpy_expected, rtol=1e-12)
     np.testing.assert_array_equal(final.sorted[0], np.sort(xs[-size:]))
     np.testing.assert_array_equal(np.sort(final.values[0]), np.sort(xs[-size:]))
+
+
+def test_window_float32_matches_smartclip_to_spec_tolerance():
+    """SPEC 8.14: float32 thresholds within 3e-5 of smartclip's float64 ones."""
+    rng = np.random.default_rng(12)
+    xs = rng.lognormal(0, 0.3, 1500) * np.where(rng.uniform(size=1500) < 0.02, 20.0, 1.0)
+    xs = xs.astype(np.float32)
+    for pct in (99.0, 95.0, 50.0):
+        _, values = window_run(xs, 1024, pct)
+        ref = sc.RollingWindow(1024)
+        expected = []
+        for x in xs:
+            ref.append(float(x))
+            expected.append(ref.percentile(pct))
+        np.testing.assert_allclose(values[:, 0], expected, rtol=3e-5)
 
 
 @settings(max_examples=30, deadline=None)
@@ -337,8 +378,7 @@ def squantile_reference(xs, q, decay):
 def squantile_run(xs, q=0.95, decay=0.99, dtype=jnp.float32):
     xs = np.asarray(xs)
     init = S.squantile_init(1 if xs.ndim == 1 else xs.shape[1], dtype)
-    update = jax.jit(S.squantile_update)  # q and decay traced
-    return run(lambda s, x: update(s, x, q, decay), init, xs, S.squantile_value)
+    return run(S.squantile_update, init, xs, squantile_read, q, decay)
 
 
 def test_squantile_matches_reference(x64):
@@ -348,7 +388,9 @@ def test_squantile_matches_reference(x64):
         _, values = squantile_run(xs, q, decay, jnp.float64)
         np.testing.assert_allclose(values[:, 0], expected, rtol=1e-10)
     _, values32 = squantile_run(xs.astype(np.float32))
-    np.testing.assert_allclose(values32[:, 0], squantile_reference(xs.astype(np.float32), 0.95, 0.99), rtol=1e-4)
+    np.testing.assert_allclose(
+        values32[:, 0], squantile_reference(xs.astype(np.float32), 0.95, 0.99), rtol=1e-4
+    )
 
 
 def test_squantile_starts_at_first_value_and_is_scale_free():
@@ -358,8 +400,11 @@ def test_squantile_starts_at_first_value_and_is_scale_free():
     for c in (4.0, 0.125):  # powers of two: scaling is exact
         scaled, scaled_values = squantile_run(xs * np.float32(c))
         np.testing.assert_array_equal(scaled_values, values * np.float32(c))
-        for a, b in zip(scaled[1:], final[1:]):
-            np.testing.assert_array_equal(a, b * np.float32(c))
+        for field in ("estimate", "spread", "average"):
+            np.testing.assert_array_equal(
+                getattr(scaled, field), getattr(final, field) * np.float32(c)
+            )
+        np.testing.assert_array_equal(scaled.average_weight, final.average_weight)
 
 
 STATIONARY = {
@@ -376,7 +421,7 @@ def streams():
     """[T, G] streams, G = distributions x seeds, and their true 0.95-quantiles."""
     n = 10_000
     cols, true = [], []
-    for name, draw in STATIONARY.items():
+    for draw in STATIONARY.values():
         true_q = np.quantile(draw(np.random.default_rng(1234), 2_000_000), 0.95)
         for seed in SEEDS:
             cols.append(draw(np.random.default_rng(seed), n + 6_000))
@@ -395,16 +440,18 @@ def test_squantile_converges_on_stationary_streams(streams):
     assert np.median(final) < 0.02
 
 
+@pytest.mark.parametrize("decay", [0.99, 0.95])
 @pytest.mark.parametrize("factor", [0.2, 5.0])
-def test_squantile_follows_a_shift(streams, factor):
+def test_squantile_follows_a_shift(streams, factor, decay):
     """SPEC 8.13: within 20 % of the new quantile by 50/(1-decay) steps after."""
     xs, true = streams
     shifted = xs.copy()
     shifted[10_000:] *= np.float32(factor)
-    _, values = squantile_run(shifted)
+    _, values = squantile_run(shifted, decay=decay)
     after = np.abs(np.asarray(values[10_000:]) / (factor * true) - 1)
-    assert (after[5_000:] < 0.2).all(), after[5_000].max()
-    assert (after[:100] > 0.2).all()  # it is a real shift, not instant
+    bound = round(50 / (1 - decay))
+    assert (after[bound:] < 0.2).all(), after[bound:].max()
+    assert (after[: bound // 50] > 0.2).all()  # it is a real shift, not instant
 
 
 def test_smartclip_ema_quantile_never_decreases(streams):

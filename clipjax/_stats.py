@@ -1,0 +1,467 @@
+"""Streaming statistics as pure functions on stacked ``[groups]`` arrays.
+
+Every state below is a ``NamedTuple`` whose leaves carry a leading ``[G]``
+axis (one row per clipping group) and every ``*_update(state, x)`` takes one
+observation per group, ``x: [G]``, and returns a state of identical structure,
+shapes and dtypes, so states can be ``lax.scan`` carries and never re-trace.
+Nothing branches on values in Python: "not initialised yet" is encoded in the
+int32 ``count`` leaf, not by ``None``.
+
+The updates assume ``x`` is finite. Callers mask rows whose observation is
+not (``jnp.where(finite, new, old)`` per group), which is how SPEC section 3
+keeps NaN out of every statistic.
+
+Statistics (SPEC 4.1, 4.2, 8.13, 8.14):
+
+* Welford mean / variance over the whole history (Welford 1962).
+* P² streaming quantile (Jain & Chlamtac 1985), textbook parabolic step, or
+  smartclip's variant for reproduction.
+* EMA mean / variance with the cancellation-free variance recursion.
+* Ring-buffer window with an incrementally sorted copy and numpy's "linear"
+  percentile.
+* A scale-free stochastic-approximation quantile that forgets at a rate
+  proportional to ``1 - decay`` (replaces smartclip's ``EmaQuantile``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, TypeVar
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike, DTypeLike
+
+# --------------------------------------------------------------------------
+# Welford
+# --------------------------------------------------------------------------
+
+
+class WelfordState(NamedTuple):
+    """Running mean and sum of squared deviations (Welford 1962).
+
+    Attributes:
+      count: int32 ``[G]``, observations seen.
+      mean: ``[G]``, mean of the observations (0 when ``count == 0``).
+      m2: ``[G]``, sum of squared deviations from the mean.
+    """
+
+    count: jax.Array
+    mean: jax.Array
+    m2: jax.Array
+
+
+def welford_init(num_groups: int, dtype: DTypeLike = jnp.float32) -> WelfordState:
+    """Empty Welford state for ``num_groups`` groups."""
+    zeros = jnp.zeros((num_groups,), dtype)
+    return WelfordState(jnp.zeros((num_groups,), jnp.int32), zeros, zeros)
+
+
+def welford_update(state: WelfordState, x: ArrayLike) -> WelfordState:
+    """``n += 1; δ = x - mean; mean += δ/n; m2 += δ·(x - mean_new)``.
+
+    Same operation order as smartclip's ``WelfordVariance``: in float64 the
+    mean agrees bit for bit and the std to the last bit.
+    """
+    x = jnp.asarray(x, state.mean.dtype)
+    count = state.count + 1
+    delta = x - state.mean
+    mean = state.mean + delta / count.astype(x.dtype)
+    return WelfordState(count, mean, state.m2 + delta * (x - mean))
+
+
+def welford_std(state: WelfordState) -> jax.Array:
+    """Sample standard deviation (ddof=1); 0 with fewer than 2 observations."""
+    n = state.count.astype(state.m2.dtype)
+    var = jnp.maximum(state.m2 / jnp.maximum(n - 1, 1), 0)
+    return jnp.where(state.count >= 2, jnp.sqrt(var), 0)
+
+
+# --------------------------------------------------------------------------
+# P² quantile
+# --------------------------------------------------------------------------
+
+
+class P2State(NamedTuple):
+    """Five P² markers per group (Jain & Chlamtac 1985).
+
+    Attributes:
+      heights: ``[G, 5]`` marker heights; while ``count < 5`` the first
+        ``count`` slots hold the raw observations in arrival order.
+      positions: int32 ``[G, 5]`` marker positions (0-based ranks).
+      desired: ``[G, 5]`` desired marker positions, advanced by
+        ``[0, p/2, p, (1+p)/2, 1]`` per observation as smartclip does. In
+        float32 they stay exact for p = 0.5 up to about 5.6 million
+        observations (multiples of 1/4 below 2**22).
+      count: int32 ``[G]``, observations seen.
+    """
+
+    heights: jax.Array
+    positions: jax.Array
+    desired: jax.Array
+    count: jax.Array
+
+
+def p2_init(num_groups: int, p: float = 0.5, dtype: DTypeLike = jnp.float32) -> P2State:
+    """Empty P² state; ``p`` only fixes the desired positions set on the 5th value."""
+    del p  # the desired positions are (re)set on the 5th observation
+    return P2State(
+        heights=jnp.zeros((num_groups, 5), dtype),
+        positions=jnp.zeros((num_groups, 5), jnp.int32),
+        desired=jnp.zeros((num_groups, 5), dtype),
+        count=jnp.zeros((num_groups,), jnp.int32),
+    )
+
+
+def _p2_adjust(
+    heights: jax.Array, positions: jax.Array, want: jax.Array, i: jax.Array, textbook: bool
+) -> tuple[jax.Array, jax.Array]:
+    """Move marker ``i`` one rank towards its desired position if it is due."""
+    dtype = heights.dtype
+    q_lo, q_i, q_hi = (jax.lax.dynamic_index_in_dim(heights, i + k, 1, False) for k in (-1, 0, 1))
+    n_lo, n_i, n_hi = (jax.lax.dynamic_index_in_dim(positions, i + k, 1, False) for k in (-1, 0, 1))
+    gap = jax.lax.dynamic_index_in_dim(want, i, 1, False) - n_i.astype(dtype)
+    move = ((gap >= 1.0) & (n_hi - n_i > 1)) | ((gap <= -1.0) & (n_lo - n_i < -1))
+    step = jnp.where(gap >= 1.0, 1, -1).astype(jnp.int32)
+    d = step.astype(dtype)
+    right, left = (n_hi - n_i).astype(dtype), (n_i - n_lo).astype(dtype)
+    # smartclip falls back to linear when a neighbour shares the position; the
+    # placeholder denominators only keep the unused branch finite.
+    spaced = (right != 0) & (left != 0)
+    right_, left_ = jnp.where(spaced, right, 1), jnp.where(spaced, left, 1)
+    bracket = (left_ + d) * (q_hi - q_i) / right_ + (right_ - d) * (q_i - q_lo) / left_
+    # Jain & Chlamtac's piecewise-parabolic formula has the 1/(n[i+1]-n[i-1])
+    # factor; smartclip drops it (SPEC 4.1 FIX), kept reachable for comparison.
+    factor = d / (right_ + left_) if textbook else d
+    parabolic = q_i + factor * bracket
+    q_nb = jnp.where(step > 0, q_hi, q_lo)
+    n_step = jnp.where(step > 0, right, -left)
+    linear = jnp.where(n_step == 0, q_i, q_i + d * (q_nb - q_i) / jnp.where(n_step == 0, 1, n_step))
+    inside = spaced & (q_lo < parabolic) & (parabolic < q_hi)
+    q_new = jnp.where(move, jnp.where(inside, parabolic, linear), q_i)
+    at = jnp.arange(heights.shape[1]) == i
+    heights = jnp.where(at, q_new[:, None], heights)
+    positions = positions + jnp.where(at & move[:, None], step[:, None], 0)
+    return heights, positions
+
+
+_State = TypeVar("_State")
+
+
+def _select(mask: jax.Array, new: _State, old: _State) -> _State:
+    """Per-group ``where`` over two states whose leaves lead with ``[G]``."""
+    expand = lambda a: mask.reshape(mask.shape + (1,) * (a.ndim - 1))
+    return jax.tree.map(lambda a, b: jnp.where(expand(a), a, b), new, old)
+
+
+def p2_update(state: P2State, x: ArrayLike, p: ArrayLike = 0.5, textbook: bool = True) -> P2State:
+    """One P² step (Jain & Chlamtac 1985, CACM 28(10)).
+
+    The first five observations are stored; the fifth sorts them and sets
+    positions ``0..4`` and desired positions ``[0, 2p, 4p, 2+2p, 4]``. Later
+    observations locate their cell (``x <= q[4]`` is inside, as in smartclip),
+    extend the extreme markers, shift the positions above the cell, advance the
+    desired positions, and move markers 1, 2, 3 in turn (each seeing its
+    already-moved neighbours) by one rank towards their desired position when
+    that is at least 1 away and the neighbour is more than 1 rank away:
+
+        q_i += d/(n[i+1]-n[i-1]) · [(n_i-n[i-1]+d)(q[i+1]-q_i)/(n[i+1]-n_i)
+                                    + (n[i+1]-n_i-d)(q_i-q[i-1])/(n_i-n[i-1])]
+
+    falling back to linear interpolation towards the neighbour when that value
+    is not strictly between the neighbours. ``textbook=False`` omits the
+    ``1/(n[i+1]-n[i-1])`` factor, reproducing smartclip's ``P2Quantile``.
+    """
+    heights, positions, desired, count = state
+    dtype = heights.dtype
+    x = jnp.asarray(x, dtype)
+    p = jnp.asarray(p, dtype)
+    slot = jnp.arange(5)
+    zero, one = jnp.zeros_like(p), jnp.ones_like(p)
+    increments = jnp.stack([zero, p / 2.0, p, (1.0 + p) / 2.0, one])
+    initial = jnp.stack([zero, 2.0 * p, 4.0 * p, 2.0 + 2.0 * p, 4.0 * one])
+
+    # Warm-up: keep the raw observations; the 5th one starts the markers.
+    stored = jnp.where(slot == count[:, None], x[:, None], heights)
+    started = P2State(
+        jnp.sort(stored, axis=1),
+        jnp.broadcast_to(slot.astype(jnp.int32), positions.shape),
+        jnp.broadcast_to(initial, desired.shape),
+        count + 1,
+    )
+    warm = _select(count == 4, started, P2State(stored, positions, desired, count + 1))
+
+    # Steady state: an if/elif chain in smartclip, kept literal with nested where.
+    q = heights
+    below = [x < q[:, j] for j in range(4)]
+    cell = jnp.where(below[0] | below[1], 0, jnp.where(below[2], 1, jnp.where(below[3], 2, 3)))
+    q = q.at[:, 0].set(jnp.where(below[0], x, q[:, 0]))
+    above = ~(below[0] | below[1] | below[2] | below[3]) & ~(x <= q[:, 4])
+    q = q.at[:, 4].set(jnp.where(above, x, q[:, 4]))
+    n = positions + (slot > cell[:, None]).astype(jnp.int32)
+    want = desired + increments
+    # Markers 1, 2, 3 in turn: each sees its neighbours already moved.
+    q, n = jax.lax.fori_loop(1, 4, lambda i, qn: _p2_adjust(*qn, want, i, textbook), (q, n))
+    steady = P2State(q, n, want, count + 1)
+
+    return _select(count < 5, warm, steady)
+
+
+def p2_value(state: P2State) -> jax.Array:
+    """Middle marker once ``count >= 5``; before that the exact (numpy) median.
+
+    smartclip has no value before the 5th observation (SPEC 4.1 FIX). Empty
+    groups report 0.
+    """
+    count = state.count
+    slot = jnp.arange(5)
+    seen = jnp.sort(jnp.where(slot < count[:, None], state.heights, jnp.inf), axis=1)
+    lo = jnp.clip((count - 1) // 2, 0, 4)
+    hi = jnp.clip(count // 2, 0, 4)
+    pick = lambda idx: jnp.take_along_axis(seen, idx[:, None], axis=1)[:, 0]
+    median = (pick(lo) + pick(hi)) / 2
+    return jnp.where(count >= 5, state.heights[:, 2], jnp.where(count == 0, 0, median))
+
+
+# --------------------------------------------------------------------------
+# EMA moments
+# --------------------------------------------------------------------------
+
+
+class EmaMomentsState(NamedTuple):
+    """Exponential moving mean and variance (no bias correction).
+
+    Attributes:
+      count: int32 ``[G]``, observations seen.
+      mean: ``[G]``, EMA of x, starting at the first observation.
+      var: ``[G]``, EMA variance, starting at 0.
+    """
+
+    count: jax.Array
+    mean: jax.Array
+    var: jax.Array
+
+
+def ema_moments_init(num_groups: int, dtype: DTypeLike = jnp.float32) -> EmaMomentsState:
+    """Empty EMA moments state."""
+    zeros = jnp.zeros((num_groups,), dtype)
+    return EmaMomentsState(jnp.zeros((num_groups,), jnp.int32), zeros, zeros)
+
+
+def ema_moments_update(state: EmaMomentsState, x: ArrayLike, decay: ArrayLike) -> EmaMomentsState:
+    """``mean ← d·mean + (1-d)·x``, ``var ← d·var + d(1-d)·(x - mean_old)²``.
+
+    smartclip's ``EmaMoments`` (ZScoreClip) keeps EMAs ``m`` of x and ``m2`` of
+    x², both started at the first value, and reports ``m2 - m²``. The
+    recursion above equals that exactly in real arithmetic but does not cancel
+    when the spread is tiny next to the mean (SPEC 8.14; Finch 2009,
+    "Incremental calculation of weighted mean and variance").
+    """
+    x = jnp.asarray(x, state.mean.dtype)
+    d = jnp.asarray(decay, x.dtype)
+    dev = x - state.mean
+    first = state.count == 0
+    # mean + (1-d)·dev rounds once, where d·mean + (1-d)·x rounds at full
+    # magnitude twice; equal in real arithmetic.
+    mean = jnp.where(first, x, state.mean + (1 - d) * dev)
+    var = jnp.where(first, 0, d * state.var + d * (1 - d) * dev * dev)
+    return EmaMomentsState(state.count + 1, mean, var)
+
+
+def ema_moments_std(state: EmaMomentsState) -> jax.Array:
+    """``sqrt(max(var, 0))``."""
+    return jnp.sqrt(jnp.maximum(state.var, 0))
+
+
+# --------------------------------------------------------------------------
+# Rolling window
+# --------------------------------------------------------------------------
+
+
+class WindowState(NamedTuple):
+    """Last ``size`` observations per group, raw and sorted.
+
+    Attributes:
+      values: ``[G, size]`` ring buffer; observation ``k`` (0-based) sits in
+        slot ``k % size``, so once full the oldest is at ``count % size``.
+      sorted: ``[G, size]`` the valid values in ascending order, padded with
+        ``+inf``.
+      count: int32 ``[G]``, observations seen in total (window holds
+        ``min(count, size)``).
+    """
+
+    values: jax.Array
+    sorted: jax.Array
+    count: jax.Array
+
+
+def window_init(num_groups: int, size: int, dtype: DTypeLike = jnp.float32) -> WindowState:
+    """Empty window of ``size`` slots per group."""
+    return WindowState(
+        jnp.zeros((num_groups, size), dtype),
+        jnp.full((num_groups, size), jnp.inf, dtype),
+        jnp.zeros((num_groups,), jnp.int32),
+    )
+
+
+def window_update(state: WindowState, x: ArrayLike) -> WindowState:
+    """Push ``x``, evicting the oldest value once the window is full.
+
+    The sorted copy is maintained in O(size) per group: the evicted value
+    (``+inf`` padding while filling) is removed at its first rank and ``x`` is
+    inserted after its equals, by comparisons and one-place shifts rather than
+    a sort. Assumes finite ``x`` (an inf would be confused with padding).
+    """
+    values, ordered, count = state
+    size = values.shape[1]
+    x = jnp.asarray(x, values.dtype)
+    slot = jnp.arange(size)
+    head = count % size
+    at_head = slot == head[:, None]
+    evicted = jnp.where(count >= size, jnp.sum(jnp.where(at_head, values, 0), axis=1), jnp.inf)
+    values = jnp.where(at_head, x[:, None], values)
+
+    pad = jnp.full_like(ordered[:, :1], jnp.inf)
+    gone = jnp.sum(ordered < evicted[:, None], axis=1, keepdims=True)
+    ordered = jnp.where(slot < gone, ordered, jnp.concatenate([ordered[:, 1:], pad], axis=1))
+    put = jnp.sum(ordered <= x[:, None], axis=1, keepdims=True)
+    shifted = jnp.concatenate([pad, ordered[:, :-1]], axis=1)
+    ordered = jnp.where(slot < put, ordered, jnp.where(slot == put, x[:, None], shifted))
+    return WindowState(values, ordered, count + 1)
+
+
+def window_percentile(state: WindowState, percentile: ArrayLike) -> jax.Array:
+    """Linearly interpolated percentile of the window (numpy's default method).
+
+    ``pos = percentile/100 · (n-1)``; ``(1-f)·v[floor] + f·v[ceil]`` with
+    ``f = pos - floor(pos)``, the same expression as smartclip's
+    ``utils.percentile``. Empty groups report 0.
+    """
+    ordered = state.sorted
+    dtype = ordered.dtype
+    n = jnp.minimum(state.count, ordered.shape[1])
+    last = jnp.maximum(n - 1, 0)
+    # percentile·(n-1) is exact for integral percentiles, so splitting it by
+    # 100 keeps f to one rounding; a float32 pos = 0.99·(n-1) would carry an
+    # absolute error of ~1e-5 into f (smartclip computes in float64).
+    scaled = jnp.asarray(percentile, dtype) * last.astype(dtype)
+    lo = jnp.clip(jnp.floor(scaled / 100.0).astype(jnp.int32), 0, last)
+    frac = jnp.clip((scaled - 100.0 * lo.astype(dtype)) / 100.0, 0, 1)
+    hi = jnp.minimum(lo + 1, last)
+    empty = n == 0
+    # Empty rows would read +inf padding; zero it so 0·inf never appears.
+    left = jnp.where(empty, 0, jnp.take_along_axis(ordered, lo[:, None], axis=1)[:, 0])
+    right = jnp.where(empty, 0, jnp.take_along_axis(ordered, hi[:, None], axis=1)[:, 0])
+    value = jnp.where((frac == 0) | (lo == hi), left, (1.0 - frac) * left + frac * right)
+    return jnp.where(empty, 0, value)
+
+
+# --------------------------------------------------------------------------
+# Streaming quantile
+# --------------------------------------------------------------------------
+
+# Chosen by simulation (q = 0.95, decay = 0.99, 200 seeds; see
+# squantile_update): the raw iterate moves down by _SQ_GAIN·(1-decay)·scale
+# per observation below it, and the reported value averages it at rate
+# _SQ_AVERAGING·(1-decay).
+_SQ_GAIN = 0.2
+_SQ_AVERAGING = 0.125
+
+
+class StreamingQuantileState(NamedTuple):
+    """Scale-free stochastic-approximation quantile with Polyak averaging.
+
+    Attributes:
+      count: int32 ``[G]``, observations seen.
+      estimate: ``[G]``, raw stochastic-approximation iterate ``r``.
+      spread: ``[G]``, EMA of ``|x - r|`` (rate ``1 - decay``), not yet
+        bias-corrected.
+      spread_weight: ``[G]``, the same EMA of 1, which bias-corrects it.
+      average: ``[G]``, EMA of ``r`` (rate ``(1 - decay)/8``), not yet
+        bias-corrected.
+      average_weight: ``[G]``, the same EMA of 1.
+    """
+
+    count: jax.Array
+    estimate: jax.Array
+    spread: jax.Array
+    spread_weight: jax.Array
+    average: jax.Array
+    average_weight: jax.Array
+
+
+def squantile_init(num_groups: int, dtype: DTypeLike = jnp.float32) -> StreamingQuantileState:
+    """Empty streaming-quantile state."""
+    zeros = jnp.zeros((num_groups,), dtype)
+    return StreamingQuantileState(jnp.zeros((num_groups,), jnp.int32), *([zeros] * 5))
+
+
+def squantile_update(
+    state: StreamingQuantileState, x: ArrayLike, q: ArrayLike, decay: ArrayLike
+) -> StreamingQuantileState:
+    """Track the ``q``-quantile of a drifting stream (SPEC 4.1 FIX, 8.13).
+
+    With ``a = 1 - decay``, ``p = clip(q, a, 1 - a)``, the bias-corrected
+    spread ``s = EMA_a(|x - r|)`` and the first observation as start:
+
+        r ← r + 0.2·a·s·(p - 1[x < r]) / min(p, 1 - p)     (Robbins-Monro)
+        value = EMA_{a/8}(r), bias-corrected               (Polyak averaging)
+
+    * Converges: the step is a stochastic gradient of the pinball loss, whose
+      expectation ``p - F(r)`` vanishes only at the ``p``-quantile; the small
+      constant gain leaves a jitter that the averaging removes.
+    * Scale-free: ``s`` and ``r`` scale with the stream, so multiplying every
+      observation by ``c > 0`` multiplies ``estimate``, ``spread``,
+      ``average`` and the value by ``c`` (exactly, for powers of two).
+    * Decreases: each observation below ``r`` lowers it by ``0.2·a·s`` (the
+      ``/min(p, 1-p)`` makes the slower direction this fast for every ``p``);
+      smartclip's ``q += a(x-q)(p-1[x<q])`` never decreases. Far from the
+      target ``s ≈ |r - x|`` grows, so the approach is geometric.
+    * Forgets at a rate proportional to ``a``: every time constant is a
+      multiple of ``1/a``. Levels beyond ``[a, 1 - a]`` are clamped, which
+      bounds the rare-side jump by ``0.2·s`` (``q = 1`` tracks the
+      ``1 - a`` quantile rather than a never-decreasing maximum).
+
+    Measured (NumPy float64, q = 0.95, decay = 0.99, 200 seeds, |relative
+    error| of the value after 10k stationary steps: mean / 99th pct / max):
+    |N(1, .2)| 0.6 / 1.8 / 2.2 %, lognormal(0, .25) 1.0 / 3.2 / 4.2 %,
+    uniform(.5, 1.5) 0.3 / 1.0 / 1.3 %, gamma(9) 1.1 / 3.1 / 5.8 %; bias
+    below +0.3 %. Heavier tails are noisier (lognormal(0, .5) 1.9 / 6.5 %,
+    exponential 2.7 / 8.2 %). After the stream is scaled by 0.2 the value is
+    back within 20 % of the new quantile after at most 3,000 steps (median
+    2,850; SPEC bound 5,000; heavy tails 3,300), after a 5x rise within 1,500.
+    These scale with ``1/a`` (decay = 0.999: 28,900 steps). The float32 JAX
+    version gives the same figures (50 seeds).
+    """
+    dtype = state.estimate.dtype
+    x = jnp.asarray(x, dtype)
+    a = 1 - jnp.asarray(decay, dtype)
+    p = jnp.clip(jnp.asarray(q, dtype), a, 1 - a)
+    r = state.estimate
+    weighted = state.spread_weight > 0
+    scale = jnp.where(weighted, state.spread / jnp.where(weighted, state.spread_weight, 1), 0)
+    gain = _SQ_GAIN * a / jnp.minimum(p, 1 - p)
+    estimate = r + gain * scale * (p - (x < r).astype(dtype))
+    # The step uses the spread of earlier observations only, so its size does
+    # not depend on the side this x falls on.
+    spread = (1 - a) * state.spread + a * jnp.abs(x - r)
+    spread_weight = (1 - a) * state.spread_weight + a
+    b = _SQ_AVERAGING * a
+    average = (1 - b) * state.average + b * estimate
+    average_weight = (1 - b) * state.average_weight + b
+    first = state.count == 0
+    zero = jnp.zeros_like(x)
+    return StreamingQuantileState(
+        state.count + 1,
+        jnp.where(first, x, estimate),
+        jnp.where(first, zero, spread),
+        jnp.where(first, zero, spread_weight),
+        jnp.where(first, zero, average),
+        jnp.where(first, zero, average_weight),
+    )
+
+
+def squantile_value(state: StreamingQuantileState) -> jax.Array:
+    """Bias-corrected average of the iterate; the first value until then, 0 if empty."""
+    weighted = state.average_weight > 0
+    average = state.average / jnp.where(weighted, state.average_weight, 1)
+    return jnp.where(state.count == 0, 0, jnp.where(weighted, average, state.estimate))

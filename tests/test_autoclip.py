@@ -1,0 +1,193 @@
+"""autoclip against smartclip's AutoClip core, and its FIXes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import clipjax
+import drive
+import references as R
+
+needs_smartclip = pytest.mark.skipif(not R.have_smartclip(), reason="smartclip not installed")
+STREAMS = {
+    "spikes": lambda: R.spikes()[0],
+    "regime_shift": lambda: R.regime_shift(),
+    "constant": lambda: R.constant(),
+}
+RTOL = 3e-5
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, rtol: float = RTOL) -> None:
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    both = np.isfinite(want)
+    np.testing.assert_allclose(got[both], want[both], rtol=rtol, atol=1e-7)
+
+
+@needs_smartclip
+@pytest.mark.parametrize("stream", sorted(STREAMS))
+@pytest.mark.parametrize("window_size, percentile", [(50, 95.0), (7, 50.0), (1024, 99.0), (1, 100.0)])
+def test_window_percentile_matches_smartclip(stream: str, window_size: int, percentile: float) -> None:
+    norms = STREAMS[stream]()
+    kw = dict(mode="percentile", history="window", window_size=window_size, percentile=percentile,
+              warmup_steps=30, min_history=20)
+    ref = R.smartclip_autoclip(norms, **kw)
+    got = drive.run(clipjax.autoclip(**kw), norms)
+    assert_close(got["threshold"], ref["threshold"])
+    assert_close(got["scale"], ref["scale"])
+    assert_close(got["applied"], ref["scale"])
+    assert_close(got["quantile"], ref["quantile"])
+
+
+def textbook_p2_median(values: np.ndarray) -> np.ndarray:
+    """Float64 restatement of P² (Jain & Chlamtac 1985) for p=0.5, exact median before 5."""
+    out, q, n = [], [], []
+    p = 0.5
+    desired, inc = None, [0.0, p / 2, p, (1 + p) / 2, 1.0]
+    for x in values:
+        if len(q) < 5 and desired is None:
+            q.append(float(x))
+            if len(q) == 5:
+                q.sort()
+                n = [0, 1, 2, 3, 4]
+                desired = [0.0, 2 * p, 4 * p, 2 + 2 * p, 4.0]
+                out.append(q[2])
+            else:
+                out.append(float(np.median(q)))
+            continue
+        if x < q[0]:
+            q[0], k = x, 0
+        elif x < q[1]:
+            k = 0
+        elif x < q[2]:
+            k = 1
+        elif x < q[3]:
+            k = 2
+        elif x <= q[4]:
+            k = 3
+        else:
+            q[4], k = x, 3
+        for i in range(k + 1, 5):
+            n[i] += 1
+        desired = [d + s for d, s in zip(desired, inc)]
+        for i in (1, 2, 3):
+            d = desired[i] - n[i]
+            if (d >= 1 and n[i + 1] - n[i] > 1) or (d <= -1 and n[i - 1] - n[i] < -1):
+                s = 1 if d >= 0 else -1
+                par = q[i] + s / (n[i + 1] - n[i - 1]) * (
+                    (n[i] - n[i - 1] + s) * (q[i + 1] - q[i]) / (n[i + 1] - n[i])
+                    + (n[i + 1] - n[i] - s) * (q[i] - q[i - 1]) / (n[i] - n[i - 1])
+                )
+                if q[i - 1] < par < q[i + 1]:
+                    q[i] = par
+                else:
+                    q[i] = q[i] + s * (q[i + s] - q[i]) / (n[i + s] - n[i])
+                n[i] += s
+        out.append(q[2])
+    return np.asarray(out)
+
+
+@needs_smartclip
+@pytest.mark.parametrize("stream", sorted(STREAMS))
+def test_auto_mode_textbook_median_and_welford_std(stream: str) -> None:
+    norms = STREAMS[stream]()
+    kw = dict(warmup_steps=30, min_history=20)
+    got = drive.run(clipjax.autoclip(**kw), norms)
+    ref = R.smartclip_autoclip(norms, **kw)
+    median = textbook_p2_median(norms)
+    assert_close(got["median"], median)
+    assert_close(got["std"][1:], ref["std"][1:])  # Welford ddof=1 as smartclip
+    assert got["std"][0] == 0.0  # one sample: 0, not undefined
+    assert_close(got["threshold"], np.maximum(median + 3 * np.nan_to_num(ref["std"]), 1e-8))
+
+
+@needs_smartclip
+def test_fix_median_before_five_observations() -> None:
+    norms = np.array([3.0, 1.0, 2.0, 10.0, 4.0, 5.0])
+    got = drive.run(clipjax.autoclip(warmup_steps=1, min_history=1), norms)
+    ref = R.smartclip_autoclip(norms, warmup_steps=1, min_history=1)
+    np.testing.assert_allclose(got["median"][:4], [3.0, 2.0, 2.0, 2.5])
+    assert (ref["threshold"][:4] == 1e-8).all(), "smartclip's threshold is eps before 5 samples"
+    assert (got["threshold"][:4] > 1.0).all()
+
+
+@needs_smartclip
+def test_fix_streaming_quantile_comes_down() -> None:
+    """smartclip's EMA quantile can only rise; clipjax's follows a 5x downward shift."""
+    rng = np.random.default_rng(0)
+    high = np.abs(rng.normal(5.0, 0.5, 3000))
+    low = high / 5.0
+    norms = np.r_[high, low[:5000]]
+    kw = dict(mode="percentile", history="ema", percentile=95.0, ema_decay=0.99)
+    got = drive.run(clipjax.autoclip(**kw), norms)
+    ref = R.smartclip_autoclip(norms, **kw)
+    true_low = np.percentile(low, 95)
+    assert abs(got["quantile"][-1] / true_low - 1) < 0.2
+    assert abs(got["quantile"][2999] / np.percentile(high, 95) - 1) < 0.05
+    assert ref["quantile"][-1] >= ref["quantile"][2999], "reference never decreases"
+    assert ref["quantile"][-1] / true_low > 4
+
+
+def test_observe_then_clip_spike_raises_its_own_threshold() -> None:
+    """SPEC 4.1 note: with 200 samples of history a x1000 spike passes at about a fifth."""
+    rng = np.random.default_rng(0)
+    norms = np.r_[np.abs(rng.normal(1.0, 0.05, 200)), [1000.0]]
+    auto = drive.run(clipjax.autoclip(), norms)
+    passed = auto["applied"][-1] * 1000.0
+    assert 100.0 < passed < 400.0
+    window = drive.run(clipjax.autoclip(mode="percentile"), norms)
+    assert window["applied"][-1] * 1000.0 < 2.0  # the window percentile stops it
+
+
+def test_nan_never_enters_the_statistics() -> None:
+    clean = R.spikes()[0]
+    for kw in [{}, {"mode": "percentile"}, {"mode": "percentile", "history": "ema"}]:
+        tx = clipjax.autoclip(**kw)
+        got = drive.run(tx, R.with_nan(clean, at=70))
+        skip = drive.run(tx, np.delete(clean, 70))
+        np.testing.assert_allclose(got["threshold"][71:], skip["threshold"][70:], rtol=1e-6)
+        assert got["nonfinite_count"][-1] == 1 and got["scale"][70] == 1.0
+
+
+@needs_smartclip
+def test_guard_nans_false_reproduces_smartclip_unguarded() -> None:
+    """SPEC 8.3: unguarded, NaN enters as eps (smartclip's ensure_positive) and inf as inf."""
+    norms = R.with_nan(R.with_nan(R.spikes(200)[0], at=40), at=90, value=np.inf)
+    kw = dict(mode="percentile", history="window", window_size=20, warmup_steps=10,
+              min_history=10, guard_nans=False)
+    got = drive.run(clipjax.autoclip(**kw), norms)
+    ref = R.smartclip_autoclip(norms, **kw)
+    assert got["count"][-1] == 200
+    finite = np.isfinite(norms)
+    assert_close(got["threshold"], ref["threshold"])
+    np.testing.assert_allclose(got["scale"][finite], ref["scale"][finite], rtol=RTOL)
+    assert got["scale"][40] == 1.0 and got["scale"][90] == 1.0  # the gradient itself passes
+
+
+def test_gate_counts_per_group() -> None:
+    """FIX: each group's warm-up counts its own observations (smartclip: one per group per call)."""
+    norms = np.stack([R.constant(12, 1.0), R.constant(12, 1.0)], axis=1)
+    norms[-1] = 50.0
+    got = drive.run(clipjax.autoclip(scope="per_param", warmup_steps=12, min_history=12), norms)
+    assert (got["scale"][:-1] == 1.0).all()
+    assert (got["scale"][-1] < 1.0).all()
+    got = drive.run(clipjax.autoclip(scope="per_param", warmup_steps=13, min_history=1), norms)
+    assert (got["scale"] == 1.0).all()
+
+
+@pytest.mark.parametrize(
+    "kwargs, arg",
+    [
+        ({"percentile": 0.0}, "percentile"),
+        ({"percentile": 101.0}, "percentile"),
+        ({"window_size": 0}, "window_size"),
+        ({"ema_decay": 1.0}, "ema_decay"),
+        ({"mode": "x"}, "mode"),
+        ({"history": "x"}, "history"),
+        ({"eps": 0.0}, "eps"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+    ],
+)
+def test_invalid_hyperparameters(kwargs: dict, arg: str) -> None:
+    with pytest.raises(ValueError, match=arg):
+        clipjax.autoclip(**kwargs)
