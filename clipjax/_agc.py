@@ -148,7 +148,7 @@ def _unitwise(
         del extra_args
         if params is None:
             raise ValueError("agc needs the parameters: call update(updates, state, params).")
-        leaves, paths, treedef = _grouping.leaves_with_names(updates)
+        leaves, _, treedef = _grouping.leaves_with_names(updates)
         p_leaves, _, _ = _grouping.leaves_with_names(params)
         grouping = _grouping.make_grouping(updates, "per_param")
         _engine._check_state(state, grouping, state.info)

@@ -15,11 +15,6 @@ AutoClipState = _engine.register_algo(
 )
 
 
-def observed_value(g: jax.Array, eps: Any) -> jax.Array:
-    """smartclip observes ``max``-like ``g if g > 0 else eps`` (``ensure_positive``)."""
-    return jnp.where(g > 0, g, jnp.asarray(eps, g.dtype))
-
-
 class AutoStats(NamedTuple):
     """Statistics of ``autoclip(mode="auto")``.
 
@@ -138,7 +133,7 @@ def autoclip(
         return _stats.squantile_init(num_groups, dtype)
 
     def observe(stats: Any, g: jax.Array, count: jax.Array) -> Any:
-        x = observed_value(g, eps)
+        x = _engine.smartclip_observation(g, eps)
         if kind == "auto":
             return AutoStats(
                 _stats.p2_update(stats.median, x, 0.5), _stats.welford_update(stats.moments, x)
@@ -167,7 +162,7 @@ def autoclip(
 
     def decide(before: Any, after: Any, g: jax.Array, count: jax.Array, aux: Any) -> Decision:
         threshold = threshold_of(after)
-        return Decision(threshold, _engine.gate_scale(threshold, g, eps, count + 1 >= gate))
+        return _engine.observe_then_clip(threshold, g, count, eps, gate)
 
     rule = NormRule("autoclip", decide, init=init, observe=observe, report=report)
     return _engine.norm_transform(

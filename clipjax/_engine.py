@@ -179,6 +179,23 @@ def gate_scale(threshold: Array, norm: Array, eps: Any, gate_open: Array) -> Arr
     return jnp.where(gate_open, scale, jnp.ones_like(scale))
 
 
+def observe_then_clip(threshold: Array, norm: Array, count: Array, eps: Any, gate: int) -> Decision:
+    """smartclip's rule: the threshold already includes this step's observation.
+
+    The gate opens once the group has ``gate`` finite observations counting
+    this one (smartclip: ``t + 1 >= max(warmup_steps, min_history)``).
+    """
+    return Decision(threshold, gate_scale(threshold, norm, eps, count + 1 >= gate))
+
+
+def smartclip_observation(norm: Array, eps: Any) -> Array:
+    """What smartclip feeds its statistics: ``g if g > 0 else eps`` (``ensure_positive``).
+
+    With ``guard_nans=False`` this is also how a NaN enters them: as ``eps``.
+    """
+    return jnp.where(norm > 0, norm, jnp.asarray(eps, norm.dtype))
+
+
 def _filtered_grouping(tree: Any, scope: Scope, rule: NormRule) -> tuple[Any, ...]:
     leaves, paths, treedef = _grouping.leaves_with_names(tree)
     grouping = _grouping.make_grouping(tree, scope)
@@ -335,7 +352,14 @@ def norm_transform(
                 scale = jnp.where(in_warmup, warm_scale, scale)
             else:
                 new_leaves, inner = _generic_warmup(
-                    warmup, updates, state.inner, params, leaves, grouping, keep, scale,
+                    warmup,
+                    updates,
+                    state.inner,
+                    params,
+                    leaves,
+                    grouping,
+                    keep,
+                    scale,
                     in_warmup,
                 )
             new_state = new_state._replace(inner=inner)

@@ -14,7 +14,7 @@ import functools
 import hashlib
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +22,7 @@ import numpy as np
 
 KeyPath = tuple[Any, ...]
 ScopeFn = Callable[[KeyPath, Any], str]
-Scope = Union[str, ScopeFn]
+Scope = str | ScopeFn
 
 SCOPES = ("global", "per_param", "per_layer")
 
@@ -194,9 +194,7 @@ def _power_sum(x: jax.Array, p: float, dtype: jnp.dtype) -> jax.Array:
     return jnp.sum(absx**p)
 
 
-def group_norms(
-    leaves: Sequence[jax.Array], grouping: Grouping, ord: float = 2.0
-) -> jax.Array:
+def group_norms(leaves: Sequence[jax.Array], grouping: Grouping, ord: float = 2.0) -> jax.Array:
     """The ``ord``-norm of each group, shape ``[groups]``, in one pass.
 
     Each leaf is read once: cast to float32 (float64 for float64 leaves),

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _engine, _static, _validation
+from clipjax import _engine, _static, _stats, _validation
 from clipjax._engine import Decision, NormRule
 
 HistClipState = _engine.register_algo(
@@ -117,7 +117,7 @@ class HistClipStats(NamedTuple):
 def hist_clip(
     criterion: Criterion | None = None,
     warmup_steps: int = 20,
-    warmup_clip: optax.GradientTransformation | None | str = "default",
+    warmup_clip: optax.GradientTransformation | str | None = "default",
     scope: Any = "global",
     *,
     axis_name: str | None = None,
@@ -182,31 +182,29 @@ def hist_clip(
     _validation.integer("warmup_steps", warmup_steps, minimum=0)
     if isinstance(warmup_clip, str):
         if warmup_clip != "default":
-            raise ValueError(f"warmup_clip must be a GradientTransformation or None, got {warmup_clip!r}")
+            raise ValueError(
+                f"warmup_clip must be a GradientTransformation or None, got {warmup_clip!r}"
+            )
         warmup_clip = _static.clip_by_global_norm(1.0)
     if warmup_clip is not None and not hasattr(warmup_clip, "update"):
-        raise ValueError(f"warmup_clip must be a GradientTransformation or None, got {warmup_clip!r}")
+        raise ValueError(
+            f"warmup_clip must be a GradientTransformation or None, got {warmup_clip!r}"
+        )
     alpha, thresh, kind = criterion.alpha, criterion.thresh, criterion.kind
-    width = max(warmup_steps, 1)
 
     def init(num_groups: int, dtype: Any) -> HistClipStats:
         return HistClipStats(
             jnp.zeros((num_groups,), dtype),
             jnp.ones((num_groups,), dtype),
-            jnp.zeros((num_groups, width), dtype),
+            _stats.samples_init(num_groups, warmup_steps, dtype),
         )
 
     def started(stats: HistClipStats, count: jax.Array) -> HistClipStats:
         """Statistics as the criterion sees them, initialised on the first step after warm-up."""
-        n = warmup_steps
-        filled = jnp.arange(width) < n
-        mean = jnp.sum(jnp.where(filled, stats.warmup, 0.0), axis=1) / max(n, 1)
-        if n > 1:
-            dev = jnp.where(filled, stats.warmup - mean[:, None], 0.0)
-            sample_var = jnp.sum(dev * dev, axis=1) / (n - 1)
-        else:
-            sample_var = jnp.ones_like(mean)  # drytorch: variance 1.0 with <= 1 sample
+        mean, sample_var = _stats.samples_moments(stats.warmup, warmup_steps, ddof=1)
         first = count == warmup_steps
+        # drytorch keeps v (1.0 at start) unless the sample variance is > 0;
+        # with <= 1 sample its variance is 1.0 (NaN here, so v stays 1.0 too).
         var = jnp.where(first & (sample_var > 0), sample_var, stats.var)
         return HistClipStats(jnp.where(first, mean, stats.mean), var, stats.warmup)
 
@@ -233,8 +231,7 @@ def hist_clip(
 
     def observe(stats: HistClipStats, g: jax.Array, count: jax.Array) -> HistClipStats:
         warming = count < warmup_steps
-        slot = jnp.arange(width) == jnp.minimum(count, width - 1)[:, None]
-        buffer = jnp.where(warming[:, None] & slot, g[:, None], stats.warmup)
+        buffer = _stats.samples_update(stats.warmup, g, count)
         base = started(stats, count)
         if kind == "zstat":
             var = alpha * base.var + (1 - alpha) * (g - base.mean) ** 2

@@ -465,3 +465,38 @@ def squantile_value(state: StreamingQuantileState) -> jax.Array:
     weighted = state.average_weight > 0
     average = state.average / jnp.where(weighted, state.average_weight, 1)
     return jnp.where(state.count == 0, 0, jnp.where(weighted, average, state.estimate))
+
+
+# --------------------------------------------------------------------------
+# Warm-up sample set
+# --------------------------------------------------------------------------
+
+
+def samples_init(num_groups: int, size: int, dtype: DTypeLike = jnp.float32) -> jax.Array:
+    """Room for the first ``size`` observations of each group, ``[G, max(size, 1)]``."""
+    return jnp.zeros((num_groups, max(size, 1)), dtype)
+
+
+def samples_update(samples: jax.Array, x: ArrayLike, count: jax.Array) -> jax.Array:
+    """Stores ``x`` as observation number ``count`` (0-based) while there is room.
+
+    zclip and drytorch's ``StatsCollector`` both collect their first
+    ``warmup_steps`` finite norms and start their EMAs from them.
+    """
+    size = samples.shape[1]
+    slot = jnp.arange(size) == count[:, None]
+    return jnp.where(slot, jnp.asarray(x, samples.dtype)[:, None], samples)
+
+
+def samples_moments(samples: jax.Array, n: int, ddof: int) -> tuple[jax.Array, jax.Array]:
+    """Mean and variance (``ddof``) of the first ``n`` stored samples of each group.
+
+    With fewer than ``ddof + 1`` samples the variance is returned as NaN: the
+    callers decide what an undefined variance means for them.
+    """
+    filled = jnp.arange(samples.shape[1]) < n
+    mean = jnp.sum(jnp.where(filled, samples, 0.0), axis=1) / max(n, 1)
+    dev = jnp.where(filled, samples - mean[:, None], 0.0)
+    if n - ddof <= 0:
+        return mean, jnp.full_like(mean, jnp.nan)
+    return mean, jnp.sum(dev * dev, axis=1) / (n - ddof)

@@ -20,7 +20,7 @@ def _concrete(value: Any) -> float | None:
         return None
     try:
         arr = np.asarray(value)
-    except Exception:  # noqa: BLE001 - anything not array-like is checked by the caller
+    except Exception:
         return None
     if arr.shape != () or not np.issubdtype(arr.dtype, np.number):
         raise ValueError(f"expected a scalar number, got {value!r}")

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from clipjax import _engine, _validation
+from clipjax import _engine, _stats, _validation
 from clipjax._engine import Decision, NormRule
 
 ZClipState = _engine.register_algo(
@@ -125,7 +125,7 @@ def zclip(
 
     def init(num_groups: int, dtype: Any) -> ZClipStats:
         zeros = jnp.zeros((num_groups,), dtype)
-        return ZClipStats(zeros, zeros, jnp.zeros((num_groups, warmup_steps), dtype))
+        return ZClipStats(zeros, zeros, _stats.samples_init(num_groups, warmup_steps, dtype))
 
     def spike_and_clip(stats: ZClipStats, g: jax.Array) -> tuple[jax.Array, ...]:
         std = jnp.sqrt(stats.var)
@@ -145,12 +145,11 @@ def zclip(
 
     def observe(stats: ZClipStats, g: jax.Array, count: jax.Array) -> ZClipStats:
         warming = count < warmup_steps
-        slot = jnp.arange(warmup_steps) == jnp.minimum(count, warmup_steps - 1)[:, None]
-        buffer = jnp.where(warming[:, None] & slot, g[:, None], stats.warmup)
-        # The step that completes the warm-up set initialises mean and var.
+        buffer = _stats.samples_update(stats.warmup, g, count)
+        # The step that completes the warm-up set initialises mean and var
+        # (population variance, as zclip).
         completes = count + 1 == warmup_steps
-        init_mean = jnp.mean(buffer, axis=1)
-        init_var = jnp.mean((buffer - init_mean[:, None]) ** 2, axis=1)
+        init_mean, init_var = _stats.samples_moments(buffer, warmup_steps, ddof=0)
         spike, clip_val, _ = spike_and_clip(stats, g)
         v = jnp.where(spike, clip_val, g)
         mean = alpha * stats.mean + (1 - alpha) * v

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 
 from clipjax import _engine, _stats, _validation
-from clipjax._autoclip import observed_value
 from clipjax._engine import Decision, NormRule
 
 ZScoreClipState = _engine.register_algo(
@@ -91,14 +90,14 @@ def zscore_clip(
         return _stats.ema_moments_init(num_groups, dtype)
 
     def observe(stats: Any, g: jax.Array, count: jax.Array) -> Any:
-        return _stats.ema_moments_update(stats, observed_value(g, eps), ema_decay)
+        return _stats.ema_moments_update(stats, _engine.smartclip_observation(g, eps), ema_decay)
 
     def threshold_of(stats: Any) -> jax.Array:
         return jnp.maximum(eps, stats.mean + zmax * _stats.ema_moments_std(stats))
 
     def decide(before: Any, after: Any, g: jax.Array, count: jax.Array, aux: Any) -> Decision:
         threshold = threshold_of(after)
-        return Decision(threshold, _engine.gate_scale(threshold, g, eps, count + 1 >= gate))
+        return _engine.observe_then_clip(threshold, g, count, eps, gate)
 
     def report(stats: Any) -> dict[str, jax.Array]:
         return {"mean": stats.mean, "std": _stats.ema_moments_std(stats)}

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import references as R
 
 import clipjax
-import references as R
 
 
 def tree(seed: int = 0, scale: float = 1.0) -> dict:
@@ -60,7 +60,10 @@ def restated_grouped(g: float, w: float, clipping: float, eps: float) -> float:
 @pytest.mark.parametrize("scope", ["global", "per_layer", "per_param"])
 def test_grouped_equals_float64_restatement(scope: str) -> None:
     params = {"a": {"w": tree(0)["dense"], "b": tree(0)["bias"]}, "c": {"w": tree(2)["conv"]}}
-    grads = jax.tree.map(lambda x: x * 0.3, {"a": {"w": tree(3)["dense"], "b": tree(3)["bias"]}, "c": {"w": tree(4)["conv"]}})
+    grads = jax.tree.map(
+        lambda x: x * 0.3,
+        {"a": {"w": tree(3)["dense"], "b": tree(3)["bias"]}, "c": {"w": tree(4)["conv"]}},
+    )
     tx = clipjax.agc(0.02, eps=1e-3, scope=scope)
     out, state = tx.update(grads, tx.init(params), params)
     m = clipjax.metrics(state)
@@ -74,7 +77,9 @@ def test_grouped_equals_float64_restatement(scope: str) -> None:
         w = np.sqrt(sum(np.sum(np.asarray(params[a][b], np.float64) ** 2) for a, b in members))
         scale = restated_grouped(g, w, 0.02, 1e-3)
         np.testing.assert_allclose(float(m[f"agc/{name}/scale"]), scale, rtol=2e-6)
-        np.testing.assert_allclose(float(m[f"agc/{name}/target"]), max(1e-3, 0.02 * (w + 1e-3)), rtol=2e-6)
+        np.testing.assert_allclose(
+            float(m[f"agc/{name}/target"]), max(1e-3, 0.02 * (w + 1e-3)), rtol=2e-6
+        )
         for a, b in members:
             np.testing.assert_allclose(out[a][b], np.asarray(grads[a][b]) * scale, rtol=3e-6)
 
@@ -123,11 +128,21 @@ def test_nonfinite_gradient_passes_and_is_counted() -> None:
     for scope in ["unitwise", "global"]:
         tx = clipjax.agc(0.01, scope=scope)
         out, state = tx.update(grads, tx.init(params), params)
-        assert int(clipjax.metrics(state)[f"agc/{'w' if scope == 'unitwise' else 'global'}/nonfinite_count"]) == 1
+        assert (
+            int(
+                clipjax.metrics(state)[
+                    f"agc/{'w' if scope == 'unitwise' else 'global'}/nonfinite_count"
+                ]
+            )
+            == 1
+        )
         assert float(out["w"][1, 0 if scope == "global" else 1]) <= 1.0
 
 
-@pytest.mark.parametrize("kwargs, arg", [({"clipping": 0.0}, "clipping"), ({"eps": -1.0}, "eps"), ({"scope": "x"}, "scope")])
+@pytest.mark.parametrize(
+    "kwargs, arg",
+    [({"clipping": 0.0}, "clipping"), ({"eps": -1.0}, "eps"), ({"scope": "x"}, "scope")],
+)
 def test_invalid_hyperparameters(kwargs: dict, arg: str) -> None:
     with pytest.raises(ValueError, match=arg):
         clipjax.agc(**kwargs)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import drive
 import numpy as np
 import pytest
+import references as R
 
 import clipjax
-import drive
-import references as R
 
 needs_smartclip = pytest.mark.skipif(not R.have_smartclip(), reason="smartclip not installed")
 STREAMS = {
@@ -26,11 +26,21 @@ def assert_close(got: np.ndarray, want: np.ndarray, rtol: float = RTOL) -> None:
 
 @needs_smartclip
 @pytest.mark.parametrize("stream", sorted(STREAMS))
-@pytest.mark.parametrize("window_size, percentile", [(50, 95.0), (7, 50.0), (1024, 99.0), (1, 100.0)])
-def test_window_percentile_matches_smartclip(stream: str, window_size: int, percentile: float) -> None:
+@pytest.mark.parametrize(
+    "window_size, percentile", [(50, 95.0), (7, 50.0), (1024, 99.0), (1, 100.0)]
+)
+def test_window_percentile_matches_smartclip(
+    stream: str, window_size: int, percentile: float
+) -> None:
     norms = STREAMS[stream]()
-    kw = dict(mode="percentile", history="window", window_size=window_size, percentile=percentile,
-              warmup_steps=30, min_history=20)
+    kw = dict(
+        mode="percentile",
+        history="window",
+        window_size=window_size,
+        percentile=percentile,
+        warmup_steps=30,
+        min_history=20,
+    )
     ref = R.smartclip_autoclip(norms, **kw)
     got = drive.run(clipjax.autoclip(**kw), norms)
     assert_close(got["threshold"], ref["threshold"])
@@ -153,8 +163,14 @@ def test_nan_never_enters_the_statistics() -> None:
 def test_guard_nans_false_reproduces_smartclip_unguarded() -> None:
     """SPEC 8.3: unguarded, NaN enters as eps (smartclip's ensure_positive) and inf as inf."""
     norms = R.with_nan(R.with_nan(R.spikes(200)[0], at=40), at=90, value=np.inf)
-    kw = dict(mode="percentile", history="window", window_size=20, warmup_steps=10,
-              min_history=10, guard_nans=False)
+    kw = dict(
+        mode="percentile",
+        history="window",
+        window_size=20,
+        warmup_steps=10,
+        min_history=10,
+        guard_nans=False,
+    )
     got = drive.run(clipjax.autoclip(**kw), norms)
     ref = R.smartclip_autoclip(norms, **kw)
     assert got["count"][-1] == 200

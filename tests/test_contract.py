@@ -23,7 +23,11 @@ Factory = Callable[[], optax.GradientTransformation]
 
 # name -> (factory, metric prefix, a field every state of it records)
 TRANSFORMS: dict[str, tuple[Factory, str, str]] = {
-    "clip_by_global_norm": (lambda: clipjax.clip_by_global_norm(1.0), "clip_by_global_norm", "scale"),
+    "clip_by_global_norm": (
+        lambda: clipjax.clip_by_global_norm(1.0),
+        "clip_by_global_norm",
+        "scale",
+    ),
     "clip_by_global_norm_inf": (
         lambda: clipjax.clip_by_global_norm(1.0, norm_type=float("inf")),
         "clip_by_global_norm",
@@ -53,14 +57,22 @@ OPTIONAL = {
         "autoclip",
         "quantile",
     ),
-    "zscore_clip": (lambda: clipjax.zscore_clip(warmup_steps=2, min_history=2), "zscore_clip", "std"),
+    "zscore_clip": (
+        lambda: clipjax.zscore_clip(warmup_steps=2, min_history=2),
+        "zscore_clip",
+        "std",
+    ),
     "clip_by_value": (lambda: clipjax.clip_by_value(0.1), "clip_by_value", "clipped_fraction"),
     "clip_by_percentile": (
         lambda: clipjax.clip_by_percentile(90.0),
         "clip_by_percentile",
         "bound",
     ),
-    "normalize_per_param": (lambda: clipjax.normalize_per_param(), "normalize_per_param", "grad_norm"),
+    "normalize_per_param": (
+        lambda: clipjax.normalize_per_param(),
+        "normalize_per_param",
+        "grad_norm",
+    ),
     "zscore_normalize": (lambda: clipjax.zscore_normalize(), "zscore_normalize", "grad_norm"),
 }
 for _key, _value in OPTIONAL.items():
@@ -118,7 +130,7 @@ def test_state_is_stable_and_dtypes_kept(case: Any) -> None:
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_low_precision_leaves_keep_dtype(case: Any, dtype: Any) -> None:
-    make, prefix, _ = case
+    make, _, _ = case
     tx = make()
     params = make_params(dtype)
     state = tx.init(params)
@@ -169,7 +181,7 @@ def _wrappers(make: Factory) -> dict[str, optax.GradientTransformation]:
     def mask_fn(params: Any) -> Any:
         return jax.tree.map(lambda _: True, params)
 
-    labels = lambda params: jax.tree.map(lambda _: "a", params)  # noqa: E731
+    labels = lambda params: jax.tree.map(lambda _: "a", params)
     return {
         "chain": optax.chain(make(), optax.sgd(0.1)),
         "named_chain": optax.named_chain(("clip", make()), ("sgd", optax.sgd(0.1))),
@@ -200,7 +212,7 @@ def test_metrics_found_in_every_wrapper(case: Any) -> None:
 
 
 def test_two_of_a_kind_get_distinct_names(case: Any) -> None:
-    make, prefix, field = case
+    make, prefix, _ = case
     params = make_params()
     tx = optax.chain(make(), make(), optax.sgd(0.1))
     state = tx.init(params)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import drive
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import references as R
 
 import clipjax
-import drive
-import references as R
 
 needs_drytorch = pytest.mark.skipif(
     not R.have_drytorch(), reason="drytorch/torch not installed: pip install torch==2.13.0 drytorch"
@@ -45,7 +45,13 @@ def assert_close(got: np.ndarray, want: np.ndarray, rtol: float = RTOL) -> None:
 @pytest.mark.parametrize("stream", sorted(STREAMS))
 @pytest.mark.parametrize(
     "kind, clip",
-    [("zstat", "max"), ("zstat", "mean"), ("zstat", "reciprocal"), ("ema", "max"), ("ema", "reciprocal")],
+    [
+        ("zstat", "max"),
+        ("zstat", "mean"),
+        ("zstat", "reciprocal"),
+        ("ema", "max"),
+        ("ema", "reciprocal"),
+    ],
 )
 def test_matches_drytorch_step_by_step(stream: str, kind: str, clip: str) -> None:
     norms = STREAMS[stream]()
@@ -80,7 +86,7 @@ def test_no_warmup_clip_and_short_warmup() -> None:
 @needs_drytorch
 def test_ema_mean_clipping_fix() -> None:
     """FIX: drytorch's EMA + mean_clipping zeroes the gradient; clipjax clips to the mean."""
-    norms, at = R.spikes()
+    norms = R.spikes()[0]
     crit = clipjax.ema_criterion(clip_fn=clipjax.mean_clipping)
     ref = R.drytorch_reference(norms, criterion="ema", clip="mean")
     got = drive.run(clipjax.hist_clip(crit, warmup_clip=TORCH_WARMUP), norms)
@@ -88,9 +94,7 @@ def test_ema_mean_clipping_fix() -> None:
     assert fired.any() and np.all(ref["scale"][fired] == 0.0), "the reference zeroes the gradient"
     before_mean = np.concatenate([[np.nan], got["mean"][:-1]])
     np.testing.assert_allclose(got["threshold"][fired], before_mean[fired], rtol=1e-6)
-    np.testing.assert_allclose(
-        got["applied"][fired] * norms[fired], before_mean[fired], rtol=1e-5
-    )
+    np.testing.assert_allclose(got["applied"][fired] * norms[fired], before_mean[fired], rtol=1e-5)
 
 
 def test_low_side_fire_reports_threshold_but_does_not_scale() -> None:
@@ -118,7 +122,9 @@ def test_nan_is_kept_out_of_statistics_and_warmup_clip() -> None:
 def test_warmup_clip_metrics_are_nested_and_generic_transforms_work() -> None:
     norms = R.constant(30, 4.0)
     fused = drive.run(clipjax.hist_clip(warmup_steps=10), norms)
-    generic = drive.run(clipjax.hist_clip(warmup_steps=10, warmup_clip=optax.clip_by_global_norm(1.0)), norms)
+    generic = drive.run(
+        clipjax.hist_clip(warmup_steps=10, warmup_clip=optax.clip_by_global_norm(1.0)), norms
+    )
     np.testing.assert_allclose(fused["applied"][:10], 0.25, rtol=1e-6)
     np.testing.assert_allclose(generic["applied"], fused["applied"], rtol=1e-6)
     assert (fused["scale"][:10] == 1.0).all()

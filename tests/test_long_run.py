@@ -28,7 +28,11 @@ CLIPPERS = {
 # fires on a third of lognormal(0.2) noise by design; the static clippers clip
 # whatever exceeds their fixed bound.
 MIN_CLIPPED = dict.fromkeys(CLIPPERS, 5e-4) | {"agc": 0.99}
-MAX_CLIPPED = dict.fromkeys(CLIPPERS, 0.2) | {"hist_clip_ema": 0.4, "agc": 1.0, "clip_by_global_norm": 0.01}
+MAX_CLIPPED = dict.fromkeys(CLIPPERS, 0.2) | {
+    "hist_clip_ema": 0.4,
+    "agc": 1.0,
+    "clip_by_global_norm": 0.01,
+}
 
 
 @pytest.mark.parametrize("name", sorted(CLIPPERS))

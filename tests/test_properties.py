@@ -6,6 +6,7 @@ not clipped the output equals the input exactly; dtype preserved.
 
 from __future__ import annotations
 
+import drive
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,7 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import clipjax
-import drive
 
 CLIPPERS = {
     "autoclip": lambda: clipjax.autoclip(warmup_steps=3, min_history=3),
@@ -72,6 +72,12 @@ def test_dtype_preserved_and_unclipped_leaves_untouched(name: str, dtype) -> Non
     out, state = tx.update(params, state, params)
     for k in params:
         assert out[k].dtype == dtype
-        if bool(clipjax.metrics(state)[f"{name.split('_capped')[0].split('_window')[0].split('_ema')[0]}/global/clipped"]):
+        if bool(
+            clipjax.metrics(state)[
+                f"{name.split('_capped')[0].split('_window')[0].split('_ema')[0]}/global/clipped"
+            ]
+        ):
             continue
-        np.testing.assert_array_equal(np.asarray(out[k], np.float32), np.asarray(params[k], np.float32))
+        np.testing.assert_array_equal(
+            np.asarray(out[k], np.float32), np.asarray(params[k], np.float32)
+        )

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import drive
 import numpy as np
 import pytest
+import references as R
 
 import clipjax
-import drive
-import references as R
 
 pytestmark = pytest.mark.skipif(
     not R.have_zclip(), reason="zclip/torch not installed: pip install torch==2.13.0 zclip"
@@ -36,7 +36,9 @@ def assert_close(got: np.ndarray, want: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("stream", sorted(STREAMS))
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+@pytest.mark.parametrize(
+    "config", CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default"
+)
 def test_matches_zclip_step_by_step(stream: str, config: dict) -> None:
     norms = STREAMS[stream]()
     ref = R.zclip_reference(norms, **config)

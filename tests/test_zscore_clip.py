@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import drive
 import numpy as np
 import pytest
+import references as R
 
 import clipjax
-import drive
-import references as R
 
 STREAMS = {
     "spikes": lambda: R.spikes()[0],
@@ -24,8 +24,12 @@ def test_matches_smartclip(stream: str, zmax: float, decay: float) -> None:
     kw = dict(zmax=zmax, ema_decay=decay, warmup_steps=30, min_history=20)
     ref = R.smartclip_zscore(norms, **kw)
     got = drive.run(clipjax.zscore_clip(**kw), norms)
-    for field, want in [("threshold", ref["threshold"]), ("scale", ref["scale"]),
-                        ("applied", ref["scale"]), ("mean", ref["mean"])]:
+    for field, want in [
+        ("threshold", ref["threshold"]),
+        ("scale", ref["scale"]),
+        ("applied", ref["scale"]),
+        ("mean", ref["mean"]),
+    ]:
         np.testing.assert_allclose(got[field], want, rtol=3e-5, atol=1e-7, err_msg=field)
     np.testing.assert_allclose(got["std"], ref["std"], rtol=3e-5, atol=2e-6)
 
@@ -50,8 +54,14 @@ def test_nan_is_kept_out() -> None:
     np.testing.assert_allclose(got["threshold"][71:], skip["threshold"][70:], rtol=1e-6)
 
 
-@pytest.mark.parametrize("kwargs, arg", [({"zmax": 0.0}, "zmax"), ({"ema_decay": 0.0}, "ema_decay"),
-                                         ({"min_history": -1}, "min_history")])
+@pytest.mark.parametrize(
+    "kwargs, arg",
+    [
+        ({"zmax": 0.0}, "zmax"),
+        ({"ema_decay": 0.0}, "ema_decay"),
+        ({"min_history": -1}, "min_history"),
+    ],
+)
 def test_invalid_hyperparameters(kwargs: dict, arg: str) -> None:
     with pytest.raises(ValueError, match=arg):
         clipjax.zscore_clip(**kwargs)
