@@ -117,10 +117,9 @@ def autoclip(
     _validation.check("percentile", percentile, lambda x: 0 < x <= 100, "in (0, 100]")
     _validation.integer("window_size", window_size, minimum=1)
     _validation.open_unit("ema_decay", ema_decay)
-    _validation.integer("warmup_steps", warmup_steps)
-    _validation.integer("min_history", min_history)
+    _validation.integer("warmup_steps", warmup_steps, static=False)
+    _validation.integer("min_history", min_history, static=False)
     _validation.positive("eps", eps)
-    gate = max(warmup_steps, min_history)
     kind = "auto" if mode == "auto" else history
 
     def init(num_groups: int, dtype: Any) -> Any:
@@ -162,6 +161,7 @@ def autoclip(
 
     def decide(before: Any, after: Any, g: jax.Array, count: jax.Array, aux: Any) -> Decision:
         threshold = threshold_of(after)
+        gate = jnp.maximum(warmup_steps, min_history)
         return _engine.observe_then_clip(threshold, g, count, eps, gate)
 
     rule = NormRule("autoclip", decide, init=init, observe=observe, report=report)

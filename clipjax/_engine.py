@@ -179,7 +179,7 @@ def gate_scale(threshold: Array, norm: Array, eps: Any, gate_open: Array) -> Arr
     return jnp.where(gate_open, scale, jnp.ones_like(scale))
 
 
-def observe_then_clip(threshold: Array, norm: Array, count: Array, eps: Any, gate: int) -> Decision:
+def observe_then_clip(threshold: Array, norm: Array, count: Array, eps: Any, gate: Any) -> Decision:
     """smartclip's rule: the threshold already includes this step's observation.
 
     The gate opens once the group has ``gate`` finite observations counting

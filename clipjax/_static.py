@@ -19,6 +19,7 @@ ClipByGlobalNormState = _engine.register_algo(
 
 
 def _norm_type(norm_type: Any) -> float:
+    _validation.static_number("norm_type", norm_type)
     try:
         p = float(norm_type)
     except (TypeError, ValueError):

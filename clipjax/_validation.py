@@ -53,11 +53,35 @@ def finite_positive(name: str, value: Any) -> None:
     check(name, value, lambda x: 0 < x < math.inf, "finite and > 0")
 
 
-def integer(name: str, value: Any, minimum: int = 0) -> None:
+def _static_hint(name: str) -> str:
+    return (
+        f"{name} fixes shapes or Python control flow, so it must be a Python value; "
+        f"with optax.inject_hyperparams pass it in static_args=({name!r},)"
+    )
+
+
+def integer(name: str, value: Any, minimum: int = 0, static: bool = True) -> None:
+    """An integer ``>= minimum``.
+
+    ``static=True``: a Python int (it fixes a shape or Python control flow).
+    ``static=False``: it only enters arithmetic, so an array or tracer (from
+    ``optax.inject_hyperparams``) is accepted and checked when concrete.
+    """
+    if isinstance(value, (jax.Array, jax.core.Tracer)) and not isinstance(value, bool):
+        if static:
+            raise ValueError(_static_hint(name))
+        check(name, value, lambda x: x >= minimum and float(x).is_integer(), f"an int >= {minimum}")
+        return
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def static_number(name: str, value: Any) -> None:
+    """Raises the ``static_args`` hint for an array where a Python number is needed."""
+    if isinstance(value, (jax.Array, jax.core.Tracer)):
+        raise ValueError(_static_hint(name))
 
 
 def choice(name: str, value: Any, options: tuple[str, ...]) -> None:

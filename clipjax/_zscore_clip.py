@@ -81,10 +81,9 @@ def zscore_clip(
     """
     _validation.positive("zmax", zmax)
     _validation.open_unit("ema_decay", ema_decay)
-    _validation.integer("warmup_steps", warmup_steps)
-    _validation.integer("min_history", min_history)
+    _validation.integer("warmup_steps", warmup_steps, static=False)
+    _validation.integer("min_history", min_history, static=False)
     _validation.positive("eps", eps)
-    gate = max(warmup_steps, min_history)
 
     def init(num_groups: int, dtype: Any) -> Any:
         return _stats.ema_moments_init(num_groups, dtype)
@@ -97,6 +96,7 @@ def zscore_clip(
 
     def decide(before: Any, after: Any, g: jax.Array, count: jax.Array, aux: Any) -> Decision:
         threshold = threshold_of(after)
+        gate = jnp.maximum(warmup_steps, min_history)
         return _engine.observe_then_clip(threshold, g, count, eps, gate)
 
     def report(stats: Any) -> dict[str, jax.Array]:

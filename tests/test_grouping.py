@@ -94,7 +94,9 @@ def test_complex_leaves_use_squared_modulus() -> None:
     tx = clipjax.clip_by_global_norm(1.0)
     out, _ = tx.update({"z": z}, tx.init({"z": z}))
     assert out["z"].dtype == jnp.complex64
-    np.testing.assert_allclose(np.abs(np.asarray(out["z"])).dot(np.abs(np.asarray(out["z"]))), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(
+        np.abs(np.asarray(out["z"])).dot(np.abs(np.asarray(out["z"]))), 1.0, rtol=1e-5
+    )
 
 
 def test_float64_leaves_accumulate_in_float64(x64) -> None:
@@ -108,7 +110,9 @@ def test_none_and_masked_leaves_are_skipped() -> None:
     tx = optax.masked(clipjax.clip_by_global_norm(1.0, name="clip"), {"a": True, "b": False})
     state = tx.init(params)
     out, state = tx.update({"a": jnp.full(3, 10.0), "b": jnp.full(2, 10.0)}, state, params)
-    np.testing.assert_allclose(float(clipjax.metrics(state)["clip/global/grad_norm"]), np.sqrt(300), rtol=1e-6)
+    np.testing.assert_allclose(
+        float(clipjax.metrics(state)["clip/global/grad_norm"]), np.sqrt(300), rtol=1e-6
+    )
     np.testing.assert_array_equal(out["b"], 10.0)
 
 

@@ -28,7 +28,9 @@ def test_equals_optax_with_eps_zero(max_norm: float) -> None:
     for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
     m = clipjax.metrics(state)
-    np.testing.assert_allclose(float(m["clip_by_global_norm/global/grad_norm"]), float(optax.tree.norm(g)), rtol=1e-6)
+    np.testing.assert_allclose(
+        float(m["clip_by_global_norm/global/grad_norm"]), float(optax.tree.norm(g)), rtol=1e-6
+    )
 
 
 @pytest.mark.parametrize("p", [1.0, 2.0, 3.0, float("inf")])
@@ -80,8 +82,12 @@ def test_state_is_reachable_with_tree_get() -> None:
 
 @pytest.mark.parametrize(
     "kwargs, arg",
-    [({"norm_type": 0.0}, "norm_type"), ({"norm_type": "fro"}, "norm_type"), ({"eps": -1.0}, "eps"),
-     ({"max_norm": float("nan")}, "max_norm")],
+    [
+        ({"norm_type": 0.0}, "norm_type"),
+        ({"norm_type": "fro"}, "norm_type"),
+        ({"eps": -1.0}, "eps"),
+        ({"max_norm": float("nan")}, "max_norm"),
+    ],
 )
 def test_invalid_hyperparameters(kwargs: dict, arg: str) -> None:
     kwargs = {"max_norm": 1.0} | kwargs
