@@ -20,6 +20,16 @@ from clipjax._hist_clip import (
 )
 from clipjax._metrics import GroupInfo, metrics
 from clipjax._static import ClipByGlobalNormState, clip_by_global_norm, global_norm
+from clipjax._value import (
+    ClipByPercentileState,
+    ClipByValueState,
+    NormalizePerParamState,
+    ZScoreNormalizeState,
+    clip_by_percentile,
+    clip_by_value,
+    normalize_per_param,
+    zscore_normalize,
+)
 from clipjax._zclip import ZClipState, zclip
 from clipjax._zscore_clip import ZScoreClipState, zscore_clip
 
@@ -29,23 +39,31 @@ __all__ = [
     "AGCState",
     "AutoClipState",
     "ClipByGlobalNormState",
+    "ClipByPercentileState",
+    "ClipByValueState",
     "Criterion",
     "GroupInfo",
     "HistClipState",
+    "NormalizePerParamState",
     "ZClipState",
     "ZScoreClipState",
+    "ZScoreNormalizeState",
     "agc",
     "autoclip",
     "clip_by_global_norm",
+    "clip_by_percentile",
+    "clip_by_value",
     "ema_criterion",
     "global_norm",
     "hist_clip",
     "max_clipping",
     "mean_clipping",
     "metrics",
+    "normalize_per_param",
     "path_name",
     "reciprocal_clipping",
     "zclip",
     "zscore_clip",
+    "zscore_normalize",
     "zstat_criterion",
 ]
