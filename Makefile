@@ -12,10 +12,11 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check
 # left to the resolver it pulls the CUDA build and gigabytes of wheels.
 TORCH ?= torch==2.13.0
 
-.PHONY: help test lint format demo bench clean distclean
+.PHONY: help test lint format demo notebooks bench clean distclean
 
 help:
 	@echo "make demo       train a small model with injected gradient spikes (examples/demo.py)"
+	@echo "make notebooks  run notebooks/*.ipynb top to bottom; executed copies in build/notebooks/"
 	@echo "make test       ruff check, then pytest (tests/ and doctests)"
 	@echo "make lint       ruff check and ruff format --check"
 	@echo "make format     ruff format and ruff check --fix"
@@ -60,6 +61,9 @@ format: $(VENV)/.installed-lint
 
 demo: $(VENV)/.installed-examples
 	$(BIN)/python examples/demo.py
+
+notebooks: $(VENV)/.installed
+	CLIPJAX_NOTEBOOK_OUT=build/notebooks $(BIN)/python -m pytest tests/test_notebooks.py
 
 bench: $(VENV)/.installed-bench
 	$(BIN)/python benchmarks/run.py

@@ -1,18 +1,24 @@
-"""Gradient spikes and what a clipper does about them.
+"""Gradient spikes, and what each clipper does about them.
 
-Trains a small flax.nnx MLP on a synthetic regression task (on the CPU, in a few
-seconds) with ``optax.chain(clipper, optax.adam(1e-3))``. At a few known steps
-the batch is corrupted (inputs and targets multiplied by ``--spike-scale``),
-which produces a gradient spike. Every ``--log-every`` steps it prints the loss
-and the clipper's metrics, read from the optimizer state with
-``clipjax.metrics(optimizer.opt_state)``; at the end it prints a summary table
-and writes every step's metrics to ``--out``.
+Trains a small flax.nnx MLP on a synthetic regression task, on the CPU, once per
+setting: no clipping, optax's static ``clip_by_global_norm``, and the clipjax
+clippers, each as ``optax.chain(clipper, optax.adam(1e-3))``. Every setting
+sees the same initial weights and the same batches, among which a few are
+corrupted (inputs and targets multiplied by ``--spike-scale``): the gradient
+spikes that would wreck an unprotected run.
+
+Every step, the train step reads the clipper's metrics from the optimizer state
+with ``clipjax.metrics(optimizer.opt_state)`` -- the gradient norm, the
+threshold, the scale applied -- and returns them next to the losses. At the end
+the demo prints a table and writes, under ``--out``, a figure (eval loss of
+every setting, then each clipper's gradient norm against its threshold) and
+one CSV of per-step metrics per setting.
 
 Usage::
 
-    python examples/demo.py                        # clip_by_global_norm(1.0)
-    python examples/demo.py --clipper zclip
-    python examples/demo.py --clipper all          # every clipper, plus no clipping
+    python examples/demo.py                          # the default settings, ~1 minute
+    python examples/demo.py --clippers none,zclip --steps 200
+    python examples/demo.py --clippers all --out /tmp/spikes
 """
 
 from __future__ import annotations
@@ -23,41 +29,112 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from tqdm.auto import tqdm
 
 import clipjax
-
-# Clippers the demo knows how to build, in display order; only those present in
-# the installed clipjax are offered.
-CLIPPER_NAMES = ("clip_by_global_norm", "autoclip", "zscore_clip", "zclip", "hist_clip", "agc")
-NO_CLIPPING = "none"
 
 IN_FEATURES = 16
 HIDDEN = 64
 BATCH_SIZE = 64
 EVAL_SIZE = 1024
 LEARNING_RATE = 1e-3
-RECOVERY_WINDOW = 50  # steps after a spike searched for the worst loss
+STATIC_MAX_NORM = 1.0  # a few times the typical gradient norm of this task (~0.2-0.5)
+WARMUP = 25  # steps of history before the adaptive clippers act: short, for a short run
 
 
-def available_clippers() -> dict[str, Callable[[], optax.GradientTransformation]]:
-    """Factories of the clippers present in the installed clipjax, default settings."""
-    clippers: dict[str, Callable[[], optax.GradientTransformation]] = {}
-    for name in CLIPPER_NAMES:
-        factory = getattr(clipjax, name, None)
-        if factory is None:
-            continue
-        if name == "clip_by_global_norm":
-            clippers[name] = lambda factory=factory: factory(1.0)
-        else:
-            clippers[name] = factory
-    clippers[NO_CLIPPING] = optax.identity
-    return clippers
+TABLE_NOTES = """
+final loss: eval MSE on {eval_size} clean samples after the last step.
+worst jump: the highest eval loss between a spike and the next, over the eval loss just before it.
+spike norm passed: the gradient norm that reached adam at the worst spike, after clipping.
+steps clipped: steps on which the clipper scaled any gradient down.
+ms/step: median wall time of a step (call overhead dominates for a model this small).
+
+autoclip (like zscore_clip) observes a norm before it clips it: a spike raises its own threshold
+and passes at a fraction of its size, as in smartclip. zclip and hist_clip clip, then observe.
+notebooks/spike_mitigation.ipynb discusses these results."""
+
+
+class Setting(NamedTuple):
+    """One training run of the comparison.
+
+    Attributes:
+      make: builds the gradient transformation chained in front of adam.
+      about: one line for the legend.
+      static_max_norm: for optax's clip_by_global_norm, which keeps no metrics:
+        the demo computes the same fields itself so that every run plots alike.
+    """
+
+    make: Callable[[], optax.GradientTransformation]
+    about: str
+    static_max_norm: float | None = None
+
+
+SETTINGS: dict[str, Setting] = {
+    "none": Setting(optax.identity, "adam alone"),
+    "optax": Setting(
+        lambda: optax.clip_by_global_norm(STATIC_MAX_NORM),
+        f"optax.clip_by_global_norm({STATIC_MAX_NORM:g}): a fixed threshold you must pick",
+        static_max_norm=STATIC_MAX_NORM,
+    ),
+    # smartclip's AutoClip, auto mode: T = median + 3 std of all norms so far.
+    # It observes the norm before computing its threshold, so a spike raises
+    # its own threshold and still gets through at a fraction of its size.
+    "autoclip": Setting(
+        lambda: clipjax.autoclip(warmup_steps=WARMUP, min_history=WARMUP),
+        "autoclip(): median + 3 std of the history, observe then clip",
+    ),
+    # The window percentile mode is observe-then-clip too, but one spike moves
+    # the 95th percentile of the last 100 norms by at most one rank.
+    "autoclip_p95": Setting(
+        lambda: clipjax.autoclip(
+            mode="percentile",
+            percentile=95.0,
+            window_size=100,
+            warmup_steps=WARMUP,
+            min_history=WARMUP,
+        ),
+        "autoclip(mode='percentile'): 95th percentile of the last 100 norms",
+    ),
+    # max_grad_norm=None: no static cap behind the z-score test, so what you
+    # see is ZClip's adaptive threshold alone.
+    "zclip": Setting(
+        lambda: clipjax.zclip(max_grad_norm=None, warmup_steps=WARMUP),
+        "zclip(): EMA mean + z-score test, clip then observe",
+    ),
+    # drytorch's defaults: z-statistic criterion, 20 warm-up steps under
+    # clip_by_global_norm(1.0).
+    "hist_clip": Setting(
+        clipjax.hist_clip,
+        "hist_clip(): EMA z-statistic criterion, clip then observe",
+    ),
+    # AGC bounds each layer's gradient norm to `clipping` times its weight
+    # norm. The NFNet value, 0.01 unit-wise, was tuned for SGD at batch 4096:
+    # here it would rescale every step (adam, being scale-invariant, mostly
+    # undoes that). Per layer, with clipping=1.0, it sits above this model's
+    # normal ratios (~0.02 for the hidden layers, ~0.4 for the output layer)
+    # and acts on spikes only.
+    "agc": Setting(
+        lambda: clipjax.agc(clipping=1.0, scope="per_layer"),
+        "agc(clipping=1.0, scope='per_layer'): relative to the weight norm",
+    ),
+    # Not in the default comparison.
+    "zscore_clip": Setting(
+        lambda: clipjax.zscore_clip(warmup_steps=WARMUP, min_history=WARMUP),
+        "zscore_clip(): EMA mean + 3 std, observe then clip",
+    ),
+    "clip_by_global_norm": Setting(
+        lambda: clipjax.clip_by_global_norm(STATIC_MAX_NORM),
+        f"clipjax.clip_by_global_norm({STATIC_MAX_NORM:g}): optax's, with metrics",
+    ),
+}
+DEFAULT_SETTINGS = ("none", "optax", "autoclip", "autoclip_p95", "zclip", "hist_clip", "agc")
 
 
 class MLP(nnx.Module):
@@ -74,10 +151,10 @@ class MLP(nnx.Module):
 
 def make_data(
     steps: int, seed: int, spike_steps: list[int], spike_scale: float
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Training batches for every step (spikes included) and a clean eval set.
+) -> tuple[np.ndarray, ...]:
+    """One training batch per step (the corrupted ones included) and a clean eval set.
 
-    The target is a fixed random two-layer network of the inputs plus noise.
+    The target is a fixed random two-layer network of the inputs, plus noise.
     """
     rng = np.random.default_rng(seed)
     w1 = rng.normal(size=(IN_FEATURES, 32)) / math.sqrt(IN_FEATURES)
@@ -108,77 +185,185 @@ def train_step(
     y: jax.Array,
     x_eval: jax.Array,
     y_eval: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
-    """One update; returns the batch loss and the eval loss after the update."""
+) -> tuple[jax.Array, jax.Array, jax.Array, dict[str, jax.Array]]:
+    """One update. Returns the batch loss, the eval loss after the update, the
+    gradient's global norm and the clipper's metrics."""
     loss, grads = nnx.value_and_grad(mse)(model, x, y)
     optimizer.update(model, grads)
-    return loss, mse(model, x_eval, y_eval)
+    # Read inside jit, the metrics come back to the host with the losses in one
+    # transfer. Outside, clipjax.metrics(optimizer.opt_state) gives the same dict.
+    metrics = clipjax.metrics(optimizer.opt_state)
+    return loss, mse(model, x_eval, y_eval), optax.global_norm(grads), metrics
 
 
-def summarize(metrics: dict[str, float]) -> str:
-    """A short line of the headline metrics, whatever the clipper and its groups."""
-    by_field: dict[str, list[float]] = {}
-    for key, value in metrics.items():
-        by_field.setdefault(key.rsplit("/", 1)[-1], []).append(value)
-    parts = []
-    for field, reduce, label in (
-        ("grad_norm", max, "grad_norm"),
-        ("threshold", min, "threshold"),
-        ("target", min, "target"),
-        ("scale", min, "scale"),
-        ("clipped_count", max, "clipped_count"),
-    ):
-        if field in by_field:
-            values = by_field[field]
-            label = label if len(values) == 1 else f"{reduce.__name__} {label}"
-            parts.append(f"{label} {reduce(values):.4g}")
-    return "  ".join(parts)
+def static_metrics(grad_norm: float, max_norm: float | None) -> dict[str, float]:
+    """The fields clipjax records, for settings that record none."""
+    if max_norm is None:
+        return {"grad_norm": grad_norm}
+    scale = min(1.0, max_norm / grad_norm) if grad_norm > 0 else 1.0
+    return {"grad_norm": grad_norm, "threshold": max_norm, "scale": scale, "clipped": scale < 1}
 
 
 def train(
-    name: str,
-    make_clipper: Callable[[], optax.GradientTransformation],
-    data: tuple[np.ndarray, ...],
-    seed: int,
-    log_every: int,
-    spike_steps: list[int],
+    name: str, setting: Setting, data: tuple[np.ndarray, ...], seed: int
 ) -> list[dict[str, float]]:
-    """Trains one model; returns one row per step (losses and clipper metrics)."""
+    """Trains one model; returns one row per step: losses, step time and metrics."""
     x_train, y_train, x_eval, y_eval = (jnp.asarray(a) for a in data)
     model = MLP(nnx.Rngs(seed))
-    tx = optax.chain(make_clipper(), optax.adam(LEARNING_RATE))
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    optimizer = nnx.Optimizer(
+        model, optax.chain(setting.make(), optax.adam(LEARNING_RATE)), wrt=nnx.Param
+    )
+    # cached_partial skips re-walking the model graph on every call.
+    step_fn = nnx.cached_partial(train_step, model, optimizer)
 
-    print(f"\n== {name}")
     rows = []
-    for step in range(x_train.shape[0]):
-        loss, eval_loss = train_step(model, optimizer, x_train[step], y_train[step], x_eval, y_eval)
-        metrics = {k: float(v) for k, v in clipjax.metrics(optimizer.opt_state).items()}
-        rows.append({"step": step, "loss": float(loss), "eval_loss": float(eval_loss), **metrics})
-        if step % log_every == 0 or step in spike_steps or step == x_train.shape[0] - 1:
-            mark = "  <- spike" if step in spike_steps else ""
-            line = f"step {step:4d}  loss {float(loss):10.4g}  eval {float(eval_loss):8.4g}"
-            print(f"{line}  {summarize(metrics)}".rstrip() + mark)
+    progress = tqdm(range(len(x_train)), desc=f"{name:<13}", unit="step", leave=True)
+    for step in progress:
+        start = time.perf_counter()
+        out = jax.device_get(step_fn(x_train[step], y_train[step], x_eval, y_eval))
+        seconds = time.perf_counter() - start
+        loss, eval_loss, grad_norm, metrics = out
+        if not metrics:
+            own = static_metrics(float(grad_norm), setting.static_max_norm)
+            metrics = {f"{name}/global/{field}": value for field, value in own.items()}
+        rows.append(
+            {
+                "step": step,
+                "loss": float(loss),
+                "eval_loss": float(eval_loss),
+                "seconds": seconds,
+                **{key: float(value) for key, value in metrics.items()},
+            }
+        )
+        if step % 25 == 0:
+            progress.set_postfix(eval_loss=f"{float(eval_loss):.3g}")
     return rows
 
 
-def report(rows: list[dict[str, float]], spike_steps: list[int]) -> tuple[float, float, str]:
-    """Final eval loss, worst eval loss in the windows after spikes, steps clipped."""
-    final = rows[-1]["eval_loss"]
-    after = [
-        row["eval_loss"]
-        for spike in spike_steps
-        for row in rows[spike : spike + RECOVERY_WINDOW + 1]
-    ]
-    worst = max(after, default=float("nan"))
-    counts = [v for k, v in rows[-1].items() if k.endswith("/clipped_count")]
-    if not counts:
-        clipped = "-"
-    elif len(counts) == 1:
-        clipped = f"{int(counts[0])} / {len(rows)}"
-    else:
-        clipped = f"{int(max(counts))} / {len(rows)} (max of {len(counts)} counters)"
-    return final, worst, clipped
+def series(row: dict[str, float], field: str) -> dict[str, float]:
+    """``{"{algo}/{group}": value}`` of one metric field in a row."""
+    suffix = "/" + field
+    return {key[: -len(suffix)]: v for key, v in row.items() if key.endswith(suffix)}
+
+
+def limit_field(row: dict[str, float]) -> str | None:
+    """The field a clipper compares the norm with: ``threshold``, or AGC's ``target``.
+
+    Only the clipper's own groups have it: not the warm-up clip that hist_clip
+    nests under its name (``hist_clip/clip_by_global_norm/global/...``).
+    """
+    return next((f for f in ("target", "threshold") if series(row, f)), None)
+
+
+def applied_norm(row: dict[str, float]) -> float:
+    """The gradient norm that reached adam: root sum of squares of grad_norm x scale."""
+    field = limit_field(row)
+    norms = series(row, "grad_norm")
+    groups = series(row, field) if field else norms
+    return math.sqrt(sum((norms[g] * row.get(f"{g}/scale", 1.0)) ** 2 for g in groups))
+
+
+class Summary(NamedTuple):
+    final_loss: float
+    worst_jump: float  # highest eval loss after a spike over the eval loss before it
+    passed: float  # largest gradient norm let through at a spike (after clipping)
+    steps_clipped: int
+    ms_per_step: float
+
+
+def summarize(rows: list[dict[str, float]], spike_steps: list[int]) -> Summary:
+    jumps, passed = [], []
+    ends = [*spike_steps[1:], len(rows)]
+    for spike, end in zip(spike_steps, ends):
+        before = rows[spike - 1]["eval_loss"] if spike > 0 else rows[0]["eval_loss"]
+        jumps.append(max(r["eval_loss"] for r in rows[spike:end]) / before)
+        passed.append(applied_norm(rows[spike]))
+    clipped = sum(any(v > 0 for v in series(r, "clipped").values()) for r in rows)
+    times = [r["seconds"] for r in rows[1:]] or [rows[0]["seconds"]]  # step 0 compiles
+    return Summary(
+        final_loss=rows[-1]["eval_loss"],
+        worst_jump=max(jumps, default=math.nan),
+        passed=max(passed, default=math.nan),
+        steps_clipped=clipped,
+        ms_per_step=1e3 * float(np.median(times)),
+    )
+
+
+def print_table(runs: dict[str, list[dict[str, float]]], spike_steps: list[int]) -> None:
+    header = ["setting", "final loss", "worst jump", "spike norm passed", "steps clipped"]
+    header.append("ms/step")
+    lines = [header]
+    for name, rows in runs.items():
+        s = summarize(rows, spike_steps)
+        lines.append(
+            [
+                name,
+                f"{s.final_loss:.4f}",
+                f"x{s.worst_jump:.2f}" if spike_steps else "-",
+                f"{s.passed:.3g}" if spike_steps else "-",
+                f"{s.steps_clipped} / {len(rows)}",
+                f"{s.ms_per_step:.2f}",
+            ]
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    lines.insert(1, ["-" * width for width in widths])
+    print()
+    for line in lines:
+        cells = [line[0].ljust(widths[0])]
+        cells += [cell.rjust(width) for cell, width in zip(line[1:], widths[1:])]
+        print("  ".join(cells))
+
+
+def plot(path: Path, runs: dict[str, list[dict[str, float]]], spike_steps: list[int]) -> None:
+    """Eval loss of every run on top; below, one panel per clipper from its metrics."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    clippers = [name for name in runs if limit_field(runs[name][0])]
+    cols = min(3, max(1, len(clippers)))
+    grid_rows = math.ceil(len(clippers) / cols)
+    fig = plt.figure(figsize=(5 * cols, 4 + 3 * grid_rows), layout="constrained")
+    grid = fig.add_gridspec(1 + grid_rows, cols, height_ratios=[1.4] + [1] * grid_rows)
+
+    ax = fig.add_subplot(grid[0, :])
+    for name, rows in runs.items():
+        style = {"color": "black", "linewidth": 2} if name == "none" else {"linewidth": 1.2}
+        ax.plot([r["eval_loss"] for r in rows], label=name, **style)
+    for spike in spike_steps:
+        ax.axvline(spike, color="red", linestyle=":", linewidth=1)
+    ax.set(yscale="log", xlabel="step", ylabel="eval loss (MSE)")
+    ax.set_title("Eval loss; dotted red lines: corrupted batches (gradient spikes)")
+    ax.legend(ncol=4, fontsize="small")
+
+    for i, name in enumerate(clippers):
+        ax = fig.add_subplot(grid[1 + i // cols, i % cols])
+        rows = runs[name]
+        field = limit_field(rows[0])
+        groups = list(series(rows[0], field))
+        for k, group in enumerate(groups):
+            label = group.split("/", 1)[-1]
+            norm = np.array([r[f"{group}/grad_norm"] for r in rows])
+            # hist_clip reports an infinite threshold on steps where its
+            # criterion does not fire: those are not drawn, the others as dots.
+            limit = np.array([r[f"{group}/{field}"] for r in rows])
+            dots = {"marker": "o", "markersize": 3} if np.isinf(limit).mean() > 0.5 else {}
+            if len(groups) == 1:
+                passed = norm * np.array([r[f"{group}/scale"] for r in rows])
+                ax.plot(norm, color="0.6", linewidth=0.8, label="grad_norm")
+                ax.plot(passed, color="C0", linewidth=1, label="grad_norm x scale")
+                ax.plot(limit, "--", color="C1", linewidth=1, label=field, **dots)
+            else:
+                ax.plot(norm, color=f"C{k}", linewidth=0.8, label=f"{label} grad_norm")
+                ax.plot(limit, "--", color=f"C{k}", linewidth=1, label=f"{label} {field}")
+            clipped = [j for j, r in enumerate(rows) if r.get(f"{group}/clipped", 0) > 0]
+            ax.plot(clipped, norm[clipped], "x", color="red", markersize=5)
+        ax.set(yscale="log", xlabel="step")
+        ax.set_title(f"{name}: red x = clipped", fontsize="medium")
+        ax.legend(fontsize="x-small", loc="upper left")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def write_csv(path: Path, rows: list[dict[str, float]]) -> None:
@@ -189,100 +374,76 @@ def write_csv(path: Path, rows: list[dict[str, float]]) -> None:
         writer.writerows(rows)
 
 
-def plot(path: Path, runs: dict[str, list[dict[str, float]]], spike_steps: list[int]) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name, rows in runs.items():
-        ax.plot([r["step"] for r in rows], [r["eval_loss"] for r in rows], label=name)
-    for spike in spike_steps:
-        ax.axvline(spike, color="grey", linestyle=":", linewidth=1)
-    ax.set(yscale="log", xlabel="step", ylabel="eval loss (MSE)", title="Gradient spikes (dotted)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
-def parse_args(clipper_names: list[str]) -> argparse.Namespace:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description="Train a small MLP through injected gradient spikes; print clipper metrics.",
+        description="Train a small MLP through injected gradient spikes, once per clipper, "
+        "and compare. Settings: " + "; ".join(f"{name}: {s.about}" for name, s in SETTINGS.items()),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(
+        "--clippers",
         "--clipper",
-        default="clip_by_global_norm",
-        help=f"one of {', '.join(clipper_names)}; a comma-separated list; or 'all'",
+        default=",".join(DEFAULT_SETTINGS),
+        help=f"comma-separated settings, or 'all'; from {', '.join(SETTINGS)}",
     )
-    parser.add_argument("--steps", type=int, default=400, help="training steps")
-    parser.add_argument("--seed", type=int, default=0, help="seed for data and model")
+    parser.add_argument("--steps", type=int, default=400, help="training steps per setting")
+    parser.add_argument(
+        "--spike-steps",
+        default=None,
+        help="comma-separated steps whose batch is corrupted (default: at 3/8 and 3/4 of the run)",
+    )
+    parser.add_argument(
+        "--spike-scale", type=float, default=100.0, help="factor on a corrupted batch's data"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data and the model")
     parser.add_argument("--out", type=Path, default=Path("demo_out"), help="output folder")
-    parser.add_argument("--log-every", type=int, default=50, help="print every N steps")
-    parser.add_argument(
-        "--spike-steps", default="150,300", help="comma-separated steps whose batch is corrupted"
-    )
-    parser.add_argument(
-        "--spike-scale", type=float, default=100.0, help="factor on inputs and targets at spikes"
-    )
     args = parser.parse_args()
-    if args.steps < 1:
-        parser.error("--steps must be at least 1")
-    if args.log_every < 1:
-        parser.error("--log-every must be at least 1")
-    try:
-        spikes = {int(s) for s in args.spike_steps.split(",") if s.strip()}
-    except ValueError:
-        parser.error(f"--spike-steps must be comma-separated integers, got {args.spike_steps!r}")
+
+    if args.steps < 2:
+        parser.error("--steps must be at least 2")
+    if args.spike_steps is None:
+        spikes = {3 * args.steps // 8, 3 * args.steps // 4}
+    else:
+        try:
+            spikes = {int(s) for s in args.spike_steps.split(",") if s.strip()}
+        except ValueError:
+            parser.error(f"--spike-steps takes comma-separated integers, not {args.spike_steps!r}")
     args.spike_steps = sorted(s for s in spikes if 0 <= s < args.steps)
-    names = clipper_names if args.clipper == "all" else args.clipper.split(",")
-    unknown = [n for n in names if n not in clipper_names]
-    if unknown:
-        parser.error(
-            f"unknown clipper {', '.join(unknown)}; choose from {', '.join(clipper_names)}"
-        )
-    args.clippers = names
+    names = list(SETTINGS) if args.clippers == "all" else args.clippers.split(",")
+    names = [n.strip() for n in names if n.strip()]
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown or not names:
+        parser.error(f"unknown setting {', '.join(unknown)!r}; choose from {', '.join(SETTINGS)}")
+    args.clippers = list(dict.fromkeys(names))
     return args
 
 
 def main() -> None:
-    clippers = available_clippers()
-    args = parse_args(list(clippers))
+    args = parse_args()
     data = make_data(args.steps, args.seed, args.spike_steps, args.spike_scale)
     print(
-        f"{args.steps} steps of adam({LEARNING_RATE}) on a {IN_FEATURES}-{HIDDEN}-{HIDDEN}-1 MLP; "
-        f"batches at steps {args.spike_steps} scaled by {args.spike_scale:g}"
+        f"{args.steps} steps of adam({LEARNING_RATE:g}) on a {IN_FEATURES}-{HIDDEN}-{HIDDEN}-1 "
+        f"MLP, batch {BATCH_SIZE}; the batches at steps {args.spike_steps} are scaled by "
+        f"{args.spike_scale:g}."
     )
+    for name in args.clippers:
+        print(f"  {name:<13} {SETTINGS[name].about}")
 
     start = time.perf_counter()
-    runs = {
-        name: train(name, clippers[name], data, args.seed, args.log_every, args.spike_steps)
-        for name in args.clippers
-    }
+    runs = {name: train(name, SETTINGS[name], data, args.seed) for name in args.clippers}
     elapsed = time.perf_counter() - start
+
+    print_table(runs, args.spike_steps)
+    print(TABLE_NOTES.format(eval_size=EVAL_SIZE))
 
     args.out.mkdir(parents=True, exist_ok=True)
     for name, rows in runs.items():
         write_csv(args.out / f"{name}.csv", rows)
-    plotted = plot(args.out / "eval_loss.png", runs, args.spike_steps)
-
-    width = max(len("clipper"), *(len(n) for n in runs))
-    print(f"\n{'clipper':<{width}}  {'final loss':>10}  {'worst after spikes':>18}  steps clipped")
-    for name, rows in runs.items():
-        final, worst, clipped = report(rows, args.spike_steps)
-        worst_text = f"{worst:18.4g}" if args.spike_steps else f"{'-':>18}"
-        print(f"{name:<{width}}  {final:10.4g}  {worst_text}  {clipped}")
+    plot(args.out / "spikes.png", runs, args.spike_steps)
     print(
-        f"\nLosses are eval MSE on {EVAL_SIZE} clean samples; 'worst after spikes' is the "
-        f"highest within {RECOVERY_WINDOW} steps of a spike."
+        f"\nWrote {args.out / 'spikes.png'} and one CSV of per-step metrics per setting "
+        f"({elapsed:.0f} s of training, compilation included)."
     )
-    written = "per-step metrics (CSV)" + (" and eval_loss.png" if plotted else "")
-    print(f"Wrote {written} to {args.out}/ in {elapsed:.1f} s of training.")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,94 @@
+"""examples/demo.py: a short run prints the table and writes the figure and CSVs."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("matplotlib")
+pytest.importorskip("tqdm")
+
+DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
+ROOT = DEMO.parents[1]
+
+
+def run_demo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    return subprocess.run(
+        [sys.executable, str(DEMO), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def load_demo():
+    spec = importlib.util.spec_from_file_location("clipjax_demo", DEMO)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_short_run_prints_table_and_writes_figure(tmp_path: Path) -> None:
+    # One setting without clipjax metrics (optax), one global, one per layer.
+    result = run_demo("--steps", "60", "--clippers", "optax,zclip,agc", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("setting"))
+    for column in ("final loss", "worst jump", "steps clipped", "ms/step"):
+        assert column in lines[start]
+    table = {line.split()[0]: line for line in lines[start + 2 : start + 5]}
+    assert list(table) == ["optax", "zclip", "agc"], out
+    for row in table.values():
+        assert "/ 60" in row, out
+    assert (tmp_path / "spikes.png").stat().st_size > 10_000
+    for name in ("optax", "zclip", "agc"):
+        header_line = (tmp_path / f"{name}.csv").read_text().splitlines()[0]
+        assert "eval_loss" in header_line
+    assert "zclip/global/threshold" in (tmp_path / "zclip.csv").read_text().splitlines()[0]
+    assert "agc/hidden1/target" in (tmp_path / "agc.csv").read_text().splitlines()[0]
+
+
+def test_help_and_bad_setting() -> None:
+    result = run_demo("--help")
+    assert result.returncode == 0
+    for option in ("--clippers", "--steps", "--out", "--spike-steps"):
+        assert option in result.stdout
+    result = run_demo("--clippers", "nope")
+    assert result.returncode == 2
+    assert "unknown setting" in result.stderr
+
+
+def test_summary_of_synthetic_rows() -> None:
+    demo = load_demo()
+    rows = [
+        {
+            "step": i,
+            "eval_loss": 1.0,
+            "seconds": 0.001,
+            "x/global/grad_norm": 1.0,
+            "x/global/threshold": 10.0,
+            "x/global/scale": 1.0,
+            "x/global/clipped": 0.0,
+        }
+        for i in range(10)
+    ]
+    rows[5].update({"x/global/grad_norm": 100.0, "x/global/scale": 0.02, "x/global/clipped": 1.0})
+    rows[6]["eval_loss"] = 3.0
+    summary = demo.summarize(rows, [5])
+    assert summary.steps_clipped == 1
+    assert summary.worst_jump == pytest.approx(3.0)
+    assert summary.passed == pytest.approx(2.0)
+    assert summary.final_loss == 1.0
