@@ -142,7 +142,7 @@ def _unitwise(
         metrics["clipped"] = jnp.zeros((num,), bool)
         metrics.update(_engine.counters(num))
         info = _metrics.GroupInfo("agc", name, grouping.names, grouping.fingerprint)
-        return AGCState((), metrics, info, None)
+        return _engine.own_buffers(AGCState((), metrics, info, None))
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
         del extra_args

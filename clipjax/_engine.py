@@ -135,6 +135,15 @@ def _check_state(state: Any, grouping: _grouping.Grouping, info: _metrics.GroupI
             )
 
 
+def own_buffers(state: Any) -> Any:
+    """Gives every state leaf its own buffer.
+
+    ``init`` builds several fields from one ``zeros``; a jitted step that
+    donates the state would then donate one buffer twice and fail.
+    """
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
+
+
 def _where_groups(mask: Array, new: Stats, old: Stats) -> Stats:
     """Per-group select on stacked statistics (``[groups, ...]`` arrays)."""
 
@@ -321,7 +330,7 @@ def norm_transform(
         else:
             inner = warmup.init(params)
         info = _metrics.GroupInfo(rule.algo, name, grouping.names, grouping.fingerprint)
-        return _STATE_TYPES[rule.algo](stats, metrics, info, inner)
+        return own_buffers(_STATE_TYPES[rule.algo](stats, metrics, info, inner))
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
         del extra_args

@@ -123,7 +123,7 @@ def _static_transform(
         }
         metrics.update(counters(num_groups))
         info = _metrics.GroupInfo(algo, name, grouping.names, grouping.fingerprint)
-        return state_class((), metrics, info, None)
+        return _engine.own_buffers(state_class((), metrics, info, None))
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
         del params, extra_args

@@ -164,6 +164,17 @@ def test_scan_carry_and_single_trace(case: Any) -> None:
     assert jitted._cache_size() == 1
 
 
+def test_state_can_be_donated(case: Any) -> None:
+    make, _, _ = case
+    tx = make()
+    params = make_params()
+    update = jax.jit(tx.update, donate_argnums=(1,))
+    state = tx.init(params)
+    for i in range(3):
+        _, state = update(grads_at(params, i), state, params)
+    jax.block_until_ready(state)
+
+
 def test_no_host_transfer_inside_update(case: Any) -> None:
     make, _, _ = case
     tx = make()
