@@ -103,9 +103,15 @@ def state_class(name: str, doc: str) -> type:
     """A NamedTuple state class with a unique ``name`` (for ``tree_get``)."""
     cls = NamedTuple(
         name,
-        [("stats", Any), ("metrics", dict), ("info", _metrics.GroupInfo), ("inner", Any)],
+        [
+            ("stats", Any),
+            ("metrics", dict),
+            ("info", _metrics.GroupInfo),
+            ("inner", Any),
+            ("leaf_index", tuple),
+        ],
     )
-    cls.__new__.__defaults__ = (None,)
+    cls.__new__.__defaults__ = (None, ())
     cls.__doc__ = (
         f"{doc}\n\n"
         "Attributes:\n"
@@ -113,6 +119,8 @@ def state_class(name: str, doc: str) -> type:
         "  metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.\n"
         "  info: static names (algorithm, prefix, groups); no array leaves.\n"
         "  inner: the state of a nested transform (hist_clip's ``warmup_clip``).\n"
+        "  leaf_index: each leaf's group index as an int32 scalar (empty for one\n"
+        "    group); see :func:`clipjax._grouping.apply_scales`.\n"
     )
     cls.__module__ = "clipjax"
     return _metrics.register_state(cls)
@@ -222,8 +230,10 @@ def _norms(leaves: list[Array], grouping: Any, keep: Any, ord: float) -> Array:
     return _grouping.group_norms(zero, grouping, ord)
 
 
-def _apply(leaves: list[Array], grouping: Any, keep: Any, scale: Array) -> list[Array]:
-    scaled = _grouping.apply_scales(leaves, grouping, scale)
+def _apply(
+    leaves: list[Array], grouping: Any, keep: Any, scale: Array, index: tuple = ()
+) -> list[Array]:
+    scaled = _grouping.apply_scales(leaves, grouping, scale, index)
     if keep is None:
         return scaled
     return [s if k else x for x, s, k in zip(leaves, scaled, keep)]
@@ -266,7 +276,7 @@ def advance(
     metrics = {k: jnp.asarray(v).astype(state.metrics[k].dtype) for k, v in metrics.items()}
     if observe_mask is not None:
         metrics = _where_groups(observe_mask, metrics, state.metrics)
-    return scale, type(state)(stats_after, metrics, state.info, state.inner), decision
+    return scale, state._replace(stats=stats_after, metrics=metrics), decision
 
 
 def norm_transform(
@@ -330,7 +340,8 @@ def norm_transform(
         else:
             inner = warmup.init(params)
         info = _metrics.GroupInfo(rule.algo, name, grouping.names, grouping.fingerprint)
-        return own_buffers(_STATE_TYPES[rule.algo](stats, metrics, info, inner))
+        index = _grouping.leaf_index(grouping)
+        return own_buffers(_STATE_TYPES[rule.algo](stats, metrics, info, inner, index))
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
         del extra_args
@@ -373,7 +384,10 @@ def norm_transform(
                 )
             new_state = new_state._replace(inner=inner)
         if new_leaves is None:
-            new_leaves = _apply(leaves, grouping, keep, scale)
+            new_leaves = _apply(leaves, grouping, keep, scale, state.leaf_index)
+        # Returned through a copy, not passed through: a pass-through output
+        # cannot reuse its donated input buffer (and JAX warns about it).
+        new_state = new_state._replace(leaf_index=tuple(jnp.copy(i) for i in state.leaf_index))
         return jax.tree_util.tree_unflatten(treedef, new_leaves), new_state
 
     tx = ClipTransform(init_fn, update_fn)
