@@ -78,8 +78,14 @@ def ensure_serializable() -> None:
 
 
 def _unwrap(x: Any) -> Any:
-    # flax NNX wraps optimizer-state arrays in Variables (OptArray, ...).
-    if hasattr(x, "value") and not isinstance(x, jax.Array) and type(x).__name__ != "GroupInfo":
+    # flax NNX wraps optimizer-state arrays in Variables (OptArray, ...). Their
+    # `.value` is deprecated (flax 0.12): use `get_value()` where it exists, and
+    # test the class, as hasattr(x, "value") would call the deprecated property.
+    if isinstance(x, (jax.Array, GroupInfo)):
+        return x
+    if callable(getattr(type(x), "get_value", None)):
+        return x.get_value()
+    if hasattr(type(x), "value") or "value" in getattr(x, "__dict__", ()):
         return x.value
     return x
 
@@ -89,10 +95,13 @@ def _is_node_of_interest(x: Any) -> bool:
 
 
 def _group_values(values: Any, num_groups: int) -> list[Any]:
+    # The group axis is the last one: a state stacked by pmap (replicas), vmap
+    # or a scan over steps has [..., groups] metrics, read as [...] per group.
     values = _unwrap(values)
     if isinstance(values, jax.core.Tracer) or num_groups == 1:
-        return [values[i] for i in range(num_groups)]
-    return list(jnp.asarray(values))  # one unstack instead of one slice per group
+        return [values[..., i] for i in range(num_groups)]
+    # One unstack instead of one slice per group.
+    return list(jnp.moveaxis(jnp.asarray(values), -1, 0))
 
 
 def _emit(state: Any, prefix: str, out: dict[str, Any]) -> None:
@@ -134,7 +143,10 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
     Returns:
       A flat ``dict`` of scalar arrays named ``"{algo}/{group}/{field}"``, e.g.
       ``"autoclip/global/threshold"``. Two transforms of one kind are named
-      ``algo``, ``algo_1``, ... in tree order unless given ``name=``.
+      ``algo``, ``algo_1``, ... in tree order unless given ``name=``. A
+      state with leading axes (replicated by ``jax.pmap``, stacked by
+      ``vmap`` or collected from a ``lax.scan``) gives arrays of those axes
+      instead of scalars, e.g. one value per replica.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
