@@ -78,7 +78,8 @@ def agc(
       scope: ``"unitwise"``, ``"global"``, ``"per_layer"``, ``"per_param"`` or
         a callable.
       exclude_bias_bn: do not clip leaves with ``ndim <= 1``.
-      axis_name: average grouped norms over this mapped axis (SPEC 5).
+      axis_name: average the gradient norms (per unit, or per group) over this
+        mapped axis first, so every replica applies the same scale (SPEC 5).
       name: metrics prefix (default ``agc``).
 
     Returns:
@@ -104,9 +105,7 @@ def agc(
     _validation.positive("clipping", clipping)
     _validation.non_negative("eps", eps)
     if scope == "unitwise":
-        if axis_name is not None:
-            raise ValueError("axis_name is not supported with scope='unitwise'")
-        return _unitwise(clipping, eps, exclude_bias_bn, name)
+        return _unitwise(clipping, eps, exclude_bias_bn, name, axis_name)
 
     def decide(before: Any, after: Any, g: jax.Array, count: jax.Array, aux: Any) -> Decision:
         weight_norm = aux["weight_norm"]
@@ -125,7 +124,7 @@ def agc(
 
 
 def _unitwise(
-    clipping: Any, eps: Any, exclude_bias_bn: bool, name: str | None
+    clipping: Any, eps: Any, exclude_bias_bn: bool, name: str | None, axis_name: str | None
 ) -> optax.GradientTransformationExtraArgs:
     fields = ("grad_norm", "weight_norm", "target", "scale", "clipped", "clipped_fraction")
 
@@ -158,6 +157,9 @@ def _unitwise(
         for x, p in zip(leaves, p_leaves):
             g_unit = _unit_norm(x, dtype)
             w_unit = _unit_norm(p, dtype)
+            if axis_name is not None:
+                # Every replica decides from the same (averaged) unit norms.
+                g_unit = jax.lax.pmean(g_unit, axis_name)
             max_norm = clipping * jnp.maximum(w_unit, eps)
             # optax's rule, formed on the unit-norm array: keep where g < max_norm.
             unit_scale = jnp.where(

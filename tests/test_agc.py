@@ -146,3 +146,21 @@ def test_nonfinite_gradient_passes_and_is_counted() -> None:
 def test_invalid_hyperparameters(kwargs: dict, arg: str) -> None:
     with pytest.raises(ValueError, match=arg):
         clipjax.agc(**kwargs)
+
+
+def test_unitwise_axis_name_gives_every_replica_the_same_scale() -> None:
+    params = {"w": jnp.ones((4, 3))}
+    base = jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)), jnp.float32)
+    factors = jnp.array([0.5, 2.0])
+    tx = clipjax.agc(0.05, axis_name="i")
+    state = tx.init(params)
+
+    def step(c):
+        out, new_state = tx.update({"w": base * c}, state, params)
+        return out["w"] / c, clipjax.metrics(new_state)["agc/w/scale"]
+
+    out, scale = jax.vmap(step, axis_name="i")(factors)
+    np.testing.assert_allclose(out[0], out[1], rtol=1e-6)
+    assert scale[0] == scale[1]
+    want, _ = optax.adaptive_grad_clip(0.05).update({"w": base * 1.25}, None, params)
+    np.testing.assert_allclose(out[0] * 1.25, want["w"], rtol=1e-6)
