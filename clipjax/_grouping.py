@@ -35,13 +35,6 @@ def validate_scope(scope: Any, allowed: Sequence[str] = SCOPES) -> None:
         raise ValueError(f"scope must be one of {tuple(allowed)} or a callable, got {scope!r}")
 
 
-def _is_variable(x: Any) -> bool:
-    # flax NNX Variables are pytrees whose only child is ``value``; their names
-    # come from the module path, without the trailing ``value`` (SPEC 8.6).
-    cls = type(x)
-    return cls.__name__.endswith(("Variable", "Param", "VariableState")) and hasattr(x, "value")
-
-
 def _key_name(key: Any) -> str:
     if isinstance(key, jax.tree_util.DictKey):
         return str(key.key)

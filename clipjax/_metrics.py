@@ -90,10 +90,6 @@ def _unwrap(x: Any) -> Any:
     return x
 
 
-def _is_node_of_interest(x: Any) -> bool:
-    return is_clipjax_state(x)
-
-
 def _group_values(values: Any, num_groups: int) -> list[Any]:
     # The group axis is the last one: a state stacked by pmap (replicas), vmap
     # or a scan over steps has [..., groups] metrics, read as [...] per group.
@@ -115,7 +111,7 @@ def _emit(state: Any, prefix: str, out: dict[str, Any]) -> None:
 
 
 def _walk(tree: Any, prefix: str, out: dict[str, Any]) -> None:
-    found = jax.tree_util.tree_leaves(tree, is_leaf=_is_node_of_interest)
+    found = jax.tree_util.tree_leaves(tree, is_leaf=is_clipjax_state)
     seen: dict[str, int] = {}
     for node in found:
         if not is_clipjax_state(node):

@@ -49,10 +49,6 @@ def open_unit(name: str, value: Any) -> None:
     check(name, value, lambda x: 0 < x < 1, "in (0, 1)")
 
 
-def finite_positive(name: str, value: Any) -> None:
-    check(name, value, lambda x: 0 < x < math.inf, "finite and > 0")
-
-
 def _static_hint(name: str) -> str:
     return (
         f"{name} fixes shapes or Python control flow, so it must be a Python value; "
