@@ -61,6 +61,7 @@ __all__ = [
     "have_smartclip",
     "have_torch",
     "have_zclip",
+    "p2_restated",
     "regime_shift",
     "smartclip_autoclip",
     "smartclip_zscore",
@@ -751,3 +752,62 @@ def drytorch_reference(
         for k in keys:
             out[k].append(row[k] if per_param else row[k][0])
     return _finalize(out)
+
+
+def p2_restated(xs: Sequence[float], p: float = 0.5, textbook: bool = False) -> np.ndarray:
+    """P² (Jain & Chlamtac 1985) in float64 Python, value after each observation.
+
+    ``textbook=False`` is smartclip's ``core/stats.py`` P2Quantile: its parabolic
+    step without the ``1/(n[i+1]-n[i-1])`` factor, NaN before 5 observations.
+    ``textbook=True`` is clipjax's (SPEC 4.1 FIX): the textbook formula, and the
+    exact median of the observations so far before 5.
+    """
+    q: list[float] = []
+    n: list[int] = []
+    nd: list[float] = []
+    dn = [0.0, p / 2, p, (1 + p) / 2, 1.0]
+    out = []
+    for k_obs, x in enumerate(xs, 1):
+        x = float(x)
+        if k_obs <= 5:
+            q.append(x)
+            if k_obs == 5:
+                q.sort()
+                n = [0, 1, 2, 3, 4]
+                nd = [0.0, 2 * p, 4 * p, 2 + 2 * p, 4.0]
+                out.append(q[2])
+            else:
+                out.append(float(np.median(q)) if textbook else math.nan)
+            continue
+        if x < q[0]:
+            q[0], k = x, 0
+        elif x < q[1]:
+            k = 0
+        elif x < q[2]:
+            k = 1
+        elif x < q[3]:
+            k = 2
+        elif x <= q[4]:
+            k = 3
+        else:
+            q[4], k = x, 3
+        for i in range(k + 1, 5):
+            n[i] += 1
+        for i in range(5):
+            nd[i] += dn[i]
+        for i in range(1, 4):
+            d = nd[i] - n[i]
+            if (d >= 1 and n[i + 1] - n[i] > 1) or (d <= -1 and n[i - 1] - n[i] < -1):
+                s = 1 if d >= 1 else -1
+                factor = s / (n[i + 1] - n[i - 1]) if textbook else s
+                qp = q[i] + factor * (
+                    (n[i] - n[i - 1] + s) * (q[i + 1] - q[i]) / (n[i + 1] - n[i])
+                    + (n[i + 1] - n[i] - s) * (q[i] - q[i - 1]) / (n[i] - n[i - 1])
+                )
+                if q[i - 1] < qp < q[i + 1]:
+                    q[i] = qp
+                else:
+                    q[i] = q[i] + s * (q[i + s] - q[i]) / (n[i + s] - n[i])
+                n[i] += s
+        out.append(q[2])
+    return np.array(out)

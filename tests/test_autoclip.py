@@ -43,53 +43,6 @@ def test_window_percentile_matches_smartclip(
     drive.assert_close(got["quantile"], ref["quantile"])
 
 
-def textbook_p2_median(values: np.ndarray) -> np.ndarray:
-    """Float64 restatement of P² (Jain & Chlamtac 1985) for p=0.5, exact median before 5."""
-    out, q, n = [], [], []
-    p = 0.5
-    desired, inc = None, [0.0, p / 2, p, (1 + p) / 2, 1.0]
-    for x in values:
-        if len(q) < 5 and desired is None:
-            q.append(float(x))
-            if len(q) == 5:
-                q.sort()
-                n = [0, 1, 2, 3, 4]
-                desired = [0.0, 2 * p, 4 * p, 2 + 2 * p, 4.0]
-                out.append(q[2])
-            else:
-                out.append(float(np.median(q)))
-            continue
-        if x < q[0]:
-            q[0], k = x, 0
-        elif x < q[1]:
-            k = 0
-        elif x < q[2]:
-            k = 1
-        elif x < q[3]:
-            k = 2
-        elif x <= q[4]:
-            k = 3
-        else:
-            q[4], k = x, 3
-        for i in range(k + 1, 5):
-            n[i] += 1
-        desired = [d + s for d, s in zip(desired, inc)]
-        for i in (1, 2, 3):
-            d = desired[i] - n[i]
-            if (d >= 1 and n[i + 1] - n[i] > 1) or (d <= -1 and n[i - 1] - n[i] < -1):
-                s = 1 if d >= 0 else -1
-                par = q[i] + s / (n[i + 1] - n[i - 1]) * (
-                    (n[i] - n[i - 1] + s) * (q[i + 1] - q[i]) / (n[i + 1] - n[i])
-                    + (n[i + 1] - n[i] - s) * (q[i] - q[i - 1]) / (n[i] - n[i - 1])
-                )
-                if q[i - 1] < par < q[i + 1]:
-                    q[i] = par
-                else:
-                    q[i] = q[i] + s * (q[i + s] - q[i]) / (n[i + s] - n[i])
-                n[i] += s
-        out.append(q[2])
-    return np.asarray(out)
-
 
 @needs_smartclip
 @pytest.mark.parametrize("stream", sorted(STREAMS))
@@ -98,7 +51,7 @@ def test_auto_mode_textbook_median_and_welford_std(stream: str) -> None:
     kw = dict(warmup_steps=30, min_history=20)
     got = drive.run(clipjax.autoclip(**kw), norms)
     ref = R.smartclip_autoclip(norms, **kw)
-    median = textbook_p2_median(norms)
+    median = R.p2_restated(norms, textbook=True)
     drive.assert_close(got["median"], median)
     drive.assert_close(got["std"][1:], ref["std"][1:])  # Welford ddof=1 as smartclip
     assert got["std"][0] == 0.0  # one sample: 0, not undefined

@@ -131,53 +131,6 @@ def test_smartclip_window_percentile_is_numpy_percentile(smartclip_available):
     np.testing.assert_array_equal(r["clipped"], r["scale"] < 1)
 
 
-def _p2_smartclip(xs, p=0.5):
-    """smartclip's P² (``core/stats.py``) restated, including its parabolic formula."""
-    q, n, nd, dn = [], [], [], []
-    out = []
-    for k_obs, x in enumerate(xs, 1):
-        if k_obs <= 5:
-            q.append(x)
-            if k_obs == 5:
-                q.sort()
-                n = [0, 1, 2, 3, 4]
-                nd = [0.0, 2 * p, 4 * p, 2 + 2 * p, 4.0]
-                dn = [0.0, p / 2, p, (1 + p) / 2, 1.0]
-            out.append(q[2] if k_obs == 5 else math.nan)
-            continue
-        if x < q[0]:
-            q[0], k = x, 0
-        elif x < q[1]:
-            k = 0
-        elif x < q[2]:
-            k = 1
-        elif x < q[3]:
-            k = 2
-        elif x <= q[4]:
-            k = 3
-        else:
-            q[4], k = x, 3
-        for i in range(k + 1, 5):
-            n[i] += 1
-        for i in range(5):
-            nd[i] += dn[i]
-        for i in range(1, 4):
-            d = nd[i] - n[i]
-            if (d >= 1 and n[i + 1] - n[i] > 1) or (d <= -1 and n[i - 1] - n[i] < -1):
-                s = 1 if d >= 1 else -1
-                # No 1/(n[i+1]-n[i-1]) factor: smartclip's formula (SPEC 4.1 FIX).
-                qp = q[i] + s * (
-                    (n[i] - n[i - 1] + s) * (q[i + 1] - q[i]) / (n[i + 1] - n[i])
-                    + (n[i + 1] - n[i] - s) * (q[i] - q[i - 1]) / (n[i] - n[i - 1])
-                )
-                if q[i - 1] < qp < q[i + 1]:
-                    q[i] = qp
-                else:
-                    q[i] = q[i] + s * (q[i + s] - q[i]) / (n[i + s] - n[i])
-                n[i] += s
-        out.append(q[2])
-    return np.array(out)
-
 
 def test_smartclip_auto_mode_median_std_threshold(smartclip_available):
     x = _short()
@@ -198,7 +151,7 @@ def test_smartclip_auto_mode_median_std_threshold(smartclip_available):
             assert r["threshold"][t] == pytest.approx(r["median"][t] + 3 * r["std"][t], rel=1e-14)
         assert r["scale"][t] == _scale_smartclip(x[t], r["threshold"][t], t + 1 >= 10, eps)
     assert r["median"][4] == np.median(x[:5])
-    np.testing.assert_allclose(r["median"], _p2_smartclip(x), rtol=1e-14)
+    np.testing.assert_allclose(r["median"], R.p2_restated(x), rtol=1e-14)
 
 
 def test_smartclip_ema_percentile_restated_and_never_decreases(smartclip_available):
