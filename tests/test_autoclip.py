@@ -43,7 +43,6 @@ def test_window_percentile_matches_smartclip(
     drive.assert_close(got["quantile"], ref["quantile"])
 
 
-
 @needs_smartclip
 @pytest.mark.parametrize("stream", sorted(STREAMS))
 def test_auto_mode_textbook_median_and_welford_std(stream: str) -> None:

@@ -131,7 +131,6 @@ def test_smartclip_window_percentile_is_numpy_percentile(smartclip_available):
     np.testing.assert_array_equal(r["clipped"], r["scale"] < 1)
 
 
-
 def test_smartclip_auto_mode_median_std_threshold(smartclip_available):
     x = _short()
     eps = 1e-8
