@@ -256,6 +256,7 @@ def _assert_trees_close(out: Any, ref: Any) -> None:
         np.testing.assert_allclose(np.asarray(o), np.asarray(r), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.filterwarnings("ignore:optax.global_norm is deprecated")
 @pytest.mark.parametrize("kind", KIND_IDS)
 def test_global_norm_accepts_what_optax_accepts(kind: str) -> None:
     tree = _tree(kind)
@@ -264,6 +265,7 @@ def test_global_norm_accepts_what_optax_accepts(kind: str) -> None:
     np.testing.assert_allclose(float(clipjax.global_norm(tree)), expected, rtol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:optax.global_norm is deprecated")
 @pytest.mark.parametrize("kind", FLOAT_KIND_IDS)
 def test_clip_by_global_norm_accepts_what_optax_accepts(kind: str) -> None:
     tree = _tree(kind)
@@ -302,6 +304,33 @@ def test_agc_accepts_what_optax_accepts(kind: str) -> None:
     _assert_trees_close(out, ref)
 
 
+_MASKED_PAIRS = {
+    "clip_by_global_norm": (
+        lambda: clipjax.clip_by_global_norm(1.0, eps=0.0),
+        lambda: optax.clip_by_global_norm(1.0),
+    ),
+    "clip_by_value": (lambda: clipjax.clip_by_value(0.2), lambda: optax.clip(0.2)),
+    "agc": (lambda: clipjax.agc(0.1), lambda: optax.adaptive_grad_clip(0.1)),
+}
+
+
+@pytest.mark.parametrize("pair", sorted(_MASKED_PAIRS))
+def test_inside_optax_masked_equals_optax(pair: str) -> None:
+    mine, theirs = _MASKED_PAIRS[pair]
+    params = {"params": {"w": _W, "b": jnp.full((5,), 4.0), "s": jnp.asarray(2.0)}}
+    mask = {"params": {"w": True, "b": False, "s": True}}
+    grads = jax.tree.map(lambda x: 3.0 * x, params)
+    out = {}
+    for label, make in (("clipjax", mine), ("optax", theirs)):
+        tx = optax.masked(make(), mask)
+        state = tx.init(params)
+        out[label], state = jax.jit(tx.update)(grads, state, params)
+    _assert_trees_close(out["clipjax"], out["optax"])
+    np.testing.assert_array_equal(out["clipjax"]["params"]["b"], grads["params"]["b"])
+
+
+# jax warns before a complex -> real cast becomes an error: the imaginary part is lost.
+@pytest.mark.filterwarnings("error:Casting from complex to real")
 @pytest.mark.parametrize("kind", FLOAT_KIND_IDS)
 @pytest.mark.parametrize("case", IDS)
 def test_every_clipper_runs_on_every_leaf_kind(case: str, kind: str) -> None:
