@@ -750,7 +750,9 @@ class ClippedNormEma(Statistic):
 
     def observe(self, state: Any, x: jax.Array, count: jax.Array) -> Any:
         ema = self.beta * state + (1 - self.beta) * x
-        return jnp.where(count < self.warmup_steps, jnp.minimum(state, x), ema)
+        # Without warm-up, gamma starts at the first norm rather than staying +inf.
+        start = (count < self.warmup_steps) | jnp.isinf(state)
+        return jnp.where(start, jnp.minimum(state, x), ema)
 
     def report(self, state: Any) -> dict[str, jax.Array]:
         return {"mean": state}
