@@ -19,6 +19,7 @@ from clipjax._hist_clip import (
     zstat_criterion,
 )
 from clipjax._metrics import GroupInfo, metrics
+from clipjax._skip import SkipOnSpikeState, skip_on_spike
 from clipjax._static import ClipByGlobalNormState, clip_by_global_norm, global_norm
 from clipjax._value import (
     ClipByPercentileState,
@@ -45,6 +46,7 @@ __all__ = [
     "GroupInfo",
     "HistClipState",
     "NormalizePerParamState",
+    "SkipOnSpikeState",
     "ZClipState",
     "ZScoreClipState",
     "ZScoreNormalizeState",
@@ -62,6 +64,7 @@ __all__ = [
     "normalize_per_param",
     "path_name",
     "reciprocal_clipping",
+    "skip_on_spike",
     "zclip",
     "zscore_clip",
     "zscore_normalize",
