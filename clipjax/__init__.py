@@ -5,8 +5,15 @@ jit-compatible pytree carrying its per-step metrics; read them with
 :func:`clipjax.metrics`.
 """
 
+from clipjax._adagc import AdaGCState, adagc
 from clipjax._agc import AGCState, agc
 from clipjax._autoclip import AutoClipState, autoclip
+from clipjax._elementwise import (
+    ClipByPercentileState,
+    ClipByValueState,
+    clip_by_percentile,
+    clip_by_value,
+)
 from clipjax._grouping import path_name
 from clipjax._hist_clip import (
     Criterion,
@@ -19,25 +26,25 @@ from clipjax._hist_clip import (
     zstat_criterion,
 )
 from clipjax._metrics import GroupInfo, metrics
+from clipjax._percentile import approx_percentile, exact_percentile
 from clipjax._skip import SkipOnSpikeState, skip_on_spike
-from clipjax._static import ClipByGlobalNormState, clip_by_global_norm, global_norm
-from clipjax._value import (
-    ClipByPercentileState,
-    ClipByValueState,
+from clipjax._static import (
+    ClipByGlobalNormState,
     NormalizePerParamState,
     ZScoreNormalizeState,
-    clip_by_percentile,
-    clip_by_value,
+    clip_by_global_norm,
+    global_norm,
     normalize_per_param,
     zscore_normalize,
 )
 from clipjax._zclip import ZClipState, zclip
 from clipjax._zscore_clip import ZScoreClipState, zscore_clip
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AGCState",
+    "AdaGCState",
     "AutoClipState",
     "ClipByGlobalNormState",
     "ClipByPercentileState",
@@ -50,12 +57,15 @@ __all__ = [
     "ZClipState",
     "ZScoreClipState",
     "ZScoreNormalizeState",
+    "adagc",
     "agc",
+    "approx_percentile",
     "autoclip",
     "clip_by_global_norm",
     "clip_by_percentile",
     "clip_by_value",
     "ema_criterion",
+    "exact_percentile",
     "global_norm",
     "hist_clip",
     "max_clipping",

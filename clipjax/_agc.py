@@ -2,47 +2,64 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from clipjax import _engine, _grouping, _metrics, _validation
-from clipjax._engine import Decision, NormRule
-
-AGCState = _engine.register_algo(
-    "agc", "State of :func:`agc`: metrics per group (per leaf when unitwise).", "AGCState"
-)
+from clipjax import _engine, _validation
+from clipjax._engine import ElementwiseRule, Judgement, NormRule, Step
+from clipjax._grouping import Grouping
+from clipjax._metrics import GroupInfo
 
 # optax's guard in unitwise_clip, "distinct from the normal eps".
 _DIV_EPS = 1e-6
+
+Axis = int | tuple[int, ...] | None
+
+
+class AGCState(NamedTuple):
+    """State of :func:`agc`: metrics per group (per leaf when unitwise).
+
+    Attributes:
+      stats: empty.
+      metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.
+      info: static names (algorithm, prefix, groups, leaves).
+      leaf_index: each leaf's group index, int32 scalars (empty for one group).
+      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+    """
+
+    stats: Any
+    metrics: dict[str, jax.Array]
+    info: GroupInfo
+    leaf_index: tuple[jax.Array, ...]
+    leaf_metrics: dict[str, jax.Array]
 
 
 def _exclude_small(path: Any, leaf: Any) -> bool:
     return jnp.ndim(leaf) > 1
 
 
-def unit_axes(x: Any) -> Any:
-    """optax's unit convention: the reduction axes of :func:`optax.unitwise_norm`."""
+def unit_axes(x: Any, axis: Axis = None) -> Any:
+    """The reduction axes of a unit norm: ``axis``, or optax's rule by rank."""
+    if axis is not None:
+        return axis
     shape = jnp.shape(x)
     if sum(d != 1 for d in shape) <= 1:  # scalars and (squeezed) vectors
         return None
     if len(shape) in (2, 3):
         return 0
-    if len(shape) == 4:
-        return (0, 1, 2)
-    if len(shape) == 5:
-        return (0, 1, 2, 3)
+    if len(shape) in (4, 5):
+        return tuple(range(len(shape) - 1))
     raise ValueError(
         f"agc: unitwise scope expects parameters of rank 1 to 5, got shape {shape}; "
-        "use a grouped scope for other shapes."
+        "pass axis= or use a grouped scope for other shapes."
     )
 
 
-def _unit_norm(x: jax.Array, dtype: Any) -> jax.Array:
+def _unit_norm(x: jax.Array, dtype: Any, axis: Axis) -> jax.Array:
     sq = jnp.real(x * jnp.conj(x)).astype(dtype) if jnp.iscomplexobj(x) else x.astype(dtype) ** 2
-    return jnp.sqrt(jnp.sum(sq, axis=unit_axes(x), keepdims=True))
+    return jnp.sqrt(jnp.sum(sq, axis=unit_axes(x, axis), keepdims=True))
 
 
 def agc(
@@ -51,9 +68,11 @@ def agc(
     scope: Any = "unitwise",
     exclude_bias_bn: bool = False,
     *,
+    axis: Axis = None,
     axis_name: str | None = None,
+    leaf_norms: bool = False,
     name: str | None = None,
-) -> optax.GradientTransformationExtraArgs:
+) -> _engine.ClipTransform:
     """Adaptive Gradient Clipping: bound each gradient relative to its weights.
 
     * ``scope="unitwise"`` (default) is exactly ``optax.adaptive_grad_clip``:
@@ -78,8 +97,14 @@ def agc(
       scope: ``"unitwise"``, ``"global"``, ``"per_layer"``, ``"per_param"`` or
         a callable.
       exclude_bias_bn: do not clip leaves with ``ndim <= 1``.
+      axis: unitwise only: the axis or axes a unit's norm is taken over
+        (``optax.adaptive_grad_clip``'s ``axis``); None for optax's rule by
+        rank (1-D: the whole vector; 2-D and 3-D: axis 0; 4-D: axes 0-2;
+        5-D: axes 0-3). Leaves of other ranks need ``axis``.
       axis_name: average the gradient norms (per unit, or per group) over this
-        mapped axis first, so every replica applies the same scale (SPEC 5).
+        mapped axis first, so every replica applies the same scale.
+      leaf_norms: also record each leaf's L2 gradient norm under
+        ``agc/leaf/...`` (grouped scopes; unitwise already reports it per leaf).
       name: metrics prefix (default ``agc``).
 
     Returns:
@@ -105,58 +130,49 @@ def agc(
     _validation.positive("clipping", clipping)
     _validation.non_negative("eps", eps)
     if scope == "unitwise":
-        return _unitwise(clipping, eps, exclude_bias_bn, name, axis_name)
+        return _unitwise(clipping, eps, exclude_bias_bn, axis, name, axis_name, leaf_norms)
+    if axis is not None:
+        raise ValueError(f'axis applies to scope="unitwise" only, got scope={scope!r}')
 
-    def decide(before: Any, after: Any, g: jax.Array, count: jax.Array, aux: Any) -> Decision:
+    def judge(stats: Any, g: jax.Array, count: jax.Array, aux: Any) -> Judgement:
         weight_norm = aux["weight_norm"]
         target = jnp.maximum(eps, clipping * (weight_norm + eps))
         scale = jnp.minimum(1.0, target / (g + eps))
-        return Decision(target, scale, {"weight_norm": weight_norm})
+        return Judgement(target, scale, extra={"weight_norm": weight_norm})
 
     rule = NormRule(
         "agc",
-        decide,
+        judge,
+        extra_fields=("weight_norm",),
         threshold_name="target",
         needs_params=True,
         leaf_filter=_exclude_small if exclude_bias_bn else None,
     )
-    return _engine.norm_transform(rule, scope=scope, name=name, axis_name=axis_name)
+    return _engine.transform(
+        rule, AGCState, scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms
+    )
 
 
 def _unitwise(
-    clipping: Any, eps: Any, exclude_bias_bn: bool, name: str | None, axis_name: str | None
-) -> optax.GradientTransformationExtraArgs:
+    clipping: Any,
+    eps: Any,
+    exclude_bias_bn: bool,
+    axis: Axis,
+    name: str | None,
+    axis_name: str | None,
+    leaf_norms: bool,
+) -> _engine.ClipTransform:
     fields = ("grad_norm", "weight_norm", "target", "scale", "clipped", "clipped_fraction")
 
-    def init_fn(params: Any) -> Any:
-        _metrics.ensure_serializable()
-        leaves, _, _ = _grouping.leaves_with_names(params)
+    def check_leaves(leaves: list[Any]) -> None:
         for x in leaves:
-            unit_axes(x)
-        grouping = _grouping.make_grouping(params, "per_param")
-        num = grouping.num_groups
-        dtype = _grouping.norm_dtype(leaves)
-        metrics = {f: jnp.zeros((num,), dtype) for f in fields}
-        metrics["scale"] = jnp.ones((num,), dtype)
-        metrics["clipped"] = jnp.zeros((num,), bool)
-        metrics.update(_engine.counters(num))
-        info = _metrics.GroupInfo("agc", name, grouping.names, grouping.fingerprint)
-        return _engine.own_buffers(AGCState((), metrics, info, None))
+            unit_axes(x, axis)
 
-    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
-        del extra_args
-        if params is None:
-            raise ValueError("agc needs the parameters: call update(updates, state, params).")
-        leaves, _, treedef = _grouping.leaves_with_names(updates)
-        p_leaves, _, _ = _grouping.leaves_with_names(params)
-        grouping = _grouping.make_grouping(updates, "per_param")
-        _engine._check_state(state, grouping, state.info)
-        grouping.check_matches(_grouping.make_grouping(params, "per_param"), "update's params")
-        dtype = _grouping.norm_dtype(leaves)
+    def kernel(leaves: list[jax.Array], params: Any, grouping: Grouping, dtype: Any) -> Step:
         out, rows = [], {f: [] for f in fields}
-        for x, p in zip(leaves, p_leaves):
-            g_unit = _unit_norm(x, dtype)
-            w_unit = _unit_norm(p, dtype)
+        for x, p in zip(leaves, params):
+            g_unit = _unit_norm(x, dtype, axis)
+            w_unit = _unit_norm(p, dtype, axis)
             if axis_name is not None:
                 # Every replica decides from the same (averaged) unit norms.
                 g_unit = jax.lax.pmean(g_unit, axis_name)
@@ -179,13 +195,10 @@ def _unitwise(
             rows["clipped_fraction"].append(jnp.mean(unit_scale < 1))
             rows["clipped"].append(smallest < 1)
         num = grouping.num_groups
-        metrics = {
-            f: (jnp.stack(v) if v else jnp.zeros((num,))).astype(state.metrics[f].dtype)
-            for f, v in rows.items()
-        }
+        metrics = {f: jnp.stack(v) if v else jnp.zeros((num,)) for f, v in rows.items()}
         finite = jnp.isfinite(metrics["grad_norm"])
-        metrics.update(_engine.advance_counters(state.metrics, finite, metrics["clipped"], finite))
-        new_state = state._replace(metrics=metrics)
-        return jax.tree_util.tree_unflatten(treedef, out), new_state
+        return Step(out, metrics, finite, metrics["clipped"], metrics["grad_norm"])
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    kinds = {f: (jnp.bool_ if f == "clipped" else None) for f in fields}
+    rule = ElementwiseRule("agc", kernel, kinds, needs_params=True, check_leaves=check_leaves)
+    return _engine.transform(rule, AGCState, scope="per_param", name=name, leaf_norms=leaf_norms)

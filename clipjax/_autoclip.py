@@ -8,23 +8,28 @@ import jax
 import jax.numpy as jnp
 
 from clipjax import _engine, _stats, _validation
-from clipjax._engine import Decision, NormRule
-
-AutoClipState = _engine.register_algo(
-    "autoclip", "State of :func:`autoclip`: the statistics of its mode.", "AutoClipState"
-)
+from clipjax._engine import Judgement, NormRule
+from clipjax._metrics import GroupInfo
 
 
-class AutoStats(NamedTuple):
-    """Statistics of ``autoclip(mode="auto")``.
+class AutoClipState(NamedTuple):
+    """State of :func:`autoclip`.
 
     Attributes:
-      median: P² median markers.
-      moments: Welford count, mean and sum of squared deviations.
+      stats: the statistics of its mode, stacked over groups: P² median
+        markers and Welford moments (``mode="auto"``), the window, or the
+        streaming / geometric quantile.
+      metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.
+      info: static names (algorithm, prefix, groups, leaves).
+      leaf_index: each leaf's group index, int32 scalars (empty for one group).
+      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
     """
 
-    median: Any
-    moments: Any
+    stats: Any
+    metrics: dict[str, jax.Array]
+    info: GroupInfo
+    leaf_index: tuple[jax.Array, ...]
+    leaf_metrics: dict[str, jax.Array]
 
 
 def autoclip(
@@ -39,7 +44,10 @@ def autoclip(
     eps: float = 1e-8,
     guard_nans: bool = True,
     *,
+    feedback: str = "observe_first",
+    quantile_lr: float = 0.2,
     axis_name: str | None = None,
+    leaf_norms: bool = False,
     name: str | None = None,
 ) -> _engine.ClipTransform:
     """AutoClip: clip to a threshold learnt from the history of gradient norms.
@@ -113,58 +121,58 @@ def autoclip(
       smartclip ``AutoClip`` (PyPI ``smartclip``).
     """
     _validation.choice("mode", mode, ("auto", "percentile"))
-    _validation.choice("history", history, ("window", "ema"))
+    _validation.choice("history", history, ("window", "ema", "geometric"))
     _validation.check("percentile", percentile, lambda x: 0 < x <= 100, "in (0, 100]")
     _validation.integer("window_size", window_size, minimum=1)
     _validation.open_unit("ema_decay", ema_decay)
+    _validation.positive("quantile_lr", quantile_lr)
     _validation.integer("warmup_steps", warmup_steps, static=False)
     _validation.integer("min_history", min_history, static=False)
     _validation.positive("eps", eps)
-    kind = "auto" if mode == "auto" else history
-
-    def init(num_groups: int, dtype: Any) -> Any:
-        if kind == "auto":
-            return AutoStats(
-                _stats.p2_init(num_groups, 0.5, dtype), _stats.welford_init(num_groups, dtype)
+    _engine.check_feedback(feedback, _engine.FEEDBACKS)
+    if mode == "auto":
+        statistic: _stats.Statistic = _stats.MedianStd(floor=eps)
+    elif history == "window":
+        statistic = _stats.WindowQuantile(eps, window_size, percentile)
+    elif history == "ema":
+        statistic = _stats.StreamingQuantile(eps, percentile, ema_decay)
+    else:
+        statistic = _stats.GeometricQuantile(eps, percentile, quantile_lr)
+    if mode == "percentile":
+        # A quantile is a rank statistic: a spike moves it by one rank at most,
+        # while feeding it its own threshold only drags it down.
+        if feedback == "skip":
+            raise ValueError(
+                'feedback="skip" is not available with mode="percentile": a p-quantile '
+                "threshold fires on 1 - p of the steps by design, and never observing "
+                'them drags it down without bound; use feedback="clipped" (judge first, '
+                "observe the norm)"
             )
-        if kind == "window":
-            return _stats.window_init(num_groups, window_size, dtype)
-        return _stats.squantile_init(num_groups, dtype)
+        if feedback == "clipped":
+            feedback = "raw"
 
-    def observe(stats: Any, g: jax.Array, count: jax.Array) -> Any:
-        x = _engine.smartclip_observation(g, eps)
-        if kind == "auto":
-            return AutoStats(
-                _stats.p2_update(stats.median, x, 0.5), _stats.welford_update(stats.moments, x)
-            )
-        if kind == "window":
-            return _stats.window_update(stats, x)
-        return _stats.squantile_update(stats, x, percentile / 100.0, ema_decay)
-
-    def report(stats: Any) -> dict[str, jax.Array]:
-        if kind == "auto":
-            return {
-                "median": _stats.p2_value(stats.median),
-                "std": _stats.welford_std(stats.moments),
-            }
-        if kind == "window":
-            return {"quantile": _stats.window_percentile(stats, percentile)}
-        return {"quantile": _stats.squantile_value(stats)}
-
-    def threshold_of(stats: Any) -> jax.Array:
-        values = report(stats)
-        if kind == "auto":
+    def judge(stats: Any, g: jax.Array, count: jax.Array, aux: Any) -> Judgement:
+        values = statistic.report(stats)
+        if mode == "auto":
             raw = values["median"] + 3.0 * values["std"]
         else:
             raw = values["quantile"]
-        return jnp.maximum(raw, eps)
+        threshold = jnp.maximum(raw, eps)
+        return Judgement(threshold, jnp.minimum(1.0, threshold / (g + eps)))
 
-    def decide(before: Any, after: Any, g: jax.Array, count: jax.Array, aux: Any) -> Decision:
-        threshold = threshold_of(after)
-        gate = jnp.maximum(warmup_steps, min_history)
-        return _engine.observe_then_clip(threshold, g, count, eps, gate)
-
-    rule = NormRule("autoclip", decide, init=init, observe=observe, report=report)
-    return _engine.norm_transform(
-        rule, scope=scope, name=name, axis_name=axis_name, guard_nans=guard_nans
+    rule = NormRule(
+        "autoclip",
+        judge,
+        statistic,
+        feedback=feedback,
+        gate=jnp.maximum(warmup_steps, min_history),
+    )
+    return _engine.transform(
+        rule,
+        AutoClipState,
+        scope=scope,
+        name=name,
+        axis_name=axis_name,
+        guard_nans=guard_nans,
+        leaf_norms=leaf_norms,
     )

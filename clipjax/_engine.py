@@ -1,17 +1,21 @@
-"""The one engine every norm-based clipper runs on.
+"""The one engine every clipjax transform runs on.
 
-An algorithm is described by a :class:`NormRule`: how to initialise its
-statistics (stacked ``[groups, ...]`` arrays), how one finite observation
-updates them, and how statistics and the current norm decide a threshold and
-a scale. The engine does everything else, once, for every clipper:
+An algorithm is a rule, and there are two kinds:
 
-1. group the leaves by ``scope`` and compute all group norms in one pass;
-2. average them over ``axis_name`` when given (SPEC 5);
-3. feed finite norms to the statistics and keep non-finite ones out: the
-   group's statistics and count stay as they were, its gradient passes
-   through (scale 1) and ``nonfinite_count`` grows (SPEC 3);
-4. apply one scalar per group with a plain multiply (SPEC 7);
-5. record the metrics and counters in the state.
+* a :class:`NormRule` clips each group by one scalar. It states its
+  statistics (a :class:`clipjax._stats.Statistic`) and how they and the
+  current group norm judge a step (a :class:`Judgement`: threshold, scale,
+  whether it fired and what it clips to). The engine does everything else:
+  group norms in one pass, ``axis_name`` averaging, the warm-up gate, the
+  order (observe first, or judge first and then feed back the raw norm, the
+  clipped norm or nothing), keeping non-finite norms out of the statistics,
+  scaling with one multiply per leaf, counters and metrics;
+* an :class:`ElementwiseRule` changes elements (clamping, normalising,
+  per-unit AGC). It returns the new leaves and its ``[groups]`` metrics; the
+  engine does grouping, tree checks, counters and metrics.
+
+Both kinds share one state layout (see :func:`transform`) and one
+``init``/``update`` skeleton.
 """
 
 from __future__ import annotations
@@ -24,123 +28,137 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _grouping, _metrics
-from clipjax._grouping import Scope
+from clipjax import _grouping, _metrics, _stats
+from clipjax._grouping import Grouping, Scope
 
-Stats = Any
 Array = jax.Array
 
+FEEDBACKS = ("observe_first", "raw", "clipped", "skip")
+COUNTERS = ("count", "step", "clipped_count", "nonfinite_count")
 
-class Decision(NamedTuple):
-    """What a rule decides for one step, per group (all ``[groups]``).
+
+class Judgement(NamedTuple):
+    """How a norm rule judges one step, per group (all ``[groups]``).
 
     Attributes:
-      threshold: the threshold to report (``target`` for AGC).
-      scale: the multiplier to apply, in [0, 1], assuming a finite norm.
-      extra: per-step metrics beyond the statistics (e.g. zclip's ``z``).
-      in_warmup: groups whose warm-up transform applies this step, or None.
+      threshold: the threshold to report (``target`` for AGC), or None.
+      scale: the multiplier to apply, assuming a finite norm and an open gate.
+      fires: where the rule clips (feedback applies there); default
+        ``scale < 1``.
+      clip_to: what ``feedback="clipped"`` observes where the rule fires;
+        default ``threshold``.
+      observation: what is observed where it does not fire; default the norm.
+      warming: groups whose warm-up transform applies this step, or None.
+      extra: per-step metrics beyond the statistics (zclip's ``z``, ...).
     """
 
     threshold: Array | None
     scale: Array
+    fires: Array | None = None
+    clip_to: Array | None = None
+    observation: Array | None = None
+    warming: Array | None = None
     extra: dict[str, Array] = {}
-    in_warmup: Array | None = None
 
 
-def _no_stats(num_groups: int, dtype: Any) -> Stats:
-    return ()
-
-
-def _no_report(stats: Stats) -> dict[str, Array]:
-    return {}
+Judge = Callable[[Any, Array, Array, dict[str, Array]], Judgement]
 
 
 @dataclasses.dataclass(frozen=True)
 class NormRule:
-    """An algorithm, as the engine sees it.
+    """An algorithm that scales each group by one scalar.
 
     Attributes:
-      algo: the factory's name, used as metrics prefix.
-      decide: ``(stats_before, stats_after, norm, count, aux) -> Decision``;
-        ``count`` is the number of finite observations before this step (this
-        step's observation is number ``count + 1``); ``aux`` holds
-        ``weight_norm`` for rules that need params.
-      init: ``(num_groups, dtype) -> stats``, stacked ``[groups, ...]`` arrays.
-      observe: ``(stats, norm, count_before) -> stats`` for one finite norm;
-        None for stateless rules.
-      report: ``stats -> {name: [groups]}``, the statistics to record.
-      ord: the norm's order (2 unless a static clipper says otherwise).
-      threshold_name: the metric name of ``Decision.threshold``.
-      needs_params: whether ``decide`` needs the group norms of ``params``.
+      algo: the factory's name, the metrics prefix.
+      judge: ``(stats, norm, count, aux) -> Judgement``. ``stats`` are the
+        statistics before this step (after it with ``"observe_first"``);
+        ``count`` the group's finite observations before this step; ``aux``
+        holds ``weight_norm`` when ``needs_params``.
+      statistic: the statistics, or None for a stateless rule.
+      feedback: ``"observe_first"``, ``"raw"``, ``"clipped"`` or ``"skip"``.
+      gate: finite observations a group needs before the rule may clip
+        (scale 1 until then), or None when the rule handles its own warm-up.
+      extra_fields: the names in ``Judgement.extra``.
+      threshold_name: the metric name of ``Judgement.threshold``.
+      ord: the norm's order.
+      needs_params: whether ``judge`` needs the group norms of ``params``.
       leaf_filter: ``(path, leaf) -> bool``; leaves it rejects are left out of
         the norms and pass through unscaled.
     """
 
     algo: str
-    decide: Callable[..., Decision]
-    init: Callable[[int, Any], Stats] = _no_stats
-    observe: Callable[[Stats, Array, Array], Stats] | None = None
-    report: Callable[[Stats], dict[str, Array]] = _no_report
-    ord: float = 2.0
+    judge: Judge
+    statistic: _stats.Statistic | None = None
+    feedback: str = "raw"
+    gate: Any = None
+    extra_fields: tuple[str, ...] = ()
     threshold_name: str | None = "threshold"
+    ord: float = 2.0
     needs_params: bool = False
     leaf_filter: Callable[[Any, Any], bool] | None = None
 
 
-class ClipTransform(optax.GradientTransformationExtraArgs):
-    """A clipjax transform: an optax transform that also knows its rule.
+class Step(NamedTuple):
+    """What an element-wise kernel returns for one update.
 
-    It is an ``optax.GradientTransformationExtraArgs`` in every respect; the
-    extra attributes let one clipjax transform reuse another's rule (hist_clip
-    fuses a clipjax ``warmup_clip`` into its own single pass).
+    Attributes:
+      leaves: the new leaves, each in its input dtype.
+      metrics: ``{field: [groups] array}`` for this step.
+      finite: ``[groups]`` bool, the group's norm is finite.
+      clipped: ``[groups]`` bool, some element was clipped (None: never).
+      leaf_norms: ``[leaves]`` L2 norms, when the kernel has them anyway.
     """
 
-    rule: NormRule | None = None
-    rescope: Callable[[Scope], ClipTransform] | None = None
+    leaves: list[Array]
+    metrics: dict[str, Array]
+    finite: Array
+    clipped: Array | None = None
+    leaf_norms: Array | None = None
 
 
-def state_class(name: str, doc: str) -> type:
-    """A NamedTuple state class with a unique ``name`` (for ``tree_get``)."""
-    cls = NamedTuple(
-        name,
-        [
-            ("stats", Any),
-            ("metrics", dict),
-            ("info", _metrics.GroupInfo),
-            ("inner", Any),
-            ("leaf_index", tuple),
-        ],
-    )
-    cls.__new__.__defaults__ = (None, ())
-    cls.__doc__ = (
-        f"{doc}\n\n"
-        "Attributes:\n"
-        "  stats: the algorithm's statistics, stacked ``[groups, ...]`` arrays.\n"
-        "  metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.\n"
-        "  info: static names (algorithm, prefix, groups); no array leaves.\n"
-        "  inner: the state of a nested transform (hist_clip's ``warmup_clip``).\n"
-        "  leaf_index: each leaf's group index as an int32 scalar (empty for one\n"
-        "    group); see :func:`clipjax._grouping.apply_scales`.\n"
-    )
-    cls.__module__ = "clipjax"
-    return _metrics.register_state(cls)
+@dataclasses.dataclass(frozen=True)
+class ElementwiseRule:
+    """An algorithm that changes elements.
+
+    Attributes:
+      algo: the factory's name, the metrics prefix.
+      kernel: ``(leaves, param_leaves, grouping, dtype) -> Step``.
+      fields: ``{metric: dtype}`` (None: the statistics dtype).
+      needs_params: whether ``kernel`` needs ``params``.
+      clipped_count: whether the state counts clipped steps.
+      check_leaves: ``(leaves) -> None``, run at ``init``.
+    """
+
+    algo: str
+    kernel: Callable[[list[Array], list[Array] | None, Grouping, Any], Step]
+    fields: dict[str, Any]
+    needs_params: bool = False
+    clipped_count: bool = True
+    check_leaves: Callable[[list[Any]], None] | None = None
 
 
-def _check_state(state: Any, grouping: _grouping.Grouping, info: _metrics.GroupInfo) -> None:
-    if state.info.groups != grouping.names or state.info.tree != grouping.fingerprint:
-        raise ValueError(
-            f"{info.algo}: the tree passed to update does not match the tree passed to "
-            f"init: init saw groups {_grouping._short(state.info.groups)}, update got "
-            f"{_grouping._short(grouping.names)} (leaf names or shapes differ: "
-            f"{len(grouping.leaf_names)} leaves {_grouping._short(grouping.leaf_names)})."
-        )
-    for field, value in state.metrics.items():
-        if jnp.shape(_metrics._unwrap(value))[:1] != (grouping.num_groups,):
-            raise ValueError(
-                f"{info.algo}: state field {field!r} has shape {jnp.shape(value)}, expected "
-                f"[{grouping.num_groups}] for the groups of this tree; was the state "
-                "restored from another model?"
-            )
+Rule = NormRule | ElementwiseRule
+
+
+class ClipTransform(optax.GradientTransformationExtraArgs):
+    """A clipjax transform: an optax transform that can be rebuilt for a scope.
+
+    ``configure(scope=..., axis_name=...)`` returns the same transform with
+    other engine settings; hist_clip uses it to run a clipjax ``warmup_clip``
+    on its own groups.
+    """
+
+    configure: Callable[..., ClipTransform] | None = None
+
+
+def check_feedback(feedback: Any, allowed: tuple[str, ...]) -> None:
+    if feedback not in allowed:
+        raise ValueError(f"feedback must be one of {allowed}, got {feedback!r}")
+
+
+def check_name(name: Any) -> None:
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"name must be a non-empty str, got {name!r}")
 
 
 def own_buffers(state: Any) -> Any:
@@ -152,295 +170,352 @@ def own_buffers(state: Any) -> Any:
     return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
 
 
-def _where_groups(mask: Array, new: Stats, old: Stats) -> Stats:
-    """Per-group select on stacked statistics (``[groups, ...]`` arrays)."""
+def select_groups(mask: Array, new: Any, old: Any) -> Any:
+    """Per-group select on stacked ``[groups, ...]`` arrays (never full tensors)."""
 
     def pick(n: Array, o: Array) -> Array:
-        m = mask.reshape(mask.shape + (1,) * (n.ndim - 1))
+        m = mask.reshape(mask.shape + (1,) * (jnp.ndim(n) - 1))
         return jnp.where(m, n, o)
 
     return jax.tree.map(pick, new, old)
 
 
-def _counter(num_groups: int) -> Array:
-    return jnp.zeros((num_groups,), jnp.int32)
-
-
-def counters(num_groups: int) -> dict[str, Array]:
-    return {
-        "count": _counter(num_groups),
-        "step": _counter(num_groups),
-        "clipped_count": _counter(num_groups),
-        "nonfinite_count": _counter(num_groups),
-    }
-
-
-def advance_counters(
-    metrics: dict[str, Array], observed: Array, clipped: Array, finite: Array
+def _advance_counters(
+    old: dict[str, Array], observed: Array, clipped: Array, finite: Array
 ) -> dict[str, Array]:
-    one = jnp.ones((), jnp.int32)
-    return {
-        "count": metrics["count"] + observed.astype(jnp.int32),
-        "step": metrics["step"] + one,
-        "clipped_count": metrics["clipped_count"] + clipped.astype(jnp.int32),
-        "nonfinite_count": metrics["nonfinite_count"] + (~finite).astype(jnp.int32),
+    increments = {
+        "count": observed,
+        "step": True,
+        "clipped_count": clipped,
+        "nonfinite_count": ~finite,
     }
+    return {k: old[k] + jnp.asarray(v).astype(jnp.int32) for k, v in increments.items() if k in old}
 
 
-def gate_scale(threshold: Array, norm: Array, eps: Any, gate_open: Array) -> Array:
-    """``min(1, T / (g + eps))`` where the gate is open, else 1 (SPEC 3).
+def idle_metrics(metrics: dict[str, Array]) -> dict[str, Array]:
+    """The metrics of a step on which the transform did not run: as at init.
 
-    A select on ``[groups]``-sized arrays only; the leaves see one multiply.
+    ``scale`` 1, ``clipped`` False, every other per-step field 0; counters
+    keep their totals.
     """
-    scale = jnp.minimum(1.0, threshold / (norm + eps))
-    return jnp.where(gate_open, scale, jnp.ones_like(scale))
+    out = {}
+    for key, value in metrics.items():
+        if key in COUNTERS:
+            out[key] = value
+        elif key == "scale":
+            out[key] = jnp.ones_like(value)
+        else:
+            out[key] = jnp.zeros_like(value)
+    return out
 
 
-def observe_then_clip(threshold: Array, norm: Array, count: Array, eps: Any, gate: Any) -> Decision:
-    """smartclip's rule: the threshold already includes this step's observation.
-
-    The gate opens once the group has ``gate`` finite observations counting
-    this one (smartclip: ``t + 1 >= max(warmup_steps, min_history)``).
-    """
-    return Decision(threshold, gate_scale(threshold, norm, eps, count + 1 >= gate))
-
-
-def smartclip_observation(norm: Array, eps: Any) -> Array:
-    """What smartclip feeds its statistics: ``g if g > 0 else eps`` (``ensure_positive``).
-
-    With ``guard_nans=False`` this is also how a NaN enters them: as ``eps``.
-    """
-    return jnp.where(norm > 0, norm, jnp.asarray(eps, norm.dtype))
-
-
-def _filtered_grouping(tree: Any, scope: Scope, rule: NormRule) -> tuple[Any, ...]:
-    leaves, paths, treedef = _grouping.leaves_with_names(tree)
-    grouping = _grouping.make_grouping(tree, scope)
-    if rule.leaf_filter is None:
-        keep = None
+def _state_metrics(rule: Rule, num_groups: int, dtype: Any, stats: Any) -> dict[str, Array]:
+    zeros = jnp.zeros((num_groups,), dtype)
+    if isinstance(rule, ElementwiseRule):
+        metrics = {
+            f: (jnp.ones if f == "scale" else jnp.zeros)(
+                (num_groups,), dtype if kind is None else kind
+            )
+            for f, kind in rule.fields.items()
+        }
     else:
-        keep = tuple(bool(rule.leaf_filter(p, x)) for p, x in zip(paths, leaves))
-    return leaves, treedef, grouping, keep
-
-
-def _norms(leaves: list[Array], grouping: Any, keep: Any, ord: float) -> Array:
-    if keep is None:
-        return _grouping.group_norms(leaves, grouping, ord)
-    zero = [x if k else jnp.zeros((), x.dtype) for x, k in zip(leaves, keep)]
-    return _grouping.group_norms(zero, grouping, ord)
-
-
-def _apply(
-    leaves: list[Array], grouping: Any, keep: Any, scale: Array, index: tuple = ()
-) -> list[Array]:
-    scaled = _grouping.apply_scales(leaves, grouping, scale, index)
-    if keep is None:
-        return scaled
-    return [s if k else x for x, s, k in zip(leaves, scaled, keep)]
-
-
-def advance(
-    rule: NormRule,
-    state: Any,
-    norm: Array,
-    aux: dict[str, Array],
-    guard_nans: bool = True,
-    observe_mask: Array | None = None,
-) -> tuple[Array, Any, Decision]:
-    """One step of ``rule`` from group norms alone: ``(scale, new_state, decision)``.
-
-    Non-finite norms never reach the statistics (unless ``guard_nans`` is
-    False) and always get scale 1. ``observe_mask`` further limits which groups
-    advance (a warm-up transform advances only on warm-up steps).
-    """
-    finite = jnp.isfinite(norm)
-    observed = finite if guard_nans else jnp.ones_like(finite)
-    if observe_mask is not None:
-        observed = observed & observe_mask
-    count = state.metrics["count"]
-    stats_before = state.stats
-    if rule.observe is None:
-        stats_after = stats_before
-    else:
-        stats_after = _where_groups(observed, rule.observe(stats_before, norm, count), stats_before)
-    decision = rule.decide(stats_before, stats_after, norm, count, aux)
-    scale = jnp.where(finite, decision.scale, jnp.ones_like(decision.scale)).astype(norm.dtype)
-    clipped = scale < 1
-    metrics = {"grad_norm": norm}
-    if rule.threshold_name is not None:
-        metrics[rule.threshold_name] = decision.threshold
-    metrics["scale"] = scale
-    metrics["clipped"] = clipped
-    metrics.update(advance_counters(state.metrics, observed, clipped, finite))
-    metrics.update(_report(rule, stats_after, decision))
-    metrics = {k: jnp.asarray(v).astype(state.metrics[k].dtype) for k, v in metrics.items()}
-    if observe_mask is not None:
-        metrics = _where_groups(observe_mask, metrics, state.metrics)
-    return scale, state._replace(stats=stats_after, metrics=metrics), decision
-
-
-def norm_transform(
-    rule: NormRule,
-    *,
-    scope: Scope = "global",
-    name: str | None = None,
-    axis_name: str | None = None,
-    guard_nans: bool = True,
-    warmup: Any = None,
-    rebuild: Callable[[Scope], ClipTransform] | None = None,
-) -> ClipTransform:
-    """Builds the optax transform that runs ``rule`` over groups of leaves.
-
-    Args:
-      rule: the algorithm.
-      scope: ``"global"``, ``"per_param"``, ``"per_layer"`` or a callable.
-      name: metrics prefix replacing ``rule.algo``.
-      axis_name: average the group norms over this mapped axis first.
-      guard_nans: keep non-finite norms out of the statistics (SPEC 8.3).
-      warmup: a transform applied to groups whose ``Decision.in_warmup`` is
-        set. A clipjax norm clipper is rescoped to ``scope`` and fused into the
-        same pass (its scale comes from the same norms); any other optax
-        transform is applied to the whole tree under ``lax.cond`` while some
-        group is warming up. Its state advances on warm-up steps only.
-      rebuild: ``scope -> transform`` with the same hyperparameters, so that
-        another clipper can fuse this one (see ``warmup``).
-    """
-    _grouping.validate_scope(scope)
-    if name is not None and (not isinstance(name, str) or not name):
-        raise ValueError(f"name must be a non-empty str, got {name!r}")
-    fused = None
-    if warmup is not None and getattr(warmup, "rescope", None) is not None:
-        fused = warmup.rescope(scope)
-        if fused.rule.ord != rule.ord or fused.rule.needs_params or fused.rule.leaf_filter:
-            fused = None
-
-    def init_fn(params: Any) -> Any:
-        _metrics.ensure_serializable()
-        leaves, _, grouping, _ = _filtered_grouping(params, scope, rule)
-        num_groups = grouping.num_groups
-        dtype = _grouping.norm_dtype(leaves)
-        stats = rule.init(num_groups, dtype)
-        zeros = jnp.zeros((num_groups,), dtype)
-        aux = {"weight_norm": zeros} if rule.needs_params else {}
-        shapes = jax.eval_shape(
-            lambda s: _decide_and_report(rule, s, s, zeros, _counter(num_groups), aux), stats
-        )
         metrics = {"grad_norm": zeros}
         if rule.threshold_name is not None:
             metrics[rule.threshold_name] = zeros
         metrics["scale"] = jnp.ones((num_groups,), dtype)
         metrics["clipped"] = jnp.zeros((num_groups,), bool)
-        metrics.update(counters(num_groups))
-        for key, shape in shapes.items():
-            metrics[key] = jnp.zeros(shape.shape, shape.dtype)
-        if warmup is None:
-            inner = None
-        elif fused is not None:
-            inner = fused.init(params)
-        else:
-            inner = warmup.init(params)
-        info = _metrics.GroupInfo(rule.algo, name, grouping.names, grouping.fingerprint)
-        index = _grouping.leaf_index(grouping)
-        return own_buffers(_STATE_TYPES[rule.algo](stats, metrics, info, inner, index))
+    for counter in COUNTERS:
+        if counter != "clipped_count" or getattr(rule, "clipped_count", True):
+            metrics[counter] = jnp.zeros((num_groups,), jnp.int32)
+    if isinstance(rule, NormRule):
+        if rule.statistic is not None:
+            for key, value in rule.statistic.report(stats).items():
+                metrics[key] = jnp.zeros_like(value)
+        for key in rule.extra_fields:
+            metrics[key] = zeros
+    return metrics
+
+
+def _norm_step(
+    rule: NormRule, state: Any, norm: Array, aux: dict[str, Array], guard_nans: bool
+) -> tuple[Array, Any, dict[str, Array], Judgement]:
+    """One step of a norm rule from group norms alone: scale, stats, metrics."""
+    finite = jnp.isfinite(norm)
+    observable = finite if guard_nans else jnp.ones_like(finite)
+    count = state.metrics["count"]
+    before = state.stats
+    stat = rule.statistic
+    observe_first = rule.feedback == "observe_first"
+    if rule.gate is None:
+        gate_open = jnp.ones_like(finite)
+    elif observe_first:
+        # smartclip: the gate counts the current observation.
+        gate_open = count + 1 >= rule.gate
+    else:
+        gate_open = count >= jnp.maximum(rule.gate, 1)
+
+    if stat is None:
+        after = before
+        judgement = rule.judge(before, norm, count, aux)
+        observed = observable
+    elif observe_first:
+        after = select_groups(observable, stat.observe(before, norm, count), before)
+        judgement = rule.judge(after, norm, count, aux)
+        observed = observable
+    else:
+        judgement = rule.judge(before, norm, count, aux)
+        fires = judgement.scale < 1 if judgement.fires is None else judgement.fires
+        fires = fires & gate_open & finite
+        x = norm if judgement.observation is None else judgement.observation
+        if rule.feedback == "clipped":
+            clip_to = judgement.threshold if judgement.clip_to is None else judgement.clip_to
+            x = jnp.where(fires, clip_to, x)
+        observed = observable & ~fires if rule.feedback == "skip" else observable
+        after = select_groups(observed, stat.observe(before, x, count), before)
+
+    scale = jnp.where(finite & gate_open, judgement.scale, 1.0).astype(norm.dtype)
+    clipped = scale < 1
+    metrics = {"grad_norm": norm}
+    if rule.threshold_name is not None:
+        metrics[rule.threshold_name] = judgement.threshold
+    metrics["scale"] = scale
+    metrics["clipped"] = clipped
+    metrics.update(_advance_counters(state.metrics, observed, clipped, finite))
+    if stat is not None:
+        metrics.update(stat.report(after))
+    metrics.update(judgement.extra)
+    metrics = {k: jnp.asarray(v).astype(state.metrics[k].dtype) for k, v in metrics.items()}
+    return scale, after, metrics, judgement
+
+
+def _elementwise_metrics(state: Any, step: Step) -> dict[str, Array]:
+    old = dict(state.metrics)
+    clipped = jnp.zeros_like(step.finite) if step.clipped is None else step.clipped
+    metrics = dict(step.metrics)
+    metrics.update(_advance_counters(old, step.finite, clipped, step.finite))
+    return {k: jnp.asarray(v).astype(old[k].dtype) for k, v in metrics.items()}
+
+
+def _is_placeholder(params: Any) -> bool:
+    # optax.tree_utils.tree_map_params calls init on a leafless placeholder.
+    return type(params).__name__ == "_ParamsPlaceholder"
+
+
+def transform(
+    rule: Rule,
+    state_class: type,
+    *,
+    scope: Scope = "global",
+    name: str | None = None,
+    axis_name: str | None = None,
+    guard_nans: bool = True,
+    leaf_norms: bool = False,
+    warmup: Any = None,
+) -> ClipTransform:
+    """Builds the optax transform that runs ``rule`` over groups of leaves.
+
+    The state is ``state_class(stats, metrics, info, leaf_index,
+    leaf_metrics[, nested])``: the rule's statistics (stacked ``[groups, ...]``
+    arrays), the ``[groups]`` metrics, the static :class:`GroupInfo`, each
+    leaf's group index, the ``[leaves]`` norms when ``leaf_norms`` (else an
+    empty dict) and, with ``warmup``, the warm-up transform's state.
+
+    Args:
+      rule: the algorithm.
+      state_class: its ``NamedTuple`` state class.
+      scope: ``"global"``, ``"per_param"``, ``"per_layer"`` or a callable.
+      name: metrics prefix replacing ``rule.algo``.
+      axis_name: average the group norms over this mapped axis first.
+      guard_nans: keep non-finite norms out of the statistics.
+      leaf_norms: record each leaf's pre-clip L2 norm.
+      warmup: a transform applied to the groups whose ``Judgement.warming``
+        is set, under ``lax.cond`` (it costs nothing once warm-up is over). A
+        clipjax transform is rebuilt for ``scope`` and ``axis_name``, so that
+        it clips each group by the same (averaged) norms; its metrics read as
+        at init for groups it did not run on this step.
+    """
+    check_name(name)
+    if isinstance(rule, NormRule):
+        _grouping.validate_scope(scope)
+        if rule.feedback not in FEEDBACKS:
+            raise ValueError(f"feedback must be one of {FEEDBACKS}, got {rule.feedback!r}")
+    if warmup is not None and getattr(warmup, "configure", None) is not None:
+        warmup = warmup.configure(scope=scope, axis_name=axis_name)
+
+    def init_fn(params: Any) -> Any:
+        _metrics.ensure_serializable()
+        placeholder = _is_placeholder(params)
+        leaves, _, _ = _grouping.leaves_with_names(params)
+        grouping = _grouping.make_grouping(params, scope)
+        if isinstance(rule, ElementwiseRule) and rule.check_leaves is not None:
+            rule.check_leaves(leaves)
+        dtype = _grouping.norm_dtype(leaves)
+        stats = (
+            ()
+            if isinstance(rule, ElementwiseRule) or rule.statistic is None
+            else (rule.statistic.init(grouping.num_groups, dtype))
+        )
+        metrics = _state_metrics(rule, grouping.num_groups, dtype, stats)
+        info = _metrics.GroupInfo(
+            rule.algo,
+            name,
+            grouping.names,
+            grouping.leaf_names,
+            grouping.leaf_shapes,
+            placeholder=placeholder,
+        )
+        leaf_metrics = {"grad_norm": jnp.zeros((len(leaves),), dtype)} if leaf_norms else {}
+        # On optax's placeholder the index is one leaf standing for the tuple,
+        # so that this state is a prefix of the real one (tree_map_params).
+        index = jnp.zeros((), jnp.int32) if placeholder else _grouping.leaf_index(grouping)
+        fields = [stats, metrics, info, index, leaf_metrics]
+        if warmup is not None:
+            fields.append(warmup.init(params))
+        return own_buffers(state_class(*fields))
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
         del extra_args
-        leaves, treedef, grouping, keep = _filtered_grouping(updates, scope, rule)
-        _check_state(state, grouping, state.info)
-        norm = _norms(leaves, grouping, keep, rule.ord)
-        aux = {}
+        leaves, paths, treedef = _grouping.leaves_with_names(updates)
+        grouping = _grouping.make_grouping(updates, scope)
+        info: _metrics.GroupInfo = state.info
+        who = info.name or info.algo
+        grouping.check_matches(info.leaves, info.shapes, who)
+        for field, value in state.metrics.items():
+            if jnp.shape(_metrics.unwrap(value))[:1] != (grouping.num_groups,):
+                raise ValueError(
+                    f"{who}: state field {field!r} has shape {jnp.shape(value)}, expected "
+                    f"[{grouping.num_groups}] for the groups of this tree; was the state "
+                    "restored from another model?"
+                )
+        p_leaves = None
         if rule.needs_params:
             if params is None:
                 raise ValueError(
-                    f"{rule.algo} needs the parameters: call update(updates, state, params)."
+                    f"{who} needs the parameters: call update(updates, state, params)."
                 )
-            p_leaves, _, p_grouping, p_keep = _filtered_grouping(params, scope, rule)
-            grouping.check_matches(p_grouping, "update's params")
-            aux["weight_norm"] = _norms(p_leaves, p_grouping, p_keep, 2.0)
-        if axis_name is not None:
-            norm = jax.lax.pmean(norm, axis_name)
-            aux = jax.tree.map(lambda x: jax.lax.pmean(x, axis_name), aux)
-        scale, new_state, decision = advance(rule, state, norm, aux, guard_nans)
-
-        new_leaves = None
-        if warmup is not None and decision.in_warmup is not None:
-            in_warmup = decision.in_warmup & jnp.isfinite(norm)
-            if fused is not None:
-                warm_scale, inner, _ = advance(
-                    fused.rule, state.inner, norm, {}, True, observe_mask=in_warmup
+            p_leaves, _, _ = _grouping.leaves_with_names(params)
+            _grouping.make_grouping(params, scope).check_matches(
+                info.leaves, info.shapes, who, "update's params"
+            )
+        leaf_metrics = state.leaf_metrics
+        if isinstance(rule, ElementwiseRule):
+            step = rule.kernel(leaves, p_leaves, grouping, _grouping.norm_dtype(leaves))
+            new_leaves = step.leaves
+            new_state = state._replace(metrics=_elementwise_metrics(state, step))
+            if leaf_norms:
+                leaf_metrics = {"grad_norm": step.leaf_norms}
+        else:
+            _grouping.check_inexact(leaves, grouping, who)
+            keep = None
+            if rule.leaf_filter is not None:
+                keep = [bool(rule.leaf_filter(p, x)) for p, x in zip(paths, leaves)]
+            partial = _grouping.leaf_power_sums(leaves, rule.ord)
+            kept = partial if keep is None else [s * k for s, k in zip(partial, keep)]
+            norm = _grouping.group_norms(leaves, grouping, rule.ord, kept)
+            aux = {}
+            if rule.needs_params:
+                p_keep = (
+                    p_leaves
+                    if keep is None
+                    else [p if k else jnp.zeros((), p.dtype) for p, k in zip(p_leaves, keep)]
                 )
-                scale = jnp.where(in_warmup, warm_scale, scale)
+                aux["weight_norm"] = _grouping.group_norms(p_keep, grouping)
+            if leaf_norms:
+                squares = partial if rule.ord == 2.0 else _grouping.leaf_power_sums(leaves)
+                leaf_metrics = {"grad_norm": jnp.sqrt(_stack(squares, state.leaf_metrics))}
+            if axis_name is not None:
+                norm, aux, leaf_metrics = jax.lax.pmean((norm, aux, leaf_metrics), axis_name)
+            scale, stats, metrics, judgement = _norm_step(rule, state, norm, aux, guard_nans)
+            new_state = state._replace(stats=stats, metrics=metrics)
+            if keep is not None:
+                scale_leaves = _grouping.apply_scales(leaves, grouping, scale, state.leaf_index)
+                new_leaves = [s if k else x for x, s, k in zip(leaves, scale_leaves, keep)]
             else:
-                new_leaves, inner = _generic_warmup(
-                    warmup,
-                    updates,
-                    state.inner,
-                    params,
-                    leaves,
-                    grouping,
-                    keep,
-                    scale,
-                    in_warmup,
+                new_leaves = _grouping.apply_scales(leaves, grouping, scale, state.leaf_index)
+            if warmup is not None:
+                warming = judgement.warming & jnp.isfinite(norm)
+                new_leaves, nested = _run_warmup(
+                    warmup, updates, state.nested, params, new_leaves, grouping, warming
                 )
-            new_state = new_state._replace(inner=inner)
-        if new_leaves is None:
-            new_leaves = _apply(leaves, grouping, keep, scale, state.leaf_index)
+                new_state = new_state._replace(nested=nested)
         # Returned through a copy, not passed through: a pass-through output
         # cannot reuse its donated input buffer (and JAX warns about it).
-        new_state = new_state._replace(leaf_index=tuple(jnp.copy(i) for i in state.leaf_index))
+        new_state = new_state._replace(
+            leaf_index=jax.tree.map(jnp.copy, state.leaf_index),
+            leaf_metrics={
+                k: jnp.asarray(v).astype(state.leaf_metrics[k].dtype)
+                for k, v in leaf_metrics.items()
+            },
+        )
         return jax.tree_util.tree_unflatten(treedef, new_leaves), new_state
 
     tx = ClipTransform(init_fn, update_fn)
-    tx.rule = rule
-    tx.rescope = rebuild
+    settings = dict(
+        scope=scope,
+        name=name,
+        axis_name=axis_name,
+        guard_nans=guard_nans,
+        leaf_norms=leaf_norms,
+        warmup=warmup,
+    )
+    tx.configure = lambda **overrides: transform(rule, state_class, **{**settings, **overrides})
     return tx
 
 
-def _report(rule: NormRule, stats: Stats, decision: Decision) -> dict[str, Array]:
-    out = dict(rule.report(stats))
-    out.update(decision.extra)
-    return out
+def _stack(values: list[Array], like: dict[str, Array]) -> Array:
+    if not values:
+        return like["grad_norm"]
+    return jnp.stack([jnp.asarray(v) for v in values])
 
 
-def _decide_and_report(
-    rule: NormRule, before: Stats, after: Stats, norm: Array, count: Array, aux: dict
-) -> dict[str, Array]:
-    return _report(rule, after, rule.decide(before, after, norm, count, aux))
-
-
-def _generic_warmup(
+def _run_warmup(
     warmup: Any,
     updates: Any,
-    inner: Any,
+    nested: Any,
     params: Any,
-    leaves: list[Array],
-    grouping: Any,
-    keep: Any,
-    scale: Array,
-    in_warmup: Array,
+    scaled: list[Array],
+    grouping: Grouping,
+    warming: Array,
 ) -> tuple[list[Array], Any]:
-    """Any optax transform as warm-up: whole tree, only while a group warms up."""
-    any_warm = jnp.any(in_warmup)
+    """The warm-up transform on the groups that warm up, only while one does."""
 
-    def warm(_: Any) -> tuple[list[Array], Any]:
-        out, new_inner = warmup.update(updates, inner, params)
+    def quiet(state: Any) -> Any:
+        # Groups the warm-up transform did not run on report idle metrics: a
+        # stale clipped=True from the last warm-up step would be a lie.
+        def fix(node: Any) -> Any:
+            if not _metrics.is_clipjax_state(node):
+                return node
+            idle = idle_metrics(node.metrics)
+            if len(node.info.groups) == grouping.num_groups:
+                return node._replace(metrics=select_groups(warming, node.metrics, idle))
+            return node._replace(metrics=idle)
+
+        return jax.tree.map(fix, state, is_leaf=_metrics.is_clipjax_state)
+
+    def run(_: Any) -> tuple[list[Array], Any]:
+        out, new_nested = warmup.update(updates, nested, params)
         out_leaves = jax.tree_util.tree_leaves(out)
-        scaled = _apply(leaves, grouping, keep, scale)
-        mask = _grouping.leaf_scales(grouping, in_warmup)
-        # A select on the warm-up path only (SPEC 8.15).
-        return [jnp.where(m, w, s) for m, w, s in zip(mask, out_leaves, scaled)], new_inner
+        mask = _grouping.leaf_scales(grouping, warming)
+        # A select on the warm-up path only, inside the cond.
+        leaves = [jnp.where(m, w, s) for m, w, s in zip(mask, out_leaves, scaled)]
+        return leaves, quiet(select_groups_state(warming, new_nested, nested))
 
-    def plain(_: Any) -> tuple[list[Array], Any]:
-        return _apply(leaves, grouping, keep, scale), inner
+    def skip(_: Any) -> tuple[list[Array], Any]:
+        return list(scaled), quiet(nested)
 
-    return jax.lax.cond(any_warm, warm, plain, None)
-
-
-_STATE_TYPES: dict[str, type] = {}
+    return jax.lax.cond(jnp.any(warming), run, skip, None)
 
 
-def register_algo(algo: str, doc: str, class_name: str) -> type:
-    """Creates and records the state class of ``algo``."""
-    cls = state_class(class_name, doc)
-    _STATE_TYPES[algo] = cls
-    return cls
+def select_groups_state(mask: Array, new: Any, old: Any) -> Any:
+    """Keeps a nested clipjax state's ``[groups]`` arrays from ``old`` where ``mask`` is off.
+
+    Other transforms' states advance as a whole (the step ran for some group).
+    """
+
+    def pick(n: Any, o: Any) -> Any:
+        if _metrics.is_clipjax_state(n) and n.metrics["step"].shape == mask.shape:
+            metrics = select_groups(mask, n.metrics, o.metrics)
+            return n._replace(metrics=metrics)
+        return n
+
+    return jax.tree.map(pick, new, old, is_leaf=_metrics.is_clipjax_state)

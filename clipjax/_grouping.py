@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -76,12 +75,6 @@ class Grouping:
     leaf_names: tuple[str, ...]
     leaf_shapes: tuple[tuple[int, ...], ...]
 
-    @functools.cached_property
-    def fingerprint(self) -> str:
-        """A deterministic digest of leaf names and shapes (stable across processes)."""
-        text = repr((self.leaf_names, self.leaf_shapes)).encode()
-        return hashlib.blake2b(text, digest_size=8).hexdigest()
-
     @property
     def num_groups(self) -> int:
         return len(self.names)
@@ -94,37 +87,69 @@ class Grouping:
             out[group].append(leaf)
         return tuple(tuple(m) for m in out)
 
-    def check_matches(self, other: Grouping, what: str = "update") -> None:
-        """Raises a clear ``ValueError`` when two trees do not group alike."""
-        if self.names != other.names or self.leaf_shapes != other.leaf_shapes:
-            raise ValueError(
-                f"The tree passed to {what} does not match the tree passed to init: "
-                f"init saw {len(self.leaf_names)} leaves in groups {_short(self.names)}, "
-                f"{what} got {len(other.leaf_names)} leaves in groups {_short(other.names)}."
-                + _first_difference(self, other)
+    def check_matches(
+        self,
+        names: Sequence[str],
+        shapes: Sequence[tuple[int, ...]],
+        who: str,
+        what: str = "update",
+    ) -> None:
+        """Raises a ``ValueError`` naming the first leaf where two trees differ.
+
+        ``names`` and ``shapes`` describe the tree ``init`` saw; ``self`` the
+        tree passed to ``what``.
+        """
+        if tuple(names) == self.leaf_names and tuple(shapes) == self.leaf_shapes:
+            return
+        detail = f"init saw {len(names)} leaves, {what} got {len(self.leaf_names)}"
+        for i in range(max(len(names), len(self.leaf_names))):
+            old = (names[i], shapes[i]) if i < len(names) else ("(none)", None)
+            new = (
+                (self.leaf_names[i], self.leaf_shapes[i])
+                if i < len(self.leaf_names)
+                else ("(none)", None)
             )
+            if old != new:
+                if old[0] == new[0]:
+                    detail = f"leaf {old[0]}: shape {old[1]} at init vs {new[1]} in {what}"
+                else:
+                    detail = f"leaf {i}: {old[0]} {old[1]} at init vs {new[0]} {new[1]} in {what}"
+                break
+        raise ValueError(
+            f"{who}: the tree passed to {what} does not match the tree passed to init "
+            f"(first difference: {detail})."
+        )
 
 
-def _short(names: Sequence[str], n: int = 4) -> str:
-    shown = ", ".join(names[:n])
-    return f"[{shown}{', ...' if len(names) > n else ''}]"
-
-
-def _first_difference(a: Grouping, b: Grouping) -> str:
-    for i, (na, nb, sa, sb) in enumerate(
-        zip(a.leaf_names, b.leaf_names, a.leaf_shapes, b.leaf_shapes)
-    ):
-        if na != nb or sa != sb:
-            return f" First difference at leaf {i}: {na} {sa} vs {nb} {sb}."
-    return ""
+def _as_array(leaf: Any) -> Any:
+    # Python scalars are gradients too (optax accepts them); a Python int is
+    # read as a float, like optax's clippers do through their arithmetic.
+    if isinstance(leaf, (bool, int, float, complex)):
+        return jnp.asarray(float(leaf) if isinstance(leaf, int) else leaf)
+    return leaf
 
 
 def leaves_with_names(tree: Any) -> tuple[list[Any], list[KeyPath], Any]:
-    """Flattens ``tree`` (``None`` and masked nodes vanish) into leaves and paths."""
+    """Flattens ``tree`` (``None`` and masked nodes vanish) into leaves and paths.
+
+    Python scalars become arrays.
+    """
     with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    leaves = [leaf for _, leaf in with_path]
+    leaves = [_as_array(leaf) for _, leaf in with_path]
     paths = [_strip_wrappers(tuple(path)) for path, _ in with_path]
     return leaves, paths, treedef
+
+
+def check_inexact(leaves: Sequence[Any], grouping: Grouping, who: str) -> None:
+    """Raises a ``ValueError`` naming the first leaf that is not a float or complex array."""
+    for leaf, name in zip(leaves, grouping.leaf_names):
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            raise ValueError(
+                f"{who}: gradient leaf {name} has dtype {dtype}; integer and boolean "
+                "gradients are not supported (cast them to a float dtype, or leave "
+                "them out of the tree with optax.masked)."
+            )
 
 
 def _label(scope: Scope, path: KeyPath, leaf: Any) -> str:
@@ -143,7 +168,7 @@ def _label(scope: Scope, path: KeyPath, leaf: Any) -> str:
 
 
 def make_grouping(tree: Any, scope: Scope) -> Grouping:
-    """Groups the leaves of ``tree`` by ``scope`` (SPEC section 2)."""
+    """Groups the leaves of ``tree`` by ``scope``."""
     leaves, paths, _ = leaves_with_names(tree)
     labels = [_label(scope, p, x) for p, x in zip(paths, leaves)]
     if scope == "global":
@@ -163,7 +188,7 @@ def make_grouping(tree: Any, scope: Scope) -> Grouping:
 
 
 def norm_dtype(leaves: Sequence[Any]) -> jnp.dtype:
-    """float32, or float64 when a leaf is float64 (SPEC 2: never low precision)."""
+    """float32, or float64 when a leaf is float64: norms are never in low precision."""
     for x in leaves:
         if jnp.asarray(x).dtype in (jnp.float64, jnp.complex128):
             return jnp.dtype(jnp.float64)
@@ -187,19 +212,32 @@ def _power_sum(x: jax.Array, p: float, dtype: jnp.dtype) -> jax.Array:
     return jnp.sum(absx**p)
 
 
-def group_norms(leaves: Sequence[jax.Array], grouping: Grouping, ord: float = 2.0) -> jax.Array:
+def leaf_power_sums(leaves: Sequence[jax.Array], ord: float = 2.0) -> list[jax.Array]:
+    """Each leaf's sum of ``|x|**ord`` (its max for ``inf``), one fused reduction each."""
+    dtype = norm_dtype(leaves)
+    return [_power_sum(x, ord, dtype) for x in leaves]
+
+
+def group_norms(
+    leaves: Sequence[jax.Array],
+    grouping: Grouping,
+    ord: float = 2.0,
+    partial: Sequence[jax.Array] | None = None,
+) -> jax.Array:
     """The ``ord``-norm of each group, shape ``[groups]``, in one pass.
 
     Each leaf is read once: cast to float32 (float64 for float64 leaves),
     raised to ``ord`` and summed, all in one fused reduction, so float16 and
     bfloat16 gradients of large magnitude neither overflow nor lose precision.
-    Empty groups have norm 0.
+    Empty groups have norm 0. ``partial`` (from :func:`leaf_power_sums`) lets
+    a caller that also wants per-leaf norms share the one pass.
     """
     dtype = norm_dtype(leaves)
     num_groups = grouping.num_groups
     if not leaves:
         return jnp.zeros((num_groups,), dtype)
-    partial = [_power_sum(x, ord, dtype) for x in leaves]
+    if partial is None:
+        partial = leaf_power_sums(leaves, ord)
     if math.isinf(ord):
         per_group = [
             functools.reduce(jnp.maximum, [partial[i] for i in m]) if m else jnp.zeros((), dtype)
@@ -263,3 +301,15 @@ def apply_scales(
 def leaf_scales(grouping: Grouping, scale: jax.Array) -> list[jax.Array]:
     """The per-leaf view of a ``[groups]`` vector."""
     return [scale[g] for g in grouping.leaf_groups]
+
+
+def fused_sums(*terms: jax.Array) -> tuple[jax.Array, ...]:
+    """The sums of several same-shape element-wise terms, in one pass.
+
+    One variadic reduce: XLA reads the leaf once for all the sums, where
+    separate ``jnp.sum`` calls read it once each (and an int32 count even
+    materialises its converted input on CPU).
+    """
+    flat = tuple(t.reshape(-1) for t in terms)
+    zeros = tuple(jnp.zeros((), t.dtype) for t in flat)
+    return tuple(jax.lax.reduce(flat, zeros, lambda a, b: tuple(x + y for x, y in zip(a, b)), (0,)))

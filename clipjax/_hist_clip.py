@@ -11,14 +11,31 @@ import jax.numpy as jnp
 import optax
 
 from clipjax import _engine, _static, _stats, _validation
-from clipjax._engine import Decision, NormRule
+from clipjax._engine import Judgement, NormRule
+from clipjax._metrics import GroupInfo
 
-HistClipState = _engine.register_algo(
-    "hist_clip",
-    "State of :func:`hist_clip`: criterion statistics per group; ``inner`` holds "
-    "the ``warmup_clip`` state.",
-    "HistClipState",
-)
+
+class HistClipState(NamedTuple):
+    """State of :func:`hist_clip`.
+
+    Attributes:
+      stats: the criterion's running mean (and variance) per group, and the
+        warm-up sample (``[groups, warmup_steps]``).
+      metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.
+      info: static names (algorithm, prefix, groups, leaves).
+      leaf_index: each leaf's group index, int32 scalars (empty for one group).
+      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+      nested: the ``warmup_clip`` state (None without one); its metrics are
+        reported under ``hist_clip/...``.
+    """
+
+    stats: Any
+    metrics: dict[str, jax.Array]
+    info: GroupInfo
+    leaf_index: tuple[jax.Array, ...]
+    leaf_metrics: dict[str, jax.Array]
+    nested: Any = None
+
 
 # drytorch's guards: the z-statistic's denominator and clip_grad_norm_'s.
 _Z_EPS = 1e-8
@@ -100,27 +117,15 @@ def ema_criterion(
     return Criterion("ema", alpha, r_thresh, clip_fn)
 
 
-class HistClipStats(NamedTuple):
-    """Statistics of :func:`hist_clip`, stacked over groups.
-
-    Attributes:
-      mean: running mean ``mu``, ``[groups]`` (0 until warm-up ends).
-      var: running variance ``v``, ``[groups]`` (starts at 1.0; zstat only).
-      warmup: the warm-up samples, ``[groups, warmup_steps]``.
-    """
-
-    mean: jax.Array
-    var: jax.Array
-    warmup: jax.Array
-
-
 def hist_clip(
     criterion: Criterion | None = None,
     warmup_steps: int = 20,
     warmup_clip: optax.GradientTransformation | str | None = "default",
     scope: Any = "global",
     *,
+    feedback: str = "raw",
     axis_name: str | None = None,
+    leaf_norms: bool = False,
     name: str | None = None,
 ) -> _engine.ClipTransform:
     """Clip by a criterion on the history of gradient norms (drytorch HistClipper).
@@ -190,27 +195,18 @@ def hist_clip(
         raise ValueError(
             f"warmup_clip must be a GradientTransformation or None, got {warmup_clip!r}"
         )
+    _engine.check_feedback(feedback, ("raw", "clipped", "skip"))
     alpha, thresh, kind = criterion.alpha, criterion.thresh, criterion.kind
+    # drytorch's StatsCollector: mean and ddof=1 variance of the warm-up
+    # sample, the variance kept at its start value 1.0 unless positive.
+    statistic = _stats.WarmupEma(
+        None, alpha, warmup_steps, "before_mean" if kind == "zstat" else None, 1, 1.0
+    )
 
-    def init(num_groups: int, dtype: Any) -> HistClipStats:
-        return HistClipStats(
-            jnp.zeros((num_groups,), dtype),
-            jnp.ones((num_groups,), dtype),
-            _stats.samples_init(num_groups, warmup_steps, dtype),
-        )
-
-    def started(stats: HistClipStats, count: jax.Array) -> HistClipStats:
-        """Statistics as the criterion sees them, initialised on the first step after warm-up."""
-        mean, sample_var = _stats.samples_moments(stats.warmup, warmup_steps, ddof=1)
-        first = count == warmup_steps
-        # drytorch keeps v (1.0 at start) unless the sample variance is > 0;
-        # with <= 1 sample its variance is 1.0 (NaN here, so v stays 1.0 too).
-        var = jnp.where(first & (sample_var > 0), sample_var, stats.var)
-        return HistClipStats(jnp.where(first, mean, stats.mean), var, stats.warmup)
-
-    def judge(stats: HistClipStats, g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def judge(stats: Any, g: jax.Array, count: jax.Array, aux: Any) -> Judgement:
+        warming = count < warmup_steps
         mu, v = stats.mean, stats.var
-        active = mu != 0
+        active = (mu != 0) & ~warming
         if kind == "zstat":
             sd = jnp.sqrt(v)
             stat = jnp.abs((g - mu) / (sd + _Z_EPS))
@@ -218,7 +214,7 @@ def hist_clip(
             safe = jnp.where(fires, stat, 1.0)
             clip = mu + criterion.clip_fn(safe, thresh) * sd
         else:
-            stat = g / jnp.where(active, mu, 1.0)
+            stat = g / jnp.where(mu != 0, mu, 1.0)
             fires = active & (stat > thresh)
             safe = jnp.where(fires, stat, 1.0)
             factor = (
@@ -227,36 +223,28 @@ def hist_clip(
                 else criterion.clip_fn(safe, thresh)
             )
             clip = mu * factor
-        return fires, clip, stat
-
-    def observe(stats: HistClipStats, g: jax.Array, count: jax.Array) -> HistClipStats:
-        warming = count < warmup_steps
-        buffer = _stats.samples_update(stats.warmup, g, count)
-        base = started(stats, count)
-        if kind == "zstat":
-            var = alpha * base.var + (1 - alpha) * (g - base.mean) ** 2
-        else:
-            var = base.var
-        mean = alpha * base.mean + (1 - alpha) * g
-        return HistClipStats(
-            jnp.where(warming, stats.mean, mean), jnp.where(warming, stats.var, var), buffer
+        return Judgement(
+            threshold=jnp.where(fires, clip, jnp.inf),
+            scale=jnp.where(fires, jnp.minimum(1.0, clip / (g + _DIV_EPS)), 1.0),
+            fires=fires & (g > mu),
+            clip_to=clip,
+            warming=warming,
+            extra={"z": jnp.where(warming, 0.0, stat)} if kind == "zstat" else {},
         )
 
-    def decide(before: HistClipStats, after: HistClipStats, g: jax.Array, count: jax.Array, aux):
-        warming = count < warmup_steps
-        fires, clip, stat = judge(started(before, count), g)
-        fires = fires & ~warming
-        threshold = jnp.where(fires, clip, jnp.inf)
-        scale = jnp.where(fires, jnp.minimum(1.0, clip / (g + _DIV_EPS)), 1.0)
-        extra = {"z": jnp.where(warming, 0.0, stat)} if kind == "zstat" else {}
-        return Decision(threshold, scale, extra, in_warmup=warming)
-
-    def report(stats: HistClipStats) -> dict[str, jax.Array]:
-        if kind == "zstat":
-            return {"mean": stats.mean, "std": jnp.sqrt(stats.var)}
-        return {"mean": stats.mean}
-
-    rule = NormRule("hist_clip", decide, init=init, observe=observe, report=report)
-    return _engine.norm_transform(
-        rule, scope=scope, name=name, axis_name=axis_name, warmup=warmup_clip
+    rule = NormRule(
+        "hist_clip",
+        judge,
+        statistic,
+        feedback=feedback,
+        extra_fields=("z",) if kind == "zstat" else (),
+    )
+    return _engine.transform(
+        rule,
+        HistClipState,
+        scope=scope,
+        name=name,
+        axis_name=axis_name,
+        leaf_norms=leaf_norms,
+        warmup=warmup_clip,
     )

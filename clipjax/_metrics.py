@@ -5,12 +5,17 @@ A clipjax state is a ``NamedTuple`` with (at least) two fields:
 * ``metrics``: a ``dict`` of ``[groups]`` arrays, one entry per metric field
   (``grad_norm``, ``threshold``, ``scale``, ``clipped``, ``count``, ...);
 * ``info``: a :class:`GroupInfo`, a pytree node with no leaves that holds the
-  static names (algorithm, user name, groups). Being static, it is part of the
-  tree structure: it never changes across updates, costs nothing under ``jit``
-  and makes a state built for another tree fail loudly.
+  static names (algorithm, user name, groups, leaves). Being static, it is part
+  of the tree structure: it never changes across updates and costs nothing
+  under ``jit``.
 
-:func:`metrics` walks any optax state, finds every clipjax state and flattens
-their metrics into ``{"{algo}/{group}/{field}": scalar array}``.
+That is the whole protocol: :func:`metrics` recognises any such ``NamedTuple``,
+with no registration. It reports the state's metrics, then walks the state's
+other fields at the same level (a wrapper's inner optimizer keeps its own
+names), except a field called ``nested``, whose clipjax states are reported
+under the wrapper's prefix (hist_clip's warm-up clip). An optional
+``leaf_metrics`` field (``dict`` of ``[leaves]`` arrays) is reported per leaf
+as ``{prefix}/leaf/{leaf path}/{field}``.
 """
 
 from __future__ import annotations
@@ -22,21 +27,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-_STATE_TYPES: list[type] = []
-
-
-def register_state(cls: type) -> type:
-    """Class decorator: marks a NamedTuple class as a clipjax state."""
-    _STATE_TYPES.append(cls)
-    return cls
-
-
-def is_clipjax_state(x: Any) -> bool:
-    return isinstance(x, tuple(_STATE_TYPES))
+Array = jax.Array
 
 
 @jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class GroupInfo:
     """Static names of a clipjax state: a pytree node with no leaves.
 
@@ -44,14 +39,44 @@ class GroupInfo:
       algo: the factory's name (``autoclip``, ``zclip``, ...).
       name: the user-given prefix, or ``None`` for the automatic one.
       groups: the group names, in the order of the ``[groups]`` arrays.
-      tree: a digest of the leaf names and shapes seen by ``init``, so that
-        ``update`` on another tree fails clearly (see ``Grouping.fingerprint``).
+      leaves: the path names of the leaves seen by ``init``.
+      shapes: their shapes, so that ``update`` on another tree fails clearly.
+      placeholder: built by ``init`` on optax's params placeholder
+        (``optax.tree_utils.tree_map_params``), which has no leaves: it then
+        stands for any tree and compares equal to every state of its algorithm.
     """
 
     algo: str
-    name: str | None
-    groups: tuple[str, ...]
-    tree: str = ""
+    name: str | None = None
+    groups: tuple[str, ...] = ("global",)
+    leaves: tuple[str, ...] = ()
+    shapes: tuple[tuple[int, ...], ...] = ()
+    placeholder: bool = False
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.algo, self.name, self.groups, self.leaves, self.shapes)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, GroupInfo):
+            return NotImplemented
+        if self.placeholder or other.placeholder:
+            return (self.algo, self.name) == (other.algo, other.name)
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash((self.algo, self.name))
+
+
+def is_clipjax_state(x: Any) -> bool:
+    """Whether ``x`` is a clipjax state: a NamedTuple with ``metrics`` and ``info``."""
+    fields = getattr(type(x), "_fields", None)
+    return (
+        isinstance(x, tuple)
+        and fields is not None
+        and "metrics" in fields
+        and "info" in fields
+        and isinstance(x.info, GroupInfo)
+    )
 
 
 # flax.serialization turns NamedTuples into dicts field by field and keeps an
@@ -60,25 +85,19 @@ class GroupInfo:
 _flax_registered = False
 
 
-def _register_flax_serialization() -> None:
+def ensure_serializable() -> None:
+    """Registers :class:`GroupInfo` with flax.serialization once flax is loaded."""
     global _flax_registered
     if _flax_registered or "flax.serialization" not in sys.modules:
         return
-    serialization = sys.modules["flax.serialization"]
-    serialization.register_serialization_state(
+    sys.modules["flax.serialization"].register_serialization_state(
         GroupInfo, lambda info: {}, lambda target, state: target, override=True
     )
     _flax_registered = True
 
 
-def ensure_serializable() -> None:
-    """Registers :class:`GroupInfo` with flax.serialization once flax is loaded."""
-    if not _flax_registered:
-        _register_flax_serialization()
-
-
-def _unwrap(x: Any) -> Any:
-    # flax NNX wraps optimizer-state arrays in Variables (OptArray, ...). Their
+def unwrap(x: Any) -> Any:
+    """The array inside a flax NNX optimizer-state Variable (or ``x`` itself)."""
     # `.value` is deprecated (flax 0.12): use `get_value()` where it exists, and
     # test the class, as hasattr(x, "value") would call the deprecated property.
     if isinstance(x, (jax.Array, GroupInfo)):
@@ -90,12 +109,12 @@ def _unwrap(x: Any) -> Any:
     return x
 
 
-def _group_values(values: Any, num_groups: int) -> list[Any]:
+def _split(values: Any, n: int) -> list[Any]:
     # The group axis is the last one: a state stacked by pmap (replicas), vmap
     # or a scan over steps has [..., groups] metrics, read as [...] per group.
-    values = _unwrap(values)
-    if isinstance(values, jax.core.Tracer) or num_groups == 1:
-        return [values[..., i] for i in range(num_groups)]
+    values = unwrap(values)
+    if isinstance(values, jax.core.Tracer) or n == 1:
+        return [values[..., i] for i in range(n)]
     # One unstack instead of one slice per group.
     return list(jnp.moveaxis(jnp.asarray(values), -1, 0))
 
@@ -103,17 +122,15 @@ def _group_values(values: Any, num_groups: int) -> list[Any]:
 def _emit(state: Any, prefix: str, out: dict[str, Any]) -> None:
     info: GroupInfo = state.info
     for field, values in state.metrics.items():
-        for group, value in zip(info.groups, _group_values(values, len(info.groups))):
+        for group, value in zip(info.groups, _split(values, len(info.groups))):
             out[f"{prefix}/{group}/{field}"] = value
-    inner = getattr(state, "inner", None)
-    if inner is not None:
-        _walk(inner, prefix + "/", out)
+    for field, values in (getattr(state, "leaf_metrics", None) or {}).items():
+        for leaf, value in zip(info.leaves, _split(values, len(info.leaves))):
+            out[f"{prefix}/leaf/{leaf}/{field}"] = value
 
 
-def _walk(tree: Any, prefix: str, out: dict[str, Any]) -> None:
-    found = jax.tree_util.tree_leaves(tree, is_leaf=is_clipjax_state)
-    seen: dict[str, int] = {}
-    for node in found:
+def _walk(tree: Any, prefix: str, out: dict[str, Any], seen: dict[str, int]) -> None:
+    for node in jax.tree_util.tree_leaves(tree, is_leaf=is_clipjax_state):
         if not is_clipjax_state(node):
             continue
         info: GroupInfo = node.info
@@ -124,9 +141,29 @@ def _walk(tree: Any, prefix: str, out: dict[str, Any]) -> None:
             seen[info.algo] = k + 1
             label = info.algo if k == 0 else f"{info.algo}_{k}"
         _emit(node, prefix + label, out)
+        for field in node._fields:
+            if field == "nested":
+                _walk(node.nested, f"{prefix}{label}/", out, {})
+            elif field not in ("metrics", "info", "leaf_metrics"):
+                _walk(getattr(node, field), prefix, out, seen)
 
 
-def metrics(opt_state: Any) -> dict[str, jax.Array]:
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        prefix, rest = key.split("/", 1)
+        if rest.startswith("leaf/"):
+            leaf, field = rest[len("leaf/") :].rsplit("/", 1)
+            out.setdefault(prefix, {}).setdefault("leaf", {}).setdefault(leaf, {})[field] = value
+            continue
+        node = out.setdefault(prefix, {})
+        parts = rest.split("/")
+        group, field = "/".join(parts[:-1]), parts[-1]
+        node.setdefault(group, {})[field] = value
+    return out
+
+
+def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
     """Reads the metrics of every clipjax transform inside an optax state.
 
     Works on any optax state (``chain``, ``named_chain``,
@@ -135,14 +172,20 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
 
     Args:
       opt_state: an optimizer state, or any pytree containing one.
+      flat: return one flat ``dict`` (default) or a nested one.
 
     Returns:
-      A flat ``dict`` of scalar arrays named ``"{algo}/{group}/{field}"``, e.g.
-      ``"autoclip/global/threshold"``. Two transforms of one kind are named
-      ``algo``, ``algo_1``, ... in tree order unless given ``name=``. A
-      state with leading axes (replicated by ``jax.pmap``, stacked by
-      ``vmap`` or collected from a ``lax.scan``) gives arrays of those axes
-      instead of scalars, e.g. one value per replica.
+      With ``flat=True``, a ``dict`` of scalar arrays named
+      ``"{algo}/{group}/{field}"``, e.g. ``"autoclip/global/threshold"``; with
+      ``leaf_norms=True`` also ``"{algo}/leaf/{leaf path}/grad_norm"``. With
+      ``flat=False`` the same values nested as ``{algo: {group: {field:
+      array}}}`` (leaf norms under ``{algo: {"leaf": {leaf path: {...}}}}``;
+      a nested transform's group name keeps its own prefix, e.g.
+      ``{"hist_clip": {"clip_by_global_norm/global": {...}}}``). Two
+      transforms of one kind are named ``algo``, ``algo_1``, ... in tree order
+      unless given ``name=``. A state with leading axes (replicated by
+      ``jax.pmap``, stacked by ``vmap`` or collected from a ``lax.scan``) gives
+      arrays of those axes instead of scalars, e.g. one value per replica.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -152,7 +195,10 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
       >>> _, state = tx.update({"w": jnp.full(3, 2.0)}, state, params)
       >>> round(float(clipjax.metrics(state)["clip_by_global_norm/global/grad_norm"]), 3)
       3.464
+      >>> nested = clipjax.metrics(state, flat=False)
+      >>> round(float(nested["clip_by_global_norm"]["global"]["scale"]), 3)
+      0.289
     """
     out: dict[str, Any] = {}
-    _walk(opt_state, "", out)
-    return out
+    _walk(opt_state, "", out, {})
+    return out if flat else _nest(out)

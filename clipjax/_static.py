@@ -1,21 +1,73 @@
-"""Static clippers and normalisers: no statistics, metrics in state (SPEC 4.6)."""
+"""Static norm clippers and per-leaf normalisers: no statistics, metrics in state."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from clipjax import _engine, _grouping, _validation
-from clipjax._engine import Decision, NormRule
+from clipjax._engine import ElementwiseRule, Judgement, NormRule, Step
+from clipjax._grouping import Grouping
+from clipjax._metrics import GroupInfo
 
-ClipByGlobalNormState = _engine.register_algo(
-    "clip_by_global_norm",
-    "State of :func:`clip_by_global_norm`: no statistics, only metrics.",
-    "ClipByGlobalNormState",
-)
+Array = jax.Array
+
+
+class ClipByGlobalNormState(NamedTuple):
+    """State of :func:`clip_by_global_norm`: no statistics, only metrics.
+
+    Attributes:
+      stats: empty.
+      metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.
+      info: static names (algorithm, prefix, groups, leaves).
+      leaf_index: each leaf's group index, int32 scalars (empty for one group).
+      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+    """
+
+    stats: Any
+    metrics: dict[str, jax.Array]
+    info: GroupInfo
+    leaf_index: tuple[jax.Array, ...]
+    leaf_metrics: dict[str, jax.Array]
+
+
+class NormalizePerParamState(NamedTuple):
+    """State of :func:`normalize_per_param`: no statistics, only metrics.
+
+    Attributes:
+      stats: empty.
+      metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.
+      info: static names (algorithm, prefix, groups, leaves).
+      leaf_index: each leaf's group index, int32 scalars (empty for one group).
+      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+    """
+
+    stats: Any
+    metrics: dict[str, jax.Array]
+    info: GroupInfo
+    leaf_index: tuple[jax.Array, ...]
+    leaf_metrics: dict[str, jax.Array]
+
+
+class ZScoreNormalizeState(NamedTuple):
+    """State of :func:`zscore_normalize`: no statistics, only metrics.
+
+    Attributes:
+      stats: empty.
+      metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.
+      info: static names (algorithm, prefix, groups, leaves).
+      leaf_index: each leaf's group index, int32 scalars (empty for one group).
+      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+    """
+
+    stats: Any
+    metrics: dict[str, jax.Array]
+    info: GroupInfo
+    leaf_index: tuple[jax.Array, ...]
+    leaf_metrics: dict[str, jax.Array]
 
 
 def _norm_type(norm_type: Any) -> float:
@@ -29,31 +81,13 @@ def _norm_type(norm_type: Any) -> float:
     return p
 
 
-def _clip_by_norm(
-    max_norm: Any, norm_type: float, eps: Any, scope: Any, name: str | None
-) -> _engine.ClipTransform:
-    p = _norm_type(norm_type)
-    _validation.check("max_norm", max_norm, lambda x: not math.isnan(x), "a number")
-    _validation.non_negative("eps", eps)
-
-    def decide(before: Any, after: Any, norm: jax.Array, count: jax.Array, aux: Any) -> Decision:
-        limit = jnp.abs(jnp.asarray(max_norm, norm.dtype))
-        ratio = limit / (norm + jnp.asarray(eps, norm.dtype))
-        # lucid/torch: scale only when the norm exceeds |max_norm|.
-        scale = jnp.where(norm > limit, jnp.minimum(ratio, 1.0), jnp.ones_like(norm))
-        return Decision(threshold=None, scale=scale)
-
-    rule = NormRule("clip_by_global_norm", decide, ord=p, threshold_name=None)
-    return _engine.norm_transform(
-        rule,
-        scope=scope,
-        name=name,
-        rebuild=lambda s: _clip_by_norm(max_norm, p, eps, s, name),
-    )
-
-
 def clip_by_global_norm(
-    max_norm: float, norm_type: float = 2.0, eps: float = 1e-7, *, name: str | None = None
+    max_norm: float,
+    norm_type: float = 2.0,
+    eps: float = 1e-7,
+    *,
+    leaf_norms: bool = False,
+    name: str | None = None,
 ) -> _engine.ClipTransform:
     """Clips updates to a maximum global p-norm, recording metrics in state.
 
@@ -72,6 +106,7 @@ def clip_by_global_norm(
       max_norm: the maximum norm; its absolute value is used.
       norm_type: the order p of the norm, ``> 0`` or ``float("inf")``.
       eps: added to the norm in the denominator.
+      leaf_norms: also record each leaf's L2 norm before clipping.
       name: metrics prefix (default ``clip_by_global_norm``).
 
     Returns:
@@ -90,7 +125,18 @@ def clip_by_global_norm(
       Pascanu et al., `On the difficulty of training recurrent neural networks
       <https://arxiv.org/abs/1211.5063>`_, 2013.
     """
-    return _clip_by_norm(max_norm, norm_type, eps, "global", name)
+    p = _norm_type(norm_type)
+    _validation.check("max_norm", max_norm, lambda x: not math.isnan(x), "a number")
+    _validation.non_negative("eps", eps)
+
+    def judge(stats: Any, norm: jax.Array, count: jax.Array, aux: Any) -> Judgement:
+        limit = jnp.abs(jnp.asarray(max_norm, norm.dtype))
+        ratio = limit / (norm + jnp.asarray(eps, norm.dtype))
+        # lucid/torch: scale only when the norm exceeds |max_norm|.
+        return Judgement(None, jnp.where(norm > limit, jnp.minimum(ratio, 1.0), 1.0))
+
+    rule = NormRule("clip_by_global_norm", judge, ord=p, threshold_name=None)
+    return _engine.transform(rule, ClipByGlobalNormState, name=name, leaf_norms=leaf_norms)
 
 
 def global_norm(tree: Any, norm_type: float = 2.0) -> jax.Array:
@@ -105,3 +151,128 @@ def global_norm(tree: Any, norm_type: float = 2.0) -> jax.Array:
     leaves, _, _ = _grouping.leaves_with_names(tree)
     grouping = _grouping.make_grouping(tree, "global")
     return _grouping.group_norms(leaves, grouping, p)[0]
+
+
+def normalize_per_param(eps: float = 1e-8, *, name: str | None = None) -> _engine.ClipTransform:
+    """Scales every leaf to unit L2 norm: ``g / (‖g‖ + eps)``.
+
+    drytorch's ``GradParamNormalizer``. One pass computes all leaf norms (in
+    float32, float64 for float64 leaves), then each leaf is multiplied by the
+    scalar ``1 / (‖g‖ + eps)`` in its own dtype. A leaf with a non-finite norm
+    passes through unchanged and increments ``nonfinite_count``. ``eps`` may
+    be injected with ``optax.inject_hyperparams``.
+
+    Args:
+      eps: added to the norm in the denominator, ``>= 0``.
+      name: metrics prefix (default ``normalize_per_param``).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state records per
+      leaf ``grad_norm`` (before normalisation) and the counters ``count``,
+      ``step``, ``nonfinite_count``.
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> tx = clipjax.normalize_per_param(eps=0.0)
+      >>> g = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([0.0, 2.0])}
+      >>> out, state = tx.update(g, tx.init(g))
+      >>> out["a"].tolist(), out["b"].tolist()
+      ([0.6000000238418579, 0.800000011920929], [0.0, 1.0])
+      >>> float(clipjax.metrics(state)["normalize_per_param/a/grad_norm"])
+      5.0
+
+    References:
+      drytorch, ``drytorch.lib.gradient_ops.GradParamNormalizer``.
+    """
+    _validation.non_negative("eps", eps)
+
+    def kernel(leaves: list[Array], _: Any, grouping: Grouping, dtype: Any) -> Step:
+        norm = _grouping.group_norms(leaves, grouping)
+        finite = jnp.isfinite(norm)
+        scale = jnp.where(finite, 1 / (norm + jnp.asarray(eps, dtype)), jnp.ones_like(norm))
+        out = _grouping.apply_scales(leaves, grouping, scale)
+        return Step(out, {"grad_norm": norm}, finite)
+
+    rule = ElementwiseRule("normalize_per_param", kernel, {"grad_norm": None}, clipped_count=False)
+    return _engine.transform(rule, NormalizePerParamState, scope="per_param", name=name)
+
+
+def zscore_normalize(eps: float = 1e-8, *, name: str | None = None) -> _engine.ClipTransform:
+    """Standardises every leaf: ``(g - mean) / (std + eps)``, ``std`` with ddof=1.
+
+    drytorch's ``GradZScoreNormalizer``. Mean and standard deviation are taken
+    over the leaf's elements in float32 (float64 for float64 leaves), by the
+    corrected two-pass algorithm (mean, then the sums of the deviations and of
+    their squares), which stays accurate when ``|mean| >> std``; the result is
+    cast back to the leaf's dtype. Leaves must be real-valued.
+
+    **FIX**: a one-element leaf becomes 0 (its deviation from its own mean);
+    drytorch divides by the undefined ddof=1 std and gives NaN. A leaf with a
+    non-finite norm passes through unchanged and increments
+    ``nonfinite_count``. ``eps`` may be injected with
+    ``optax.inject_hyperparams``.
+
+    Args:
+      eps: added to the standard deviation in the denominator, ``>= 0``.
+      name: metrics prefix (default ``zscore_normalize``).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state records per
+      leaf ``grad_norm`` (L2, before normalisation) and the counters ``count``,
+      ``step``, ``nonfinite_count``.
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> tx = clipjax.zscore_normalize(eps=0.0)
+      >>> g = {"a": jnp.array([1.0, 2.0, 3.0]), "b": jnp.array([5.0])}
+      >>> out, state = tx.update(g, tx.init(g))
+      >>> out["a"].tolist(), out["b"].tolist()
+      ([-1.0, 0.0, 1.0], [0.0])
+
+    References:
+      drytorch, ``drytorch.lib.gradient_ops.GradZScoreNormalizer``.
+    """
+    _validation.non_negative("eps", eps)
+
+    def kernel(leaves: list[Array], _: Any, grouping: Grouping, dtype: Any) -> Step:
+        norms, finites, out = [], [], []
+        for x in leaves:
+            size = x.size
+            if size == 0:
+                norms.append(jnp.zeros((), dtype))
+                finites.append(jnp.ones((), bool))
+                out.append(x)
+                continue
+            xs = x.astype(dtype)
+            total, squares = _grouping.fused_sums(xs, xs * xs)
+            norm = jnp.sqrt(squares)
+            ok = jnp.isfinite(norm)
+            # Corrected two-pass (Chan, Golub & LeVeque 1983): the second pass
+            # sums the deviations from the first mean too, and the output
+            # subtracts the two parts separately, so a leaf whose mean is far
+            # larger than its spread does not lose its deviations to the
+            # rounding of the mean.
+            rough = total / size
+            deviation = xs - rough
+            deviation_sum, deviation_squares = _grouping.fused_sums(
+                deviation, deviation * deviation
+            )
+            residual = deviation_sum / size
+            if size > 1:
+                centred = deviation_squares - size * jnp.square(residual)
+                std = jnp.sqrt(jnp.maximum(centred, 0) / (size - 1))
+                inverse = 1 / (std + jnp.asarray(eps, dtype))
+            else:
+                inverse = jnp.zeros((), dtype)  # FIX: drytorch gives NaN here.
+            norms.append(norm)
+            finites.append(ok)
+            rough = jnp.where(ok, rough, jnp.zeros_like(rough))
+            residual = jnp.where(ok, residual, jnp.zeros_like(residual))
+            scale = jnp.where(ok, inverse, jnp.ones_like(inverse))
+            out.append((((xs - rough) - residual) * scale).astype(x.dtype))
+        norm = jnp.stack(norms) if norms else jnp.zeros((0,), dtype)
+        finite = jnp.stack(finites) if finites else jnp.zeros((0,), bool)
+        return Step(out, {"grad_norm": norm}, finite)
+
+    rule = ElementwiseRule("zscore_normalize", kernel, {"grad_norm": None}, clipped_count=False)
+    return _engine.transform(rule, ZScoreNormalizeState, scope="per_param", name=name)

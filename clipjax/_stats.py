@@ -21,11 +21,16 @@ Statistics (SPEC 4.1, 4.2, 8.13, 8.14):
   percentile.
 * A scale-free stochastic-approximation quantile that forgets at a rate
   proportional to ``1 - decay`` (replaces smartclip's ``EmaQuantile``).
+* The geometric quantile of Andrew et al. (2021).
+
+The engine sees each of them through one small interface, :class:`Statistic`
+(``init`` / ``observe`` / ``report``), defined at the end of this module.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, TypeVar
+import dataclasses
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -500,3 +505,252 @@ def samples_moments(samples: jax.Array, n: int, ddof: int) -> tuple[jax.Array, j
     if n - ddof <= 0:
         return mean, jnp.full_like(mean, jnp.nan)
     return mean, jnp.sum(dev * dev, axis=1) / (n - ddof)
+
+
+# --------------------------------------------------------------------------
+# Geometric quantile (Andrew et al. 2021)
+# --------------------------------------------------------------------------
+
+
+class GeometricQuantileState(NamedTuple):
+    """The geometric quantile estimate.
+
+    Attributes:
+      count: int32 ``[G]``, observations seen (0: no estimate yet).
+      quantile: ``[G]``, the estimate ``q`` (0 before the first observation).
+    """
+
+    count: jax.Array
+    quantile: jax.Array
+
+
+def gquantile_init(num_groups: int, dtype: DTypeLike = jnp.float32) -> GeometricQuantileState:
+    """Empty geometric-quantile state."""
+    return GeometricQuantileState(
+        jnp.zeros((num_groups,), jnp.int32), jnp.zeros((num_groups,), dtype)
+    )
+
+
+def gquantile_update(
+    state: GeometricQuantileState, x: ArrayLike, q: ArrayLike, lr: ArrayLike
+) -> GeometricQuantileState:
+    """``quantile <- quantile * exp(-lr * (1[x <= quantile] - q))``; starts at ``x``.
+
+    The multiplicative update of Andrew, Thakkar, McMahan & Ramaswamy (2021):
+    its fixed point in expectation is ``P(x <= quantile) = q``, it is
+    scale-free (each step moves by a factor, never by an absolute amount) and
+    it follows a drifting scale at a geometric rate set by ``lr``.
+    """
+    dtype = state.quantile.dtype
+    x = jnp.asarray(x, dtype)
+    below = (x <= state.quantile).astype(dtype)
+    moved = state.quantile * jnp.exp(-jnp.asarray(lr, dtype) * (below - jnp.asarray(q, dtype)))
+    return GeometricQuantileState(state.count + 1, jnp.where(state.count == 0, x, moved))
+
+
+# --------------------------------------------------------------------------
+# Statistics as the engine sees them: init / observe / report
+# --------------------------------------------------------------------------
+
+
+def positive_part(x: jax.Array, eps: ArrayLike) -> jax.Array:
+    """smartclip's ``ensure_positive``: ``x if x > 0 else eps``.
+
+    With ``guard_nans=False`` this is also how a NaN enters smartclip's
+    statistics: as ``eps``.
+    """
+    return jnp.where(x > 0, x, jnp.asarray(eps, x.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class Statistic:
+    """A streaming statistic over stacked ``[groups]`` observations.
+
+    ``init(num_groups, dtype)`` returns the empty state; ``observe(state, x,
+    count)`` absorbs one (finite) observation per group, ``count`` being the
+    number of observations before it; ``report(state)`` gives the named
+    values the threshold rules read and the metrics record. Observations pass
+    through ``floor`` first when it is set (smartclip's ``ensure_positive``).
+    """
+
+    floor: ArrayLike | None = None
+
+    def init(self, num_groups: int, dtype: DTypeLike) -> Any:
+        raise NotImplementedError
+
+    def observe(self, state: Any, x: jax.Array, count: jax.Array) -> Any:
+        raise NotImplementedError
+
+    def report(self, state: Any) -> dict[str, jax.Array]:
+        raise NotImplementedError
+
+    def _input(self, x: jax.Array) -> jax.Array:
+        return x if self.floor is None else positive_part(x, self.floor)
+
+
+@dataclasses.dataclass(frozen=True)
+class MedianStd(Statistic):
+    """P² median and Welford standard deviation over the whole history."""
+
+    def init(self, num_groups: int, dtype: DTypeLike) -> tuple[P2State, WelfordState]:
+        return p2_init(num_groups, 0.5, dtype), welford_init(num_groups, dtype)
+
+    def observe(self, state: Any, x: jax.Array, count: jax.Array) -> Any:
+        x = self._input(x)
+        return p2_update(state[0], x, 0.5), welford_update(state[1], x)
+
+    def report(self, state: Any) -> dict[str, jax.Array]:
+        return {"median": p2_value(state[0]), "std": welford_std(state[1])}
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowQuantile(Statistic):
+    """The linearly interpolated ``percentile`` of the last ``size`` observations."""
+
+    size: int = 1024
+    percentile: ArrayLike = 95.0
+
+    def init(self, num_groups: int, dtype: DTypeLike) -> WindowState:
+        return window_init(num_groups, self.size, dtype)
+
+    def observe(self, state: Any, x: jax.Array, count: jax.Array) -> Any:
+        return window_update(state, self._input(x))
+
+    def report(self, state: Any) -> dict[str, jax.Array]:
+        return {"quantile": window_percentile(state, self.percentile)}
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamingQuantile(Statistic):
+    """:func:`squantile_update`'s forgetting quantile."""
+
+    percentile: ArrayLike = 95.0
+    decay: ArrayLike = 0.99
+
+    def init(self, num_groups: int, dtype: DTypeLike) -> StreamingQuantileState:
+        return squantile_init(num_groups, dtype)
+
+    def observe(self, state: Any, x: jax.Array, count: jax.Array) -> Any:
+        return squantile_update(state, self._input(x), self.percentile / 100.0, self.decay)
+
+    def report(self, state: Any) -> dict[str, jax.Array]:
+        return {"quantile": squantile_value(state)}
+
+
+@dataclasses.dataclass(frozen=True)
+class GeometricQuantile(Statistic):
+    """:func:`gquantile_update`'s multiplicative quantile."""
+
+    percentile: ArrayLike = 95.0
+    lr: ArrayLike = 0.2
+
+    def init(self, num_groups: int, dtype: DTypeLike) -> GeometricQuantileState:
+        return gquantile_init(num_groups, dtype)
+
+    def observe(self, state: Any, x: jax.Array, count: jax.Array) -> Any:
+        return gquantile_update(state, self._input(x), self.percentile / 100.0, self.lr)
+
+    def report(self, state: Any) -> dict[str, jax.Array]:
+        return {"quantile": state.quantile}
+
+
+@dataclasses.dataclass(frozen=True)
+class EmaMeanStd(Statistic):
+    """EMAs of ``x`` and ``x**2`` from the first value (smartclip ``ZScoreClip``)."""
+
+    decay: ArrayLike = 0.99
+
+    def init(self, num_groups: int, dtype: DTypeLike) -> EmaMomentsState:
+        return ema_moments_init(num_groups, dtype)
+
+    def observe(self, state: Any, x: jax.Array, count: jax.Array) -> Any:
+        return ema_moments_update(state, self._input(x), self.decay)
+
+    def report(self, state: Any) -> dict[str, jax.Array]:
+        return {"mean": state.mean, "std": ema_moments_std(state)}
+
+
+class WarmupEmaState(NamedTuple):
+    """EMA statistics that start from a warm-up sample.
+
+    Attributes:
+      mean: ``[G]`` running mean.
+      var: ``[G]`` running variance.
+      warmup: ``[G, warmup_steps]`` the first observations.
+    """
+
+    mean: jax.Array
+    var: jax.Array
+    warmup: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupEma(Statistic):
+    """EMA mean (and variance) started from the first ``warmup_steps`` observations.
+
+    The observation that completes the warm-up sample sets ``mean`` to its mean
+    and ``var`` to its variance (``ddof``; with ``ddof=1`` only if positive,
+    else ``var`` keeps its start value, as drytorch's ``StatsCollector``).
+    Afterwards, with ``a = alpha``:
+
+    * ``variance="after_mean"`` (zclip): ``mean <- a mean + (1-a) x`` then
+      ``var <- a var + (1-a) (x - mean_new)**2``;
+    * ``variance="before_mean"`` (drytorch ZStat): ``var <- a var + (1-a)
+      (x - mean_old)**2`` then the mean;
+    * ``variance=None`` (drytorch EMA): the mean only.
+    """
+
+    alpha: ArrayLike = 0.97
+    warmup_steps: int = 0
+    variance: str | None = "after_mean"
+    ddof: int = 0
+    start_var: float = 0.0
+
+    def init(self, num_groups: int, dtype: DTypeLike) -> WarmupEmaState:
+        return WarmupEmaState(
+            jnp.zeros((num_groups,), dtype),
+            jnp.full((num_groups,), self.start_var, dtype),
+            samples_init(num_groups, self.warmup_steps, dtype),
+        )
+
+    def observe(self, state: Any, x: jax.Array, count: jax.Array) -> Any:
+        a = self.alpha
+        warming = count < self.warmup_steps
+        samples = samples_update(state.warmup, x, count)
+        completes = count + 1 == self.warmup_steps
+        sample_mean, sample_var = samples_moments(samples, self.warmup_steps, self.ddof)
+        if self.ddof:
+            sample_var = jnp.where(sample_var > 0, sample_var, state.var)
+        mean = a * state.mean + (1 - a) * x
+        if self.variance == "after_mean":
+            var = a * state.var + (1 - a) * (x - mean) ** 2
+        elif self.variance == "before_mean":
+            var = a * state.var + (1 - a) * (x - state.mean) ** 2
+        else:
+            var = state.var
+        mean = jnp.where(warming, jnp.where(completes, sample_mean, state.mean), mean)
+        var = jnp.where(warming, jnp.where(completes, sample_var, state.var), var)
+        return WarmupEmaState(mean, var, samples)
+
+    def report(self, state: Any) -> dict[str, jax.Array]:
+        if self.variance is None:
+            return {"mean": state.mean}
+        return {"mean": state.mean, "std": jnp.sqrt(state.var)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ClippedNormEma(Statistic):
+    """AdaGC's ``gamma``: the minimum during warm-up, then an EMA (rate ``1 - beta``)."""
+
+    beta: ArrayLike = 0.98
+    warmup_steps: ArrayLike = 100
+
+    def init(self, num_groups: int, dtype: DTypeLike) -> jax.Array:
+        return jnp.full((num_groups,), jnp.inf, dtype)
+
+    def observe(self, state: Any, x: jax.Array, count: jax.Array) -> Any:
+        ema = self.beta * state + (1 - self.beta) * x
+        return jnp.where(count < self.warmup_steps, jnp.minimum(state, x), ema)
+
+    def report(self, state: Any) -> dict[str, jax.Array]:
+        return {"mean": state}

@@ -9,28 +9,30 @@ import jax
 import jax.numpy as jnp
 
 from clipjax import _engine, _stats, _validation
-from clipjax._engine import Decision, NormRule
-
-ZClipState = _engine.register_algo(
-    "zclip", "State of :func:`zclip`: EMA mean and variance per group.", "ZClipState"
-)
+from clipjax._engine import Judgement, NormRule
+from clipjax._metrics import GroupInfo
 
 # zclip's fixed guard in the applied multiplier, T / (g + 1e-6).
 _DIV_EPS = 1e-6
 
 
-class ZClipStats(NamedTuple):
-    """Statistics of :func:`zclip`, stacked over groups.
+class ZClipState(NamedTuple):
+    """State of :func:`zclip`.
 
     Attributes:
-      mean: EMA mean of the (clipped) norms, ``[groups]``.
-      var: EMA variance, ``[groups]``.
-      warmup: the first ``warmup_steps`` finite norms, ``[groups, warmup_steps]``.
+      stats: EMA mean and variance per group, and the warm-up sample
+        (``[groups, warmup_steps]``).
+      metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.
+      info: static names (algorithm, prefix, groups, leaves).
+      leaf_index: each leaf's group index, int32 scalars (empty for one group).
+      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
     """
 
-    mean: jax.Array
-    var: jax.Array
-    warmup: jax.Array
+    stats: Any
+    metrics: dict[str, jax.Array]
+    info: GroupInfo
+    leaf_index: tuple[jax.Array, ...]
+    leaf_metrics: dict[str, jax.Array]
 
 
 def zclip(
@@ -45,7 +47,9 @@ def zclip(
     skip_update_on_spike: bool = False,
     scope: Any = "global",
     *,
+    feedback: str = "clipped",
     axis_name: str | None = None,
+    leaf_norms: bool = False,
     name: str | None = None,
 ) -> _engine.ClipTransform:
     """ZClip: adaptive spike clipping from EMA statistics of the gradient norm.
@@ -121,19 +125,27 @@ def zclip(
     _validation.choice("mode", mode, ("zscore", "percentile"))
     _validation.choice("clip_option", clip_option, ("adaptive_scaling", "mean"))
     _validation.positive("clip_factor", clip_factor)
+    _engine.check_feedback(feedback, ("raw", "clipped", "skip"))
+    if skip_update_on_spike:
+        if feedback == "raw":
+            raise ValueError(
+                'skip_update_on_spike=True is feedback="skip"; it conflicts with feedback="raw"'
+            )
+        feedback = "skip"
     cap = math.inf if max_grad_norm is None else max_grad_norm
+    statistic = _stats.WarmupEma(None, alpha, warmup_steps, "after_mean", ddof=0)
 
-    def init(num_groups: int, dtype: Any) -> ZClipStats:
-        zeros = jnp.zeros((num_groups,), dtype)
-        return ZClipStats(zeros, zeros, _stats.samples_init(num_groups, warmup_steps, dtype))
-
-    def spike_and_clip(stats: ZClipStats, g: jax.Array) -> tuple[jax.Array, ...]:
+    def judge(stats: Any, g: jax.Array, count: jax.Array, aux: Any) -> Judgement:
+        warming = count < warmup_steps
+        limit = jnp.asarray(cap, g.dtype)
         std = jnp.sqrt(stats.var)
         z = (g - stats.mean) / (std + eps)
         if mode == "percentile":
-            clip_val = stats.mean + z_thresh * std
-            spike = g > clip_val
+            boundary = stats.mean + z_thresh * std
+            spike = g > boundary
+            clip_val = boundary
         else:
+            boundary = stats.mean + z_thresh * (std + eps)
             spike = z > z_thresh
             if clip_option == "mean":
                 clip_val = stats.mean
@@ -141,40 +153,22 @@ def zclip(
                 # Only read where spike (z > z_thresh > 0), so z is never 0 there.
                 safe_z = jnp.where(spike, z, 1.0)
                 clip_val = clip_factor * (stats.mean + z_thresh**2 * std / safe_z)
-        return spike, clip_val, z
-
-    def observe(stats: ZClipStats, g: jax.Array, count: jax.Array) -> ZClipStats:
-        warming = count < warmup_steps
-        buffer = _stats.samples_update(stats.warmup, g, count)
-        # The step that completes the warm-up set initialises mean and var
-        # (population variance, as zclip).
-        completes = count + 1 == warmup_steps
-        init_mean, init_var = _stats.samples_moments(buffer, warmup_steps, ddof=0)
-        spike, clip_val, _ = spike_and_clip(stats, g)
-        v = jnp.where(spike, clip_val, g)
-        mean = alpha * stats.mean + (1 - alpha) * v
-        var = alpha * stats.var + (1 - alpha) * (v - mean) ** 2
-        if skip_update_on_spike:
-            mean = jnp.where(spike, stats.mean, mean)
-            var = jnp.where(spike, stats.var, var)
-        mean = jnp.where(warming, jnp.where(completes, init_mean, stats.mean), mean)
-        var = jnp.where(warming, jnp.where(completes, init_var, stats.var), var)
-        return ZClipStats(mean, var, buffer)
-
-    def decide(before: ZClipStats, after: ZClipStats, g: jax.Array, count: jax.Array, aux: Any):
-        warming = count < warmup_steps
-        limit = jnp.asarray(cap, g.dtype)
-        spike, clip_val, z = spike_and_clip(before, g)
-        threshold = jnp.where(warming, limit, jnp.minimum(jnp.where(spike, clip_val, g), limit))
+        # A non-finite norm reports the spike boundary of the statistics it kept.
+        judged = jnp.where(jnp.isfinite(g), jnp.where(spike, clip_val, g), boundary)
+        threshold = jnp.where(warming, limit, jnp.minimum(judged, limit))
         # zclip uses torch's clip_grad_norm_ rule in warm-up (min(1, c/(g+1e-6)))
         # and scales only when g > T afterwards.
         ratio = jnp.minimum(1.0, threshold / (g + _DIV_EPS))
         scale = jnp.where(warming | (g > threshold), ratio, 1.0)
-        z = jnp.where(warming, jnp.zeros_like(z), z)
-        return Decision(threshold=threshold, scale=scale, extra={"z": z})
+        return Judgement(
+            threshold,
+            scale,
+            fires=spike & ~warming,
+            clip_to=clip_val,
+            extra={"z": jnp.where(warming, jnp.zeros_like(z), z)},
+        )
 
-    def report(stats: ZClipStats) -> dict[str, jax.Array]:
-        return {"mean": stats.mean, "std": jnp.sqrt(stats.var)}
-
-    rule = NormRule("zclip", decide, init=init, observe=observe, report=report)
-    return _engine.norm_transform(rule, scope=scope, name=name, axis_name=axis_name)
+    rule = NormRule("zclip", judge, statistic, feedback=feedback, extra_fields=("z",))
+    return _engine.transform(
+        rule, ZClipState, scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms
+    )

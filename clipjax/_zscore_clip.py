@@ -2,17 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from clipjax import _engine, _stats, _validation
-from clipjax._engine import Decision, NormRule
+from clipjax._engine import Judgement, NormRule
+from clipjax._metrics import GroupInfo
 
-ZScoreClipState = _engine.register_algo(
-    "zscore_clip", "State of :func:`zscore_clip`: EMA moments per group.", "ZScoreClipState"
-)
+
+class ZScoreClipState(NamedTuple):
+    """State of :func:`zscore_clip`.
+
+    Attributes:
+      stats: EMA moments per group (mean, variance, observation count).
+      metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.
+      info: static names (algorithm, prefix, groups, leaves).
+      leaf_index: each leaf's group index, int32 scalars (empty for one group).
+      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+    """
+
+    stats: Any
+    metrics: dict[str, jax.Array]
+    info: GroupInfo
+    leaf_index: tuple[jax.Array, ...]
+    leaf_metrics: dict[str, jax.Array]
 
 
 def zscore_clip(
@@ -24,7 +39,9 @@ def zscore_clip(
     eps: float = 1e-8,
     guard_nans: bool = True,
     *,
+    feedback: str = "observe_first",
     axis_name: str | None = None,
+    leaf_norms: bool = False,
     name: str | None = None,
 ) -> _engine.ClipTransform:
     """Clip norms more than ``zmax`` EMA standard deviations above the EMA mean.
@@ -84,25 +101,27 @@ def zscore_clip(
     _validation.integer("warmup_steps", warmup_steps, static=False)
     _validation.integer("min_history", min_history, static=False)
     _validation.positive("eps", eps)
+    _engine.check_feedback(feedback, _engine.FEEDBACKS)
+    statistic = _stats.EmaMeanStd(eps, ema_decay)
 
-    def init(num_groups: int, dtype: Any) -> Any:
-        return _stats.ema_moments_init(num_groups, dtype)
+    def judge(stats: Any, g: jax.Array, count: jax.Array, aux: Any) -> Judgement:
+        values = statistic.report(stats)
+        threshold = jnp.maximum(eps, values["mean"] + zmax * values["std"])
+        return Judgement(threshold, jnp.minimum(1.0, threshold / (g + eps)))
 
-    def observe(stats: Any, g: jax.Array, count: jax.Array) -> Any:
-        return _stats.ema_moments_update(stats, _engine.smartclip_observation(g, eps), ema_decay)
-
-    def threshold_of(stats: Any) -> jax.Array:
-        return jnp.maximum(eps, stats.mean + zmax * _stats.ema_moments_std(stats))
-
-    def decide(before: Any, after: Any, g: jax.Array, count: jax.Array, aux: Any) -> Decision:
-        threshold = threshold_of(after)
-        gate = jnp.maximum(warmup_steps, min_history)
-        return _engine.observe_then_clip(threshold, g, count, eps, gate)
-
-    def report(stats: Any) -> dict[str, jax.Array]:
-        return {"mean": stats.mean, "std": _stats.ema_moments_std(stats)}
-
-    rule = NormRule("zscore_clip", decide, init=init, observe=observe, report=report)
-    return _engine.norm_transform(
-        rule, scope=scope, name=name, axis_name=axis_name, guard_nans=guard_nans
+    rule = NormRule(
+        "zscore_clip",
+        judge,
+        statistic,
+        feedback=feedback,
+        gate=jnp.maximum(warmup_steps, min_history),
+    )
+    return _engine.transform(
+        rule,
+        ZScoreClipState,
+        scope=scope,
+        name=name,
+        axis_name=axis_name,
+        guard_nans=guard_nans,
+        leaf_norms=leaf_norms,
     )

@@ -21,15 +21,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from clipjax import _percentile
-from clipjax._metrics import metrics
-from clipjax._value import (
+from clipjax import (
     ClipByPercentileState,
     ClipByValueState,
     NormalizePerParamState,
     ZScoreNormalizeState,
+    _percentile,
     clip_by_percentile,
     clip_by_value,
+    metrics,
     normalize_per_param,
     zscore_normalize,
 )

@@ -1,0 +1,134 @@
+"""adagc: AdaGC, each group clipped against an EMA of its own clipped norms."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from clipjax import _engine, _stats, _validation
+from clipjax._engine import Judgement, NormRule
+from clipjax._metrics import GroupInfo
+
+
+class AdaGCState(NamedTuple):
+    """State of :func:`adagc`.
+
+    Attributes:
+      stats: ``gamma`` per group, the EMA of clipped norms (+inf before the
+        first observation).
+      metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.
+      info: static names (algorithm, prefix, groups, leaves).
+      leaf_index: each leaf's group index, int32 scalars (empty for one group).
+      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+    """
+
+    stats: Any
+    metrics: dict[str, jax.Array]
+    info: GroupInfo
+    leaf_index: tuple[jax.Array, ...]
+    leaf_metrics: dict[str, jax.Array]
+
+
+def adagc(
+    relative_threshold: float = 1.05,
+    beta: float = 0.98,
+    warmup_steps: int = 100,
+    absolute_threshold: float = 1.0,
+    eps: float = 1e-6,
+    scope: Any = "per_param",
+    *,
+    feedback: str = "clipped",
+    axis_name: str | None = None,
+    leaf_norms: bool = False,
+    name: str | None = None,
+) -> _engine.ClipTransform:
+    """AdaGC: clip each tensor against an EMA of its own clipped gradient norms.
+
+    Per group ``i`` (each leaf by default), with ``g_i`` its gradient norm:
+
+    * warm-up, the group's first ``warmup_steps`` finite norms: global
+      clipping, ``h = min(1, absolute_threshold / (G + eps))`` with ``G`` the
+      global norm (over the groups whose norm is finite), applied to every
+      group; ``gamma_i <- min(gamma_i, h * g_i)``, ``gamma`` starting at +inf;
+      the reported threshold is ``absolute_threshold``;
+    * afterwards: ``T_i = relative_threshold * gamma_i`` (``gamma`` from before
+      the step), ``scale_i = min(1, T_i / (g_i + eps))``, then
+      ``gamma_i <- beta * gamma_i + (1 - beta) * scale_i * g_i``.
+
+    The EMA absorbs the *clipped* norm (``feedback="clipped"``, the paper's
+    rule), so a spike cannot raise its own threshold. ``feedback="raw"``
+    absorbs ``g_i`` instead; ``feedback="skip"`` leaves ``gamma`` (and the
+    group's ``count``) unchanged on a clipped step, which can hold the
+    threshold at an old level after a lasting rise of the norm.
+
+    A non-finite group norm passes that group through unchanged (scale 1),
+    never enters ``gamma`` and increments ``nonfinite_count``; chain
+    ``optax.apply_if_finite`` to drop such steps.
+
+    Args:
+      relative_threshold: ``T_i / gamma_i`` (``> 0``; the paper uses 1.05).
+      beta: EMA decay of ``gamma``, in (0, 1).
+      warmup_steps: finite norms of global clipping per group (``>= 0``).
+      absolute_threshold: the global-norm bound during warm-up (``> 0``).
+      eps: added to the norms in the denominators (``>= 0``).
+      scope: ``"per_param"`` (the paper's per-tensor rule), ``"per_layer"``,
+        ``"global"`` or a callable ``(path, leaf) -> str``.
+      feedback: ``"clipped"`` (default), ``"raw"`` or ``"skip"``.
+      axis_name: average the group norms over this mapped axis first, so
+        every replica applies the same scale.
+      leaf_norms: also record each leaf's L2 norm before clipping.
+      name: metrics prefix (default ``adagc``).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``; metrics per group:
+      ``grad_norm``, ``threshold``, ``scale``, ``clipped``, ``mean`` (``gamma``
+      after the update) and the counters ``count``, ``step``,
+      ``clipped_count``, ``nonfinite_count``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, clipjax
+      >>> tx = optax.chain(clipjax.adagc(warmup_steps=2, absolute_threshold=5.0), optax.sgd(0.1))
+      >>> params = {"w": jnp.zeros(2), "b": jnp.zeros(1)}
+      >>> state = tx.init(params)
+      >>> for x in [0.5, 0.6, 0.55, 5.0]:
+      ...     _, state = tx.update({"w": jnp.array([x, 0.0]), "b": jnp.ones(1)}, state)
+      >>> m = clipjax.metrics(state)
+      >>> bool(m["adagc/w/clipped"]), bool(m["adagc/b/clipped"])
+      (True, False)
+      >>> round(float(m["adagc/w/threshold"]), 4)
+      0.5255
+
+    References:
+      Wang et al., `Adaptive Gradient Clipping for Robust Large Language Model
+      Pre-training <https://arxiv.org/abs/2502.11034>`_, 2025.
+    """
+    _validation.positive("relative_threshold", relative_threshold)
+    _validation.open_unit("beta", beta)
+    _validation.integer("warmup_steps", warmup_steps, static=False)
+    _validation.positive("absolute_threshold", absolute_threshold)
+    _validation.non_negative("eps", eps)
+    _engine.check_feedback(feedback, ("raw", "clipped", "skip"))
+    statistic = _stats.ClippedNormEma(None, beta, warmup_steps)
+
+    def judge(gamma: Any, g: jax.Array, count: jax.Array, aux: Any) -> Judgement:
+        warming = count < warmup_steps
+        finite = jnp.isfinite(g)
+        total = jnp.sqrt(jnp.sum(jnp.where(finite, g * g, 0.0)))
+        global_scale = jnp.minimum(1.0, absolute_threshold / (total + eps))
+        threshold = relative_threshold * gamma
+        relative_scale = jnp.minimum(1.0, threshold / (g + eps))
+        scale = jnp.where(warming, global_scale, relative_scale)
+        return Judgement(
+            threshold=jnp.where(warming, jnp.asarray(absolute_threshold, g.dtype), threshold),
+            scale=scale,
+            fires=~warming & (relative_scale < 1),
+            clip_to=relative_scale * g,
+            observation=jnp.where(warming, global_scale * g, g),
+        )
+
+    rule = NormRule("adagc", judge, statistic, feedback=feedback)
+    return _engine.transform(
+        rule, AdaGCState, scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms
+    )

@@ -1,0 +1,272 @@
+"""Element-wise static clippers: clamp every element to a bound.
+
+No statistics carry over between steps; each state records the metrics of the
+last step and the counters.
+
+Non-finite input: a group whose L2 norm is NaN or infinite (any NaN or inf
+element; also a float32 norm that overflows above ~1.8e19) increments
+``nonfinite_count`` and does not increment ``count``. ``clip_by_value`` still
+clamps it element-wise, as ``optax.clip`` does (``±inf`` become ``±max_abs``,
+NaN stays NaN); ``clip_by_percentile`` passes such a group through unchanged
+rather than spreading NaN over it. Chain ``optax.apply_if_finite`` to drop
+such steps altogether.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from clipjax import _engine, _grouping, _percentile, _validation
+from clipjax._engine import ElementwiseRule, Step
+from clipjax._grouping import Grouping, Scope
+from clipjax._metrics import GroupInfo
+
+Array = jax.Array
+
+PERCENTILE_METHODS = ("auto", "exact", "approx")
+PERCENTILE_SCOPES = ("per_param", "per_layer", "global")
+
+
+class ClipByValueState(NamedTuple):
+    """State of :func:`clip_by_value`: no statistics, only metrics.
+
+    Attributes:
+      stats: empty.
+      metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.
+      info: static names (algorithm, prefix, groups, leaves).
+      leaf_index: each leaf's group index, int32 scalars (empty for one group).
+      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+    """
+
+    stats: Any
+    metrics: dict[str, jax.Array]
+    info: GroupInfo
+    leaf_index: tuple[jax.Array, ...]
+    leaf_metrics: dict[str, jax.Array]
+
+
+class ClipByPercentileState(NamedTuple):
+    """State of :func:`clip_by_percentile`: no statistics, only metrics.
+
+    Attributes:
+      stats: empty.
+      metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.
+      info: static names (algorithm, prefix, groups, leaves).
+      leaf_index: each leaf's group index, int32 scalars (empty for one group).
+      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+    """
+
+    stats: Any
+    metrics: dict[str, jax.Array]
+    info: GroupInfo
+    leaf_index: tuple[jax.Array, ...]
+    leaf_metrics: dict[str, jax.Array]
+
+
+def _group_sum(per_leaf: list[Array], grouping: Grouping, dtype: Any) -> Array:
+    """Sums per-leaf scalars into their groups, ``[groups]``."""
+    if not per_leaf:
+        return jnp.zeros((grouping.num_groups,), dtype)
+    stacked = jnp.stack([jnp.asarray(v, dtype) for v in per_leaf])
+    if grouping.num_groups == 1:
+        return jnp.sum(stacked)[None]
+    return jax.ops.segment_sum(
+        stacked, np.asarray(grouping.leaf_groups), num_segments=grouping.num_groups
+    )
+
+
+def _group_sizes(grouping: Grouping) -> np.ndarray:
+    sizes = np.zeros((grouping.num_groups,), np.float64)
+    for shape, group in zip(grouping.leaf_shapes, grouping.leaf_groups):
+        sizes[group] += math.prod(shape)
+    return sizes
+
+
+def _norms_and_clipped(
+    leaves: list[Array], grouping: Grouping, bound: Array, dtype: Any
+) -> tuple[Array, Array, Array]:
+    """Per group, the L2 norm and the number of elements with ``|x| > b``; per leaf the norm.
+
+    ``bound`` is ``[groups]``, compared in the leaf's dtype (the dtype the
+    clamp uses). All come from one read of each leaf.
+    """
+    squares, over = [], []
+    for x, group in zip(leaves, grouping.leaf_groups):
+        xs = x.astype(dtype)
+        b = bound[group].astype(x.dtype)
+        square, count = _grouping.fused_sums(xs * xs, (jnp.abs(x) > b).astype(jnp.int32))
+        squares.append(square)
+        over.append(count)
+    norm = jnp.sqrt(_group_sum(squares, grouping, dtype))
+    leaf_norm = jnp.sqrt(jnp.stack(squares)) if squares else jnp.zeros((0,), dtype)
+    return norm, _group_sum(over, grouping, dtype), leaf_norm
+
+
+def _clamp(leaves: list[Array], grouping: Grouping, bound: Array) -> list[Array]:
+    """``clip(x, -b, b)`` per leaf, ``b`` its group's bound cast to the leaf's dtype."""
+    return [
+        jnp.clip(x, -bound[g].astype(x.dtype), bound[g].astype(x.dtype))
+        for x, g in zip(leaves, grouping.leaf_groups)
+    ]
+
+
+def _fraction(counts: Array, grouping: Grouping, dtype: Any) -> Array:
+    sizes = np.maximum(_group_sizes(grouping), 1)
+    return counts / jnp.asarray(sizes, dtype)
+
+
+def clip_by_value(
+    max_abs: float,
+    *,
+    scope: Scope = "global",
+    leaf_norms: bool = False,
+    name: str | None = None,
+) -> _engine.ClipTransform:
+    """Clamps every element of the updates to ``[-|max_abs|, |max_abs|]``.
+
+    Element-wise ``clip(g, -|max_abs|, |max_abs|)``; for ``max_abs > 0`` the
+    output equals ``optax.clip(max_abs)``, including non-finite elements
+    (``±inf`` become ``±max_abs``, NaN stays NaN). ``scope`` only decides how
+    the metrics are grouped. Leaves must be real-valued.
+
+    ``max_abs`` may be injected and scheduled with ``optax.inject_hyperparams``;
+    ``scope`` is static.
+
+    Args:
+      max_abs: the largest magnitude kept; its absolute value is used.
+      scope: grouping of the metrics: ``"global"``, ``"per_param"``,
+        ``"per_layer"`` or a callable ``(path, leaf) -> str``.
+      leaf_norms: also record each leaf's L2 norm before clipping.
+      name: metrics prefix (default ``clip_by_value``).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state records per
+      group ``grad_norm`` (L2, before clipping), ``clipped_fraction`` (share of
+      elements with ``|g| > |max_abs|``), ``clipped`` (some element was) and
+      the counters ``count``, ``step``, ``clipped_count``, ``nonfinite_count``.
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> tx = clipjax.clip_by_value(1.0)
+      >>> g = {"w": jnp.array([-3.0, 0.5, 2.0, 1.0])}
+      >>> out, state = tx.update(g, tx.init(g))
+      >>> out["w"].tolist()
+      [-1.0, 0.5, 1.0, 1.0]
+      >>> float(clipjax.metrics(state)["clip_by_value/global/clipped_fraction"])
+      0.5
+
+    References:
+      Mikolov, `Statistical language models based on neural networks
+      <https://www.fit.vut.cz/study/phd-thesis-file/283/283.pdf>`_, 2012
+      (section 3.2.2: clipping gradient values).
+    """
+    _validation.check("max_abs", max_abs, lambda x: not math.isnan(x), "a number, not NaN")
+    _grouping.validate_scope(scope)
+
+    def kernel(leaves: list[Array], _: Any, grouping: Grouping, dtype: Any) -> Step:
+        limit = jnp.abs(jnp.asarray(max_abs, dtype))
+        bound = jnp.broadcast_to(limit, (grouping.num_groups,))
+        norm, counts, leaf_norm = _norms_and_clipped(leaves, grouping, bound, dtype)
+        fraction = _fraction(counts, grouping, dtype)
+        out = _clamp(leaves, grouping, bound)
+        metrics = {"grad_norm": norm, "clipped_fraction": fraction, "clipped": fraction > 0}
+        return Step(out, metrics, jnp.isfinite(norm), fraction > 0, leaf_norm)
+
+    fields = {"grad_norm": None, "clipped_fraction": None, "clipped": jnp.bool_}
+    rule = ElementwiseRule("clip_by_value", kernel, fields)
+    return _engine.transform(rule, ClipByValueState, scope=scope, name=name, leaf_norms=leaf_norms)
+
+
+def clip_by_percentile(
+    percentile: float,
+    scope: Scope = "per_param",
+    method: str = "auto",
+    *,
+    leaf_norms: bool = False,
+    name: str | None = None,
+) -> _engine.ClipTransform:
+    """Clamps the updates to the ``percentile``-th percentile of their magnitudes.
+
+    Per group, the bound ``b`` is the linearly interpolated percentile
+    (numpy's default method) of ``|g|`` over the group's elements: each leaf
+    with ``scope="per_param"``, all leaves together with ``scope="global"``,
+    the leaves of one parent with ``"per_layer"``. Then ``clip(g, -b, b)``.
+
+    ``method="exact"`` sorts the group's magnitudes; ``"approx"`` uses a radix
+    histogram select that reads them twice (float32) and is within a relative
+    ``2^-17`` (≈ 7.6e-6) of the exact bound, see
+    :func:`clipjax.approx_percentile`; ``"auto"`` is exact for
+    groups of up to ``AUTO_EXACT_MAX_SIZE`` (4096) elements and approximate
+    above. The global scope never concatenates large leaves.
+
+    A group with a non-finite norm (any NaN or inf) is passed through
+    unchanged, reports ``bound = inf`` and ``clipped_fraction = 0`` and
+    increments ``nonfinite_count``. Leaves must be real-valued.
+    With bfloat16/float16 leaves the bound is rounded to the leaf dtype before
+    clamping. ``percentile`` may be injected with
+    ``optax.inject_hyperparams`` (its rank is then computed in float32);
+    ``scope`` and ``method`` are static.
+
+    Args:
+      percentile: in ``(0, 100]``; 100 is the maximum (nothing clipped).
+      scope: ``"per_param"``, ``"per_layer"``, ``"global"`` or a callable
+        ``(path, leaf) -> str``.
+      method: ``"auto"``, ``"exact"`` or ``"approx"``.
+      leaf_norms: also record each leaf's L2 norm before clipping.
+      name: metrics prefix (default ``clip_by_percentile``).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state records per
+      group ``grad_norm`` (L2, before clipping), ``bound``,
+      ``clipped_fraction``, ``clipped`` and the counters ``count``, ``step``,
+      ``clipped_count``, ``nonfinite_count``.
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> tx = clipjax.clip_by_percentile(50.0)
+      >>> g = {"w": jnp.array([-4.0, 1.0, 2.0, -3.0])}
+      >>> out, state = tx.update(g, tx.init(g))
+      >>> out["w"].tolist()
+      [-2.5, 1.0, 2.0, -2.5]
+      >>> float(clipjax.metrics(state)["clip_by_percentile/w/bound"])
+      2.5
+
+    References:
+      Andrew, Thakkar, McMahan, Ramaswamy, `Differentially private learning
+      with adaptive clipping <https://arxiv.org/abs/1905.03871>`_, 2021
+      (quantile-based clipping bounds).
+    """
+    _validation.check("percentile", percentile, lambda x: 0 < x <= 100, "in (0, 100]")
+    _validation.choice("method", method, PERCENTILE_METHODS)
+    _grouping.validate_scope(scope, PERCENTILE_SCOPES)
+
+    def kernel(leaves: list[Array], _: Any, grouping: Grouping, dtype: Any) -> Step:
+        bounds = [
+            _percentile._select([leaves[i] for i in members], percentile, method)[0]
+            for members in grouping.members
+        ]
+        bound = jnp.stack(bounds).astype(dtype) if bounds else jnp.zeros((0,), dtype)
+        norm, counts, leaf_norm = _norms_and_clipped(leaves, grouping, bound, dtype)
+        finite = jnp.isfinite(norm)
+        # Selects on [groups] only: a non-finite group's leaves pass unchanged.
+        bound = jnp.where(finite, bound, jnp.inf)
+        fraction = _fraction(jnp.where(finite, counts, jnp.zeros_like(counts)), grouping, dtype)
+        out = _clamp(leaves, grouping, bound)
+        metrics = {
+            "grad_norm": norm,
+            "bound": bound,
+            "clipped_fraction": fraction,
+            "clipped": fraction > 0,
+        }
+        return Step(out, metrics, finite, fraction > 0, leaf_norm)
+
+    fields = {"grad_norm": None, "bound": None, "clipped_fraction": None, "clipped": jnp.bool_}
+    rule = ElementwiseRule("clip_by_percentile", kernel, fields)
+    return _engine.transform(
+        rule, ClipByPercentileState, scope=scope, name=name, leaf_norms=leaf_norms
+    )
