@@ -150,7 +150,10 @@ def skip_on_spike(
       max_consecutive_skips: ``None`` (never force a step) or an int >= 1.
       axis_name: under ``pmap``/``shard_map`` with per-device gradients and
         losses, the mapped axis: the norm and the loss are averaged over it
-        before the decision, so every replica takes the same decision.
+        before the decision, so every replica takes the same decision. Needed
+        whenever the replicas' inputs differ and ``inner`` holds a collective
+        (e.g. a ``pmean`` of the updates): replicas that disagree would run
+        different branches and the collective would never complete.
       name: metrics prefix (default ``skip_on_spike``).
 
     Returns:
