@@ -393,6 +393,10 @@ def test_metrics_reports_its_fields_and_the_inner_clippers() -> None:
     np.testing.assert_array_equal(found["skip_on_spike/global/value"], np.float32(losses[25]))
     assert int(found["skip_on_spike/global/step"]) == 26
     assert int(found["skip_on_spike/global/skipped_count"]) == 1
+    nested = clipjax.metrics(state, flat=False)
+    assert set(nested["skip_on_spike"]["global"]) == FIELDS and "zclip" in nested
+    window = optax.tree_utils.tree_get(state, "grad_norm_window")
+    assert window.shape == (WINDOW,)
     named = clipjax.skip_on_spike(optax.sgd(1.0), name="guard")
     keys = clipjax.metrics(named.init({"w": jnp.ones(2)}))
     assert set(keys) == {f"guard/global/{f}" for f in FIELDS}
@@ -608,6 +612,22 @@ def test_orbax_checkpoint_continues_bit_identically(tmp_path: Path) -> None:
         restored = checkpointer.restore(tmp_path / "ckpt", abstract)
     assert tree_equal(jax.device_get(restored), jax.device_get(middle))
     assert tree_equal(jax.device_get(train(*restored, range(28, STEPS))), jax.device_get(final))
+
+
+def test_a_taken_step_costs_the_inner_update_plus_one_read_of_the_gradients() -> None:
+    params = {"w": jnp.zeros((256, 256), jnp.float32), "b": jnp.zeros((256,), jnp.float32)}
+    grads = jax.tree.map(jnp.ones_like, params)
+    grad_bytes = sum(x.nbytes for x in jax.tree.leaves(grads))
+
+    def bytes_accessed(tx: optax.GradientTransformation, **kwargs: Any) -> float:
+        step = jax.jit(lambda g, s: tx.update(g, s, params, **kwargs))
+        compiled = step.lower(grads, tx.init(params)).compile()
+        return compiled.cost_analysis()["bytes accessed"]
+
+    adam = bytes_accessed(optax.adam(1e-3))
+    for kwargs in ({}, {"value": jnp.float32(1.0)}):
+        skip = bytes_accessed(clipjax.skip_on_spike(optax.adam(1e-3)), **kwargs)
+        assert 0.9 * grad_bytes < skip - adam < 1.2 * grad_bytes, (skip - adam) / grad_bytes
 
 
 # --------------------------------------------------------------------------- arguments
