@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
+from clipjax import _validation
 from clipjax._metrics import GroupInfo
 from clipjax._static import global_norm
 
@@ -42,26 +41,6 @@ class SkipOnSpikeState(NamedTuple):
     value_seen: jax.Array
     metrics: dict[str, jax.Array]
     info: GroupInfo
-
-
-def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
-    ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-    ok = ok and value >= minimum and (maximum is None or value <= maximum)
-    if not ok:
-        upper = "" if maximum is None else f" and <= {maximum}"
-        raise ValueError(f"{name} must be an int >= {minimum}{upper}, got {value!r}")
-
-
-def _check_sigma(sigma: Any) -> None:
-    if isinstance(sigma, jax.core.Tracer):
-        return  # optax.inject_hyperparams: checked by the caller's concrete value
-    try:
-        x = np.asarray(sigma)
-        ok = x.shape == () and x.dtype.kind in "iuf" and float(x) > 0 and not math.isnan(float(x))
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ValueError(f"sigma must be a number > 0, got {sigma!r}")
 
 
 def _window_stats(window: jax.Array, seen: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -183,13 +162,15 @@ def skip_on_spike(
       Levanter ``SkipStepConfig`` (``levanter/optim/skipstep.py``,
       stanford-crfm/levanter).
     """
-    _check_int("window_size", window_size, 1)
-    _check_sigma(sigma)
+    _validation.integer("window_size", window_size, 1)
+    _validation.positive("sigma", sigma)
     if min_history is None:
         min_history = max(1, window_size // 2)
-    _check_int("min_history", min_history, 1, window_size)
+    _validation.integer("min_history", min_history, 1)
+    if min_history > window_size:
+        raise ValueError(f"min_history must be <= window_size ({window_size}), got {min_history!r}")
     if max_consecutive_skips is not None:
-        _check_int("max_consecutive_skips", max_consecutive_skips, 1)
+        _validation.integer("max_consecutive_skips", max_consecutive_skips, 1)
     if name is not None and not (isinstance(name, str) and name):
         raise ValueError(f"name must be a non-empty str or None, got {name!r}")
     if axis_name is not None and not isinstance(axis_name, (str, tuple)):
