@@ -214,7 +214,11 @@ def skip_on_spike(
     ) -> tuple[Any, SkipOnSpikeState]:
         norm = global_norm(updates).astype(jnp.float32)
         has_value = value is not None
-        loss = jnp.asarray(value).astype(jnp.float32).reshape(()) if has_value else None
+        loss = None
+        if has_value:
+            if jnp.size(value) != 1:
+                raise ValueError(f"value must be a scalar (the loss), got shape {jnp.shape(value)}")
+            loss = jnp.asarray(value).astype(jnp.float32).reshape(())
         if axis_name is not None:
             norm = jax.lax.pmean(norm, axis_name)
             if has_value:

@@ -658,6 +658,15 @@ def test_invalid_arguments_name_the_argument(kwargs: dict[str, Any], argument: s
         clipjax.skip_on_spike(optax.sgd(1.0), **kwargs)
 
 
+def test_value_must_be_a_scalar_and_empty_trees_are_allowed() -> None:
+    tx = clipjax.skip_on_spike(optax.sgd(1.0))
+    params = {"w": jnp.ones(3)}
+    with pytest.raises(ValueError, match="value"):
+        tx.update(params, tx.init(params), params, value=jnp.ones(2))
+    updates, state = tx.update({}, tx.init({}), {}, value=1.0)
+    assert updates == {} and not bool(state.metrics["skipped"][0])
+
+
 def test_default_min_history_is_half_the_window() -> None:
     grads, losses = make_stream("clean")
     for window, gate in ((16, 8), (1, 1)):
