@@ -26,7 +26,7 @@ from clipjax._hist_clip import (
     zstat_criterion,
 )
 from clipjax._metrics import GroupInfo, metrics
-from clipjax._percentile import approx_percentile, exact_percentile
+from clipjax._percentile import approx_percentile, approx_relative_error, exact_percentile
 from clipjax._skip import SkipOnSpikeState, skip_on_spike
 from clipjax._static import (
     ClipByGlobalNormState,
@@ -60,6 +60,7 @@ __all__ = [
     "adagc",
     "agc",
     "approx_percentile",
+    "approx_relative_error",
     "autoclip",
     "clip_by_global_norm",
     "clip_by_percentile",

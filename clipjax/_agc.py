@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from clipjax import _engine, _validation
+from clipjax import _engine, _grouping, _validation
 from clipjax._engine import ElementwiseRule, Judgement, NormRule, Step
 from clipjax._grouping import Grouping
 from clipjax._metrics import GroupInfo
@@ -169,6 +169,7 @@ def _unitwise(
             unit_axes(x, axis)
 
     def kernel(leaves: list[jax.Array], params: Any, grouping: Grouping, dtype: Any) -> Step:
+        _grouping.check_inexact(leaves, grouping, name or "agc")
         out, rows = [], {f: [] for f in fields}
         for x, p in zip(leaves, params):
             g_unit = _unit_norm(x, dtype, axis)

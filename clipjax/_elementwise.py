@@ -97,9 +97,10 @@ def _norms_and_clipped(
     """
     squares, over = [], []
     for x, group in zip(leaves, grouping.leaf_groups):
-        xs = x.astype(dtype)
-        b = bound[group].astype(x.dtype)
-        square, count = _grouping.fused_sums(xs * xs, (jnp.abs(x) > b).astype(jnp.int32))
+        b = bound[group].astype(jnp.abs(x).dtype)
+        square, count = _grouping.fused_sums(
+            _grouping.abs_squared(x, dtype), (jnp.abs(x) > b).astype(jnp.int32)
+        )
         squares.append(square)
         over.append(count)
     norm = jnp.sqrt(_group_sum(squares, grouping, dtype))
@@ -108,11 +109,19 @@ def _norms_and_clipped(
 
 
 def _clamp(leaves: list[Array], grouping: Grouping, bound: Array) -> list[Array]:
-    """``clip(x, -b, b)`` per leaf, ``b`` its group's bound cast to the leaf's dtype."""
-    return [
-        jnp.clip(x, -bound[g].astype(x.dtype), bound[g].astype(x.dtype))
-        for x, g in zip(leaves, grouping.leaf_groups)
-    ]
+    """``clip(x, -b, b)`` per leaf, ``b`` its group's bound cast to the leaf's dtype.
+
+    A complex element keeps its phase: its magnitude is clamped to ``b``.
+    """
+    out = []
+    for x, g in zip(leaves, grouping.leaf_groups):
+        if jnp.iscomplexobj(x):
+            b = bound[g].astype(jnp.abs(x).dtype)
+            magnitude = jnp.abs(x)
+            out.append(jnp.where(magnitude > b, x * (b / jnp.maximum(magnitude, b)), x))
+        else:
+            out.append(jnp.clip(x, -bound[g].astype(x.dtype), bound[g].astype(x.dtype)))
+    return out
 
 
 def _fraction(counts: Array, grouping: Grouping, dtype: Any) -> Array:
@@ -132,7 +141,8 @@ def clip_by_value(
     Element-wise ``clip(g, -|max_abs|, |max_abs|)``; for ``max_abs > 0`` the
     output equals ``optax.clip(max_abs)``, including non-finite elements
     (``±inf`` become ``±max_abs``, NaN stays NaN). ``scope`` only decides how
-    the metrics are grouped. Leaves must be real-valued.
+    the metrics are grouped. A complex element keeps its phase and has its
+    magnitude clamped.
 
     ``max_abs`` may be injected and scheduled with ``optax.inject_hyperparams``;
     ``scope`` is static.
@@ -206,7 +216,8 @@ def clip_by_percentile(
 
     A group with a non-finite norm (any NaN or inf) is passed through
     unchanged, reports ``bound = inf`` and ``clipped_fraction = 0`` and
-    increments ``nonfinite_count``. Leaves must be real-valued.
+    increments ``nonfinite_count``. A complex element keeps its phase and has
+    its magnitude clamped.
     With bfloat16/float16 leaves the bound is rounded to the leaf dtype before
     clamping. ``percentile`` may be injected with
     ``optax.inject_hyperparams`` (its rank is then computed in float32);

@@ -195,6 +195,14 @@ def norm_dtype(leaves: Sequence[Any]) -> jnp.dtype:
     return jnp.dtype(jnp.float32)
 
 
+def abs_squared(x: jax.Array, dtype: Any) -> jax.Array:
+    """``|x|**2`` element-wise in ``dtype`` (float32 or float64), complex included."""
+    if jnp.iscomplexobj(x):
+        return jnp.real(x).astype(dtype) ** 2 + jnp.imag(x).astype(dtype) ** 2
+    magnitude = x.astype(dtype)
+    return magnitude * magnitude
+
+
 def _power_sum(x: jax.Array, p: float, dtype: jnp.dtype) -> jax.Array:
     if jnp.iscomplexobj(x):
         sq = jnp.real(x).astype(dtype) ** 2 + jnp.imag(x).astype(dtype) ** 2

@@ -139,10 +139,21 @@ def hist_clip(
     ``min(1, clip / (g + 1e-6))``; the statistics absorb the raw norm. No
     clipping while ``mu == 0``.
 
+    ``feedback`` says what a step teaches the statistics: ``"raw"`` (default,
+    drytorch's rule), ``"clipped"`` (on a high-side fire, the clip value
+    instead of the norm: the setting that stops spikes) or ``"skip"``
+    (nothing on a high-side fire; the group's ``count`` does not advance, and
+    a lasting upward shift of the norm can hold the statistics at the old
+    level). Warm-up norms are always collected as they are.
+
     ``scope="per_param"`` is drytorch's ParamHistClipper: statistics, warm-up
-    and the warm-up clip per leaf. A clipjax ``warmup_clip`` is applied per
-    group and fused into the same pass; any other optax transform is applied
-    to the whole tree while a group warms up.
+    and the warm-up clip per leaf. A clipjax ``warmup_clip`` is rebuilt for
+    hist_clip's groups (and ``axis_name``), so it clips each warming group by
+    its own norm; any other optax transform is applied to the whole tree.
+    Either runs only while some group warms up (under ``lax.cond``). Once a
+    group's warm-up is over, the warm-up clip's nested metrics for it read as
+    at init (``grad_norm`` 0, ``scale`` 1, ``clipped`` False) and its counters
+    keep their totals: they never report a stale decision.
 
     **FIX**: drytorch's EMA criterion with ``mean_clipping`` zeroes the
     gradient; here it clips to the running mean. A NaN/Inf norm poisons
@@ -154,7 +165,10 @@ def hist_clip(
       warmup_steps: number of finite norms collected before the criterion.
       warmup_clip: transform applied during warm-up, or None.
       scope: ``"global"``, ``"per_param"``, ``"per_layer"`` or a callable.
-      axis_name: average group norms over this mapped axis (SPEC 5).
+      feedback: ``"raw"`` (default), ``"clipped"`` or ``"skip"``.
+      axis_name: average the group norms over this mapped axis first, so every
+        replica keeps identical statistics and applies the same scale.
+      leaf_norms: also record each leaf's L2 norm before clipping.
       name: metrics prefix (default ``hist_clip``).
 
     Returns:

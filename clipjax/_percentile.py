@@ -37,7 +37,7 @@ bits of float32 and is exact at the same speed.
 
 Non-finite input: the result is NaN when any value is NaN or infinite (numpy
 would return a finite number for infinities off the target ranks; callers that
-need it check finiteness themselves, see ``_value.clip_by_percentile``).
+need it check finiteness themselves, see ``clip_by_percentile``).
 
 Traced ``percentile`` (``optax.inject_hyperparams``): the rank is then
 computed in the statistics dtype (float32), so it may be off by about
@@ -123,7 +123,7 @@ def approx_relative_error(
     docstring; ``eps = 0`` when the passes resolve every bit.
 
     Examples:
-      >>> from clipjax._percentile import approx_relative_error
+      >>> from clipjax import approx_relative_error
       >>> approx_relative_error()  # 4096 bins, two passes, float32: 2**-17
       7.62939453125e-06
       >>> approx_relative_error(bins=2**16, passes=2)
@@ -317,7 +317,7 @@ def exact_percentile(values: Values, percentile: Any) -> Array:
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> from clipjax._percentile import exact_percentile
+      >>> from clipjax import exact_percentile
       >>> float(exact_percentile(jnp.array([-4.0, 1.0, 2.0, -3.0]), 50.0))
       2.5
     """
@@ -351,7 +351,7 @@ def approx_percentile(
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> from clipjax._percentile import approx_percentile
+      >>> from clipjax import approx_percentile
       >>> x = jnp.linspace(-1.0, 1.0, 100_001)
       >>> round(float(approx_percentile(x, 90.0)), 4)
       0.9

@@ -243,8 +243,10 @@ def zscore_normalize(eps: float = 1e-8, *, name: str | None = None) -> _engine.C
                 finites.append(jnp.ones((), bool))
                 out.append(x)
                 continue
-            xs = x.astype(dtype)
-            total, squares = _grouping.fused_sums(xs, xs * xs)
+            # Complex leaves are standardised in complex arithmetic: the
+            # deviations keep their phase, the std is that of |deviation|.
+            xs = x.astype(jnp.result_type(dtype, x.dtype) if jnp.iscomplexobj(x) else dtype)
+            total, squares = _grouping.fused_sums(xs, _grouping.abs_squared(xs, dtype))
             norm = jnp.sqrt(squares)
             ok = jnp.isfinite(norm)
             # Corrected two-pass (Chan, Golub & LeVeque 1983): the second pass
@@ -255,11 +257,11 @@ def zscore_normalize(eps: float = 1e-8, *, name: str | None = None) -> _engine.C
             rough = total / size
             deviation = xs - rough
             deviation_sum, deviation_squares = _grouping.fused_sums(
-                deviation, deviation * deviation
+                deviation, _grouping.abs_squared(deviation, dtype)
             )
             residual = deviation_sum / size
             if size > 1:
-                centred = deviation_squares - size * jnp.square(residual)
+                centred = deviation_squares - size * jnp.abs(residual) ** 2
                 std = jnp.sqrt(jnp.maximum(centred, 0) / (size - 1))
                 inverse = 1 / (std + jnp.asarray(eps, dtype))
             else:

@@ -8,10 +8,10 @@ Nothing branches on values in Python: "not initialised yet" is encoded in the
 int32 ``count`` leaf, not by ``None``.
 
 The updates assume ``x`` is finite. Callers mask rows whose observation is
-not (``jnp.where(finite, new, old)`` per group), which is how SPEC section 3
-keeps NaN out of every statistic.
+not (``jnp.where(finite, new, old)`` per group), which is how a NaN
+never enters a statistic.
 
-Statistics (SPEC 4.1, 4.2, 8.13, 8.14):
+Statistics:
 
 * Welford mean / variance over the whole history (Welford 1962).
 * P² streaming quantile (Jain & Chlamtac 1985), textbook parabolic step, or
@@ -135,7 +135,7 @@ def _p2_adjust(
     right_, left_ = jnp.where(spaced, right, 1), jnp.where(spaced, left, 1)
     bracket = (left_ + d) * (q_hi - q_i) / right_ + (right_ - d) * (q_i - q_lo) / left_
     # Jain & Chlamtac's piecewise-parabolic formula has the 1/(n[i+1]-n[i-1])
-    # factor; smartclip drops it (SPEC 4.1 FIX), kept reachable for comparison.
+    # factor; smartclip drops it (a FIX), kept reachable for comparison.
     factor = d / (right_ + left_) if textbook else d
     parabolic = q_i + factor * bracket
     q_nb = jnp.where(step > 0, q_hi, q_lo)
@@ -214,7 +214,7 @@ def p2_update(state: P2State, x: ArrayLike, p: ArrayLike = 0.5, textbook: bool =
 def p2_value(state: P2State) -> jax.Array:
     """Middle marker once ``count >= 5``; before that the exact (numpy) median.
 
-    smartclip has no value before the 5th observation (SPEC 4.1 FIX). Empty
+    smartclip has no value before the 5th observation (a FIX). Empty
     groups report 0.
     """
     count = state.count
@@ -258,7 +258,7 @@ def ema_moments_update(state: EmaMomentsState, x: ArrayLike, decay: ArrayLike) -
     smartclip's ``EmaMoments`` (ZScoreClip) keeps EMAs ``m`` of x and ``m2`` of
     x², both started at the first value, and reports ``m2 - m²``. The
     recursion above equals that exactly in real arithmetic but does not cancel
-    when the spread is tiny next to the mean (SPEC 8.14; Finch 2009,
+    when the spread is tiny next to the mean (Finch 2009,
     "Incremental calculation of weighted mean and variance").
     """
     x = jnp.asarray(x, state.mean.dtype)
@@ -403,7 +403,7 @@ def squantile_init(num_groups: int, dtype: DTypeLike = jnp.float32) -> Streaming
 def squantile_update(
     state: StreamingQuantileState, x: ArrayLike, q: ArrayLike, decay: ArrayLike
 ) -> StreamingQuantileState:
-    """Track the ``q``-quantile of a drifting stream (SPEC 4.1 FIX, 8.13).
+    """Track the ``q``-quantile of a drifting stream.
 
     With ``a = 1 - decay``, ``p = clip(q, a, 1 - a)``, the bias-corrected
     spread ``s = EMA_a(|x - r|)`` and the first observation as start:
@@ -433,7 +433,7 @@ def squantile_update(
     below +0.3 %. Heavier tails are noisier (lognormal(0, .5) 1.9 / 6.5 %,
     exponential 2.7 / 8.2 %). After the stream is scaled by 0.2 the value is
     back within 20 % of the new quantile after at most 3,000 steps (median
-    2,850; SPEC bound 5,000; heavy tails 3,300), after a 5x rise within 1,500.
+    2,850; required bound 5,000; heavy tails 3,300), after a 5x rise within 1,500.
     These scale with ``1/a`` (decay = 0.999: 28,900 steps). The float32 JAX
     version gives the same figures (50 seeds).
     """

@@ -66,14 +66,22 @@ def zclip(
         percentile mode: spike = g > mean + z_thresh * std,  clip_val = mean + z_thresh * std
         T = min(clip_val if spike else g, max_grad_norm);  scale = T / (g + 1e-6) if g > T
 
-    and the statistics absorb ``v = clip_val`` on a spike (``g`` otherwise;
-    nothing on a spike with ``skip_update_on_spike``)::
+    and the statistics absorb ``v = clip_val`` on a spike (``g`` otherwise)::
 
         mean <- alpha * mean + (1 - alpha) * v
         var  <- alpha * var + (1 - alpha) * (v - mean_new)**2
 
-    Every scope of SPEC section 2 is supported; each group keeps its own
-    statistics and warm-up.
+    ``feedback`` says what a spike teaches the statistics: ``"clipped"``
+    (default, zclip's rule above), ``"raw"`` (the norm ``g`` itself) or
+    ``"skip"`` (nothing; the group's ``count`` does not advance; a lasting
+    upward shift of the norm can then hold the statistics at the old level).
+    ``skip_update_on_spike=True`` is ``feedback="skip"``. During warm-up every
+    finite norm is collected as it is.
+
+    Every scope is supported; each group keeps its own statistics and warm-up.
+    A step whose norm is not finite reports the spike boundary of the kept
+    statistics, ``min(mean + z_thresh * std, max_grad_norm)``, as its
+    threshold.
 
     **FIX** (reference ``zclip`` package): a NaN or Inf norm poisons zclip's
     mean and variance for good (and its warm-up mean); here it is kept out of
@@ -91,9 +99,13 @@ def zclip(
       mode: ``"zscore"`` or ``"percentile"``.
       clip_option: ``"adaptive_scaling"`` or ``"mean"`` (zscore mode only).
       clip_factor: multiplier of the adaptive threshold.
-      skip_update_on_spike: leave the statistics unchanged on spikes.
+      skip_update_on_spike: leave the statistics unchanged on spikes (an alias
+        of ``feedback="skip"``).
       scope: ``"global"``, ``"per_param"``, ``"per_layer"`` or a callable.
-      axis_name: average group norms over this mapped axis (SPEC 5).
+      feedback: ``"clipped"`` (default), ``"raw"`` or ``"skip"``.
+      axis_name: average the group norms over this mapped axis first, so every
+        replica keeps identical statistics and applies the same scale.
+      leaf_norms: also record each leaf's L2 norm before clipping.
       name: metrics prefix (default ``zclip``).
 
     Returns:

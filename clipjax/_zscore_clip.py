@@ -52,15 +52,21 @@ def zscore_clip(
     ``T = max(eps, m + zmax * std)`` and ``scale = min(1, T / (g + eps))``
     once the group has ``max(warmup_steps, min_history)`` finite observations.
 
-    Observe-then-clip: the current norm enters the statistics before its own
-    threshold is computed, so a large spike raises its own threshold (with a
-    long history a x1000 spike still passes at a fraction of its size). This
-    is smartclip's behaviour; :func:`zclip` and :func:`hist_clip` judge a norm
-    by the statistics before it.
+    ``feedback="observe_first"`` (the default, smartclip's order): the current
+    norm enters the statistics before its own threshold is computed, so a
+    large spike raises its own threshold (with a long history a x1000 spike
+    still passes at a fraction of its size). The other settings judge the
+    step by the statistics from *before* it (the gate then opens once
+    ``max(warmup_steps, min_history, 1)`` norms were observed before the
+    step) and then observe: the norm (``"raw"``), ``T`` on a clipped step and
+    the norm otherwise (``"clipped"``, the setting that stops spikes), or
+    nothing on a clipped step, whose ``count`` does not advance (``"skip"``;
+    a lasting upward shift of the norm can then hold the threshold at the old
+    level). While the gate is closed every finite norm is observed as it is.
 
     The variance uses the recursion ``S <- d S + d (1 - d) (x - m_old)**2``,
     equal to ``m2 - m**2`` in exact arithmetic but free of float32
-    cancellation (SPEC 8.14).
+    cancellation.
 
     **FIX**: smartclip counts one observation per group per call towards its
     single gate, so per-layer warm-up ends N times too early; here each group
@@ -75,7 +81,11 @@ def zscore_clip(
       min_history: idem; the gate opens at the larger of the two.
       eps: threshold floor and denominator guard (``> 0``).
       guard_nans: keep non-finite norms out of the statistics (default).
-      axis_name: average group norms over this mapped axis (SPEC 5).
+      feedback: ``"observe_first"`` (default), ``"raw"``, ``"clipped"`` or
+        ``"skip"``, see above.
+      axis_name: average the group norms over this mapped axis first, so every
+        replica keeps identical statistics and applies the same scale.
+      leaf_norms: also record each leaf's L2 norm before clipping.
       name: metrics prefix (default ``zscore_clip``).
 
     Returns:
