@@ -27,6 +27,7 @@ from clipjax._hist_clip import (
 )
 from clipjax._metrics import GroupInfo, metrics
 from clipjax._percentile import approx_percentile, approx_relative_error, exact_percentile
+from clipjax._skip import SkipOnSpikeState, skip_on_spike
 from clipjax._static import (
     ClipByGlobalNormState,
     NormalizePerParamState,
@@ -52,6 +53,7 @@ __all__ = [
     "GroupInfo",
     "HistClipState",
     "NormalizePerParamState",
+    "SkipOnSpikeState",
     "ZClipState",
     "ZScoreClipState",
     "ZScoreNormalizeState",
@@ -73,6 +75,7 @@ __all__ = [
     "normalize_per_param",
     "path_name",
     "reciprocal_clipping",
+    "skip_on_spike",
     "zclip",
     "zscore_clip",
     "zscore_normalize",
