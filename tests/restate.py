@@ -24,7 +24,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import references as R
 
 import clipjax
 
@@ -74,7 +73,16 @@ class _Log:
         return {k: np.asarray(v) for k, v in self.rows.items()}
 
 
-COMMON = ["grad_norm", "threshold", "scale", "clipped", "count", "step", "clipped_count", "nonfinite_count"]
+COMMON = [
+    "grad_norm",
+    "threshold",
+    "scale",
+    "clipped",
+    "count",
+    "step",
+    "clipped_count",
+    "nonfinite_count",
+]
 
 
 def _positive(g: float, eps: float) -> float:
@@ -87,21 +95,79 @@ def _positive(g: float, eps: float) -> float:
 # ----------------------------------------------------------------------------
 
 
-class _AutoStats:
-    """mode="auto": textbook P² median (tests/references.p2_restated) + Welford std."""
+class P2Median:
+    """Textbook P² (p = 0.5), incremental: the same steps as
+    ``references.p2_restated(xs, 0.5, textbook=True)`` (checked in test_feedback),
+    O(1) per observation instead of re-running the whole prefix."""
 
-    def __init__(self) -> None:
-        self.xs: list[float] = []
+    def __init__(self, p: float = 0.5) -> None:
+        self.p, self.xs, self.q, self.n, self.nd = p, [], [], [], []
+        self.dn = [0.0, p / 2, p, (1 + p) / 2, 1.0]
 
     def observe(self, x: float) -> None:
-        self.xs.append(x)
+        p, q, n = self.p, self.q, self.n
+        if len(self.xs) < 5:
+            self.xs.append(x)
+            if len(self.xs) == 5:
+                self.q = sorted(self.xs)
+                self.n = [0, 1, 2, 3, 4]
+                self.nd = [0.0, 2 * p, 4 * p, 2 + 2 * p, 4.0]
+            return
+        if x < q[0]:
+            q[0], k = x, 0
+        elif x < q[1]:
+            k = 0
+        elif x < q[2]:
+            k = 1
+        elif x < q[3]:
+            k = 2
+        elif x <= q[4]:
+            k = 3
+        else:
+            q[4], k = x, 3
+        for i in range(k + 1, 5):
+            n[i] += 1
+        for i in range(5):
+            self.nd[i] += self.dn[i]
+        for i in range(1, 4):
+            d = self.nd[i] - n[i]
+            if (d >= 1 and n[i + 1] - n[i] > 1) or (d <= -1 and n[i - 1] - n[i] < -1):
+                s = 1 if d >= 1 else -1
+                qp = q[i] + s / (n[i + 1] - n[i - 1]) * (
+                    (n[i] - n[i - 1] + s) * (q[i + 1] - q[i]) / (n[i + 1] - n[i])
+                    + (n[i + 1] - n[i] - s) * (q[i] - q[i - 1]) / (n[i] - n[i - 1])
+                )
+                if q[i - 1] < qp < q[i + 1]:
+                    q[i] = qp
+                else:
+                    q[i] = q[i] + s * (q[i + s] - q[i]) / (n[i + s] - n[i])
+                n[i] += s
+
+    def value(self) -> float:
+        if len(self.xs) < 5:
+            return float(np.median(self.xs)) if self.xs else NAN
+        return self.q[2]
+
+
+class _AutoStats:
+    """mode="auto": textbook P² median + Welford std (ddof=1, 0 with one sample)."""
+
+    def __init__(self) -> None:
+        self.p2 = P2Median()
+        self.k, self.mean, self.m2 = 0, 0.0, 0.0
+
+    def observe(self, x: float) -> None:
+        self.p2.observe(x)
+        self.k += 1
+        delta = x - self.mean
+        self.mean += delta / self.k
+        self.m2 += delta * (x - self.mean)
 
     def report(self) -> dict[str, float]:
-        if not self.xs:
+        if not self.k:
             return {"median": NAN, "std": NAN}
-        median = float(R.p2_restated(self.xs, 0.5, textbook=True)[-1])
-        std = float(np.std(self.xs, ddof=1)) if len(self.xs) > 1 else 0.0
-        return {"median": median, "std": std}
+        std = math.sqrt(self.m2 / (self.k - 1)) if self.k > 1 else 0.0
+        return {"median": self.p2.value(), "std": std}
 
     def raw_threshold(self) -> float:
         r = self.report()
