@@ -358,8 +358,8 @@ LEVEL = {
 def test_spike_moves_threshold_no_more_than_its_clip_value(config):
     """Replace the x1000 spike by the value it is clipped to (its threshold; no
     max_grad_norm cap in these configurations): under "clipped" the statistics
-    after it are those of the replaced stream, under "skip" their level is no
-    higher (SPEC 9.1); "raw" feedback of the spike moves them much more."""
+    after it are those of the replaced stream; under "skip" they do not move
+    (SPEC 9.1); "raw" feedback of the spike moves them much more."""
     algo, make, _ = CONFIGS[config]
     t = SPIKES[2]
     norms = R.spikes(N, 0)[0]
@@ -368,13 +368,16 @@ def test_spike_moves_threshold_no_more_than_its_clip_value(config):
     a = _run_many([make("clipped"), make("skip"), make("raw")], norms[:, None], [_single] * 3)
     clipped, skipped, raw = (r[0] for r in a)
     assert clipped[key + "clipped"][t] and skipped[key + "clipped"][t]
-    replaced = np.stack([norms, norms], axis=1)
-    replaced[t, 0] = clipped[key + "threshold"][t]
-    replaced[t, 1] = skipped[key + "threshold"][t]
-    trees = [lambda r: _single(r[0:1]), lambda r: _single(r[1:2])]
-    ref_c, ref_s = (r[0] for r in _run_many([make("clipped"), make("clipped")], replaced, trees))
+    replaced = norms.copy()
+    replaced[t] = clipped[key + "threshold"][t]
+    ((ref_c, *_),) = _run_many([make("clipped")], replaced[:, None], [_single])
     np.testing.assert_allclose(level(clipped, key)[t], level(ref_c, key)[t], rtol=1e-4)
-    assert level(skipped, key)[t] <= level(ref_s, key)[t] * (1 + 1e-5)
+    # skip: the spike does not move the statistics at all (observing its clip value
+    # may move them a little either way: zclip's variance shrinks when it observes
+    # a value close to its mean, so "no higher than the replaced run" is not a law)
+    for f in ("median", "mean", "std", "count"):
+        if key + f in skipped:
+            assert skipped[key + f][t] == skipped[key + f][t - 1], f
     assert level(raw, key)[t] > 2 * level(clipped, key)[t]
 
 
