@@ -112,7 +112,7 @@ def test_matches_restatement_step_by_step(quantile_lr, percentile):
     )
     # the stream starts with a NaN: the quantile starts at the first *finite* norm
     assert np.isnan(want["quantile"][0]) and want["quantile"][1] == norms[1]
-    S.compare(got, want, "autoclip/g0/")
+    S.compare(got, want, "autoclip/global/")
     finite = np.isfinite(norms)
     np.testing.assert_allclose(outs["g0"][finite] / ins["g0"][finite], want["scale"][finite],
                                rtol=S.RTOL)  # fmt: skip
@@ -125,8 +125,8 @@ def test_threshold_is_quantile_floored_at_eps():
     tx = clipjax.autoclip(mode="percentile", history="geometric", warmup_steps=1,
                           min_history=1, eps=eps)  # fmt: skip
     got, _, _ = S.run_tree(tx, norms[:, None], S.flat_tree)
-    q = got["autoclip/g0/quantile"]
-    np.testing.assert_allclose(got["autoclip/g0/threshold"], np.maximum(q, eps), rtol=S.RTOL)
+    q = got["autoclip/global/quantile"]
+    np.testing.assert_allclose(got["autoclip/global/threshold"], np.maximum(q, eps), rtol=S.RTOL)
     assert q[0] == pytest.approx(1e-5, rel=1e-6)
 
 
