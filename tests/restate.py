@@ -179,7 +179,7 @@ class _WindowStats:
         self.p, self.w, self.xs = percentile, window_size, []
 
     def observe(self, x: float) -> None:
-        self.xs = (self.xs + [x])[-self.w :]
+        self.xs = [*self.xs, x][-self.w :]
 
     def report(self) -> dict[str, float]:
         return {"quantile": float(np.percentile(self.xs, self.p)) if self.xs else NAN}
@@ -341,7 +341,7 @@ def zclip(
     feedback: str = "clipped",
 ) -> dict[str, np.ndarray]:
     cap = INF if max_grad_norm is None else float(max_grad_norm)
-    log = _Log(COMMON + ["mean", "std", "z"])
+    log = _Log([*COMMON, "mean", "std", "z"])
     samples: list[float] = []
     mean = var = NAN
 
@@ -481,7 +481,7 @@ def adagc(
     """``norms`` is ``[steps, groups]``; every field comes back ``[steps, groups]``."""
     x = np.asarray(norms, np.float64)
     steps, groups = x.shape
-    logs = [_Log(COMMON + ["mean"]) for _ in range(groups)]
+    logs = [_Log([*COMMON, "mean"]) for _ in range(groups)]
     gamma = [INF] * groups
     for t in range(steps):
         row = [float(v) for v in x[t]]
