@@ -159,13 +159,12 @@ def _check_rec(rec, want, prefix, what=""):
         raise AssertionError(f"[{what}] {e}") from None
 
 
-def _check_run(tx, norms, want, prefix, leaf=("w",)):
+def _check_run(tx, norms, want, prefix):
     """Metrics, applied scale and pass-through of non-finite steps vs the restatement."""
     got, (outs, ins), same = S.run_tree(tx, np.asarray(norms)[:, None], _single)
     S.compare(got, want, prefix)
     finite = np.isfinite(want["grad_norm"])
     applied = outs["w"][finite] / ins["w"][finite]
-    finite = np.isfinite(want["grad_norm"])
     np.testing.assert_allclose(applied, want["scale"][finite], rtol=S.RTOL)
     assert np.all(np.asarray(same["w"])[~finite]), "a non-finite step must pass unchanged"
     return got
