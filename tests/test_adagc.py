@@ -44,7 +44,8 @@ def _leaf_ratio(outs, ins, path):
     o, i = outs, ins
     for part in path.split("/"):
         o, i = o[part], i[part]
-    return o / i
+    with np.errstate(invalid="ignore"):  # NaN/Inf steps: compared only where finite
+        return o / i
 
 
 def _check(tx, norms, make_tree, groups, want_norms, leaves_of, feedback="clipped"):
