@@ -1,0 +1,603 @@
+"""Float64 NumPy restatements of SPEC 9 (feedback, geometric quantile, adagc).
+
+Written from /work/shared/SPEC.md (sections 3, 4, 8, 9) and the 0.2 CONTRACT,
+not from clipjax's code: each function walks a sequence of group norms step by
+step in float64 Python and returns what clipjax must report, per step:
+
+``grad_norm``, ``threshold``, ``scale``, ``clipped``, ``count``, ``step``,
+``clipped_count``, ``nonfinite_count`` and the algorithm's statistics
+(post-update, SPEC 8.4). A value the SPEC leaves undefined (a threshold before
+any observation, a threshold on a non-finite step) is NaN here and is not
+compared (see :func:`compare`).
+
+Every "clipper" function takes a 1-D float sequence of norms (NaN/Inf allowed)
+and a ``feedback`` in ``"observe_first"``, ``"raw"``, ``"clipped"``, ``"skip"``.
+:func:`adagc` takes ``[steps, groups]`` (its warm-up uses the global norm).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import clipjax
+
+NAN = math.nan
+INF = math.inf
+RTOL = 3e-5  # SPEC 8.14: float32 clipjax vs a float64 restatement
+# z = (g - mean) / std is a difference quotient: near z = 0 its float32 error is
+# absolute, about ulp(g) / std = 6e-8 / 0.01..0.1 (measured up to 9e-6 on the
+# noise-0.1 streams), not relative. Only ``z`` gets this absolute slack.
+Z_ATOL = 5e-5
+
+
+# ----------------------------------------------------------------------------
+# Bookkeeping shared by every restatement
+# ----------------------------------------------------------------------------
+
+
+class _Log:
+    """Per-step records plus the counters of SPEC 8.5."""
+
+    def __init__(self, fields: Sequence[str]) -> None:
+        self.rows: dict[str, list] = {k: [] for k in fields}
+        self.count = self.step = self.clipped_count = self.nonfinite_count = 0
+
+    def add(self, *, g: float, threshold: float, scale: float, observed: bool, **stats) -> None:
+        finite = math.isfinite(g)
+        self.step += 1
+        self.count += int(observed)
+        self.nonfinite_count += int(not finite)
+        clipped = scale < 1.0
+        self.clipped_count += int(clipped)
+        row = dict(
+            grad_norm=g,
+            threshold=threshold,
+            scale=scale,
+            clipped=clipped,
+            count=self.count,
+            step=self.step,
+            clipped_count=self.clipped_count,
+            nonfinite_count=self.nonfinite_count,
+            **stats,
+        )
+        for k, v in self.rows.items():
+            v.append(row.get(k, NAN))
+
+    def out(self) -> dict[str, np.ndarray]:
+        return {k: np.asarray(v) for k, v in self.rows.items()}
+
+
+COMMON = [
+    "grad_norm",
+    "threshold",
+    "scale",
+    "clipped",
+    "count",
+    "step",
+    "clipped_count",
+    "nonfinite_count",
+]
+
+
+def _positive(g: float, eps: float) -> float:
+    """What smartclip-style statistics observe: ``g if g > 0 else eps``."""
+    return g if g > 0 else eps
+
+
+# ----------------------------------------------------------------------------
+# autoclip / zscore_clip (SPEC 4.1, 4.2, 9.1, 9.4)
+# ----------------------------------------------------------------------------
+
+
+class P2Median:
+    """Textbook P² (p = 0.5), incremental: the same steps as
+    ``references.p2_restated(xs, 0.5, textbook=True)`` (checked in test_feedback),
+    O(1) per observation instead of re-running the whole prefix."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        self.p, self.xs, self.q, self.n, self.nd = p, [], [], [], []
+        self.dn = [0.0, p / 2, p, (1 + p) / 2, 1.0]
+
+    def observe(self, x: float) -> None:
+        p, q, n = self.p, self.q, self.n
+        if len(self.xs) < 5:
+            self.xs.append(x)
+            if len(self.xs) == 5:
+                self.q = sorted(self.xs)
+                self.n = [0, 1, 2, 3, 4]
+                self.nd = [0.0, 2 * p, 4 * p, 2 + 2 * p, 4.0]
+            return
+        if x < q[0]:
+            q[0], k = x, 0
+        elif x < q[1]:
+            k = 0
+        elif x < q[2]:
+            k = 1
+        elif x < q[3]:
+            k = 2
+        elif x <= q[4]:
+            k = 3
+        else:
+            q[4], k = x, 3
+        for i in range(k + 1, 5):
+            n[i] += 1
+        for i in range(5):
+            self.nd[i] += self.dn[i]
+        for i in range(1, 4):
+            d = self.nd[i] - n[i]
+            if (d >= 1 and n[i + 1] - n[i] > 1) or (d <= -1 and n[i - 1] - n[i] < -1):
+                s = 1 if d >= 1 else -1
+                qp = q[i] + s / (n[i + 1] - n[i - 1]) * (
+                    (n[i] - n[i - 1] + s) * (q[i + 1] - q[i]) / (n[i + 1] - n[i])
+                    + (n[i + 1] - n[i] - s) * (q[i] - q[i - 1]) / (n[i] - n[i - 1])
+                )
+                if q[i - 1] < qp < q[i + 1]:
+                    q[i] = qp
+                else:
+                    q[i] = q[i] + s * (q[i + s] - q[i]) / (n[i + s] - n[i])
+                n[i] += s
+
+    def value(self) -> float:
+        if len(self.xs) < 5:
+            return float(np.median(self.xs)) if self.xs else NAN
+        return self.q[2]
+
+
+class _AutoStats:
+    """mode="auto": textbook P² median + Welford std (ddof=1, 0 with one sample)."""
+
+    def __init__(self) -> None:
+        self.p2 = P2Median()
+        self.k, self.mean, self.m2 = 0, 0.0, 0.0
+
+    def observe(self, x: float) -> None:
+        self.p2.observe(x)
+        self.k += 1
+        delta = x - self.mean
+        self.mean += delta / self.k
+        self.m2 += delta * (x - self.mean)
+
+    def report(self) -> dict[str, float]:
+        if not self.k:
+            return {"median": NAN, "std": NAN}
+        std = math.sqrt(self.m2 / (self.k - 1)) if self.k > 1 else 0.0
+        return {"median": self.p2.value(), "std": std}
+
+    def raw_threshold(self) -> float:
+        r = self.report()
+        return r["median"] + 3.0 * r["std"]
+
+
+class _WindowStats:
+    def __init__(self, percentile: float, window_size: int) -> None:
+        self.p, self.w, self.xs = percentile, window_size, []
+
+    def observe(self, x: float) -> None:
+        self.xs = [*self.xs, x][-self.w :]
+
+    def report(self) -> dict[str, float]:
+        return {"quantile": float(np.percentile(self.xs, self.p)) if self.xs else NAN}
+
+    def raw_threshold(self) -> float:
+        return self.report()["quantile"]
+
+
+class _GeometricStats:
+    """SPEC 9.4: start at the first value, ``q <- q exp(-lr (1[x <= q] - p))``."""
+
+    def __init__(self, percentile: float, quantile_lr: float) -> None:
+        self.p, self.lr, self.q = percentile / 100.0, quantile_lr, NAN
+
+    def observe(self, x: float) -> None:
+        if math.isnan(self.q):
+            self.q = x
+        else:
+            self.q *= math.exp(-self.lr * (float(x <= self.q) - self.p))
+
+    def report(self) -> dict[str, float]:
+        return {"quantile": self.q}
+
+    def raw_threshold(self) -> float:
+        return self.q
+
+
+class _ZScoreStats:
+    """EMA mean and variance, both starting at the first value (SPEC 4.2, 8.14)."""
+
+    def __init__(self, zmax: float, decay: float) -> None:
+        self.zmax, self.d, self.m, self.s = zmax, decay, NAN, 0.0
+
+    def observe(self, x: float) -> None:
+        if math.isnan(self.m):
+            self.m, self.s = x, 0.0
+        else:
+            d = self.d
+            self.s = d * self.s + d * (1 - d) * (x - self.m) ** 2
+            self.m = d * self.m + (1 - d) * x
+
+    def report(self) -> dict[str, float]:
+        if math.isnan(self.m):
+            return {"mean": NAN, "std": NAN}
+        return {"mean": self.m, "std": math.sqrt(max(0.0, self.s))}
+
+    def raw_threshold(self) -> float:
+        r = self.report()
+        return r["mean"] + self.zmax * r["std"]
+
+
+def _smartclip_family(
+    norms: Sequence[float],
+    stats: Any,
+    feedback: str,
+    warmup_steps: int,
+    min_history: int,
+    eps: float,
+    clipped_value: str,
+) -> dict[str, np.ndarray]:
+    """autoclip / zscore_clip under SPEC 9.1 + CONTRACT (one group).
+
+    ``clipped_value`` is what ``feedback="clipped"`` observes on a fire:
+    ``"T"`` (auto mode, zscore_clip) or ``"g"`` (percentile mode).
+    """
+    fields = COMMON + list(stats.report())
+    log = _Log(fields)
+    gate = max(warmup_steps, min_history)
+    for g in map(float, norms):
+        if not math.isfinite(g):
+            # SPEC 3: nothing observed, scale 1; the threshold on such a step is
+            # not pinned by the SPEC (NaN here: not compared).
+            log.add(g=g, threshold=NAN, scale=1.0, observed=False, **stats.report())
+            continue
+        x = _positive(g, eps)
+        if feedback == "observe_first":
+            stats.observe(x)
+            threshold = max(eps, stats.raw_threshold())
+            open_ = log.count + 1 >= gate
+            scale = min(1.0, threshold / (g + eps)) if open_ else 1.0
+            log.add(g=g, threshold=threshold, scale=scale, observed=True, **stats.report())
+            continue
+        # Judge first: T from the statistics before this step; the gate counts the
+        # observations before it (CONTRACT: >= max(warmup, min_history, 1)).
+        raw = stats.raw_threshold()
+        threshold = max(eps, raw) if not math.isnan(raw) else NAN
+        open_ = log.count >= max(gate, 1)
+        scale = min(1.0, threshold / (g + eps)) if open_ else 1.0
+        fires = open_ and scale < 1.0
+        observed = True
+        if fires and feedback == "skip":
+            observed = False
+        elif fires and feedback == "clipped" and clipped_value == "T":
+            stats.observe(threshold)
+        else:
+            stats.observe(x)
+        log.add(g=g, threshold=threshold, scale=scale, observed=observed, **stats.report())
+    return log.out()
+
+
+def autoclip(
+    norms: Sequence[float],
+    *,
+    mode: str = "auto",
+    percentile: float = 95.0,
+    history: str = "window",
+    window_size: int = 1024,
+    quantile_lr: float = 0.2,
+    warmup_steps: int = 100,
+    min_history: int = 50,
+    eps: float = 1e-8,
+    feedback: str = "observe_first",
+) -> dict[str, np.ndarray]:
+    """autoclip, modes auto / percentile window / percentile geometric (not ema)."""
+    if mode == "auto":
+        stats: Any = _AutoStats()
+    elif history == "window":
+        stats = _WindowStats(percentile, window_size)
+    elif history == "geometric":
+        stats = _GeometricStats(percentile, quantile_lr)
+    else:
+        raise ValueError(f"no restatement for history={history!r}")
+    value = "T" if mode == "auto" else "g"
+    return _smartclip_family(norms, stats, feedback, warmup_steps, min_history, eps, value)
+
+
+def zscore_clip(
+    norms: Sequence[float],
+    *,
+    zmax: float = 3.0,
+    ema_decay: float = 0.99,
+    warmup_steps: int = 100,
+    min_history: int = 50,
+    eps: float = 1e-8,
+    feedback: str = "observe_first",
+) -> dict[str, np.ndarray]:
+    stats = _ZScoreStats(zmax, ema_decay)
+    return _smartclip_family(norms, stats, feedback, warmup_steps, min_history, eps, "T")
+
+
+# ----------------------------------------------------------------------------
+# zclip (SPEC 4.3, 9.1)
+# ----------------------------------------------------------------------------
+
+_ZCLIP_DIV = 1e-6  # zclip's fixed guard in T / (g + 1e-6)
+
+
+def zclip(
+    norms: Sequence[float],
+    *,
+    alpha: float = 0.97,
+    z_thresh: float = 2.5,
+    max_grad_norm: float | None = 1.0,
+    eps: float = 1e-6,
+    warmup_steps: int = 25,
+    mode: str = "zscore",
+    clip_option: str = "adaptive_scaling",
+    clip_factor: float = 1.0,
+    feedback: str = "clipped",
+) -> dict[str, np.ndarray]:
+    cap = INF if max_grad_norm is None else float(max_grad_norm)
+    log = _Log([*COMMON, "mean", "std", "z"])
+    samples: list[float] = []
+    mean = var = NAN
+
+    def stats() -> dict[str, float]:
+        if math.isnan(mean):
+            return {"mean": NAN, "std": NAN}
+        return {"mean": mean, "std": math.sqrt(var)}
+
+    for g in map(float, norms):
+        if not math.isfinite(g):
+            log.add(g=g, threshold=NAN, scale=1.0, observed=False, z=NAN, **stats())
+            continue
+        if log.count < warmup_steps:
+            samples.append(g)
+            if len(samples) == warmup_steps:
+                mean, var = float(np.mean(samples)), float(np.var(samples))
+            scale = min(1.0, cap / (g + _ZCLIP_DIV))
+            log.add(g=g, threshold=cap, scale=scale, observed=True, z=0.0, **stats())
+            continue
+        std = math.sqrt(var)
+        z = (g - mean) / (std + eps)
+        if mode == "percentile":
+            clip_val = mean + z_thresh * std
+            spike = g > clip_val
+        else:
+            spike = z > z_thresh
+            if clip_option == "mean":
+                clip_val = mean
+            else:
+                clip_val = clip_factor * (mean + z_thresh**2 * std / z) if spike else NAN
+        threshold = min(clip_val if spike else g, cap)
+        scale = threshold / (g + _ZCLIP_DIV) if g > threshold else 1.0
+        observed = not (spike and feedback == "skip")
+        if observed:
+            v = clip_val if (spike and feedback == "clipped") else g
+            new_mean = alpha * mean + (1 - alpha) * v
+            var = alpha * var + (1 - alpha) * (v - new_mean) ** 2
+            mean = new_mean
+        log.add(g=g, threshold=threshold, scale=scale, observed=observed, z=z, **stats())
+    return log.out()
+
+
+# ----------------------------------------------------------------------------
+# hist_clip (SPEC 4.4, 8.1, 8.2, 9.1), with warmup_clip=None
+# ----------------------------------------------------------------------------
+
+_CLIP_FNS: dict[str, Callable[[float, float], float]] = {
+    "max": lambda s, t: t,
+    "reciprocal": lambda s, t: t * t / s,
+    "mean": lambda s, t: 0.0,
+}
+
+
+def hist_clip(
+    norms: Sequence[float],
+    *,
+    criterion: str = "zstat",
+    alpha: float | None = None,
+    thresh: float | None = None,
+    clip: str | None = None,
+    warmup_steps: int = 20,
+    feedback: str = "raw",
+) -> dict[str, np.ndarray]:
+    """hist_clip with ``warmup_clip=None`` (warm-up steps pass unchanged)."""
+    zstat = criterion == "zstat"
+    alpha = (0.97 if zstat else 0.98) if alpha is None else alpha
+    thresh = (2.5 if zstat else 1.05) if thresh is None else thresh
+    clip = ("reciprocal" if zstat else "max") if clip is None else clip
+    f = _CLIP_FNS[clip]
+    log = _Log(COMMON + (["mean", "std", "z"] if zstat else ["mean"]))
+    samples: list[float] = []
+    mu, v = 0.0, 1.0
+    started = False
+
+    def stats() -> dict[str, float]:
+        return {"mean": mu, "std": math.sqrt(v)} if zstat else {"mean": mu}
+
+    for g in map(float, norms):
+        if not math.isfinite(g):
+            log.add(g=g, threshold=NAN, scale=1.0, observed=False, z=NAN, **stats())
+            continue
+        if log.count < warmup_steps:
+            samples.append(g)
+            # The statistics reported on the step that completes the warm-up set are
+            # not pinned by the SPEC (drytorch still shows its initial 0 / 1.0 there,
+            # clipjax may show them initialised): not compared.
+            last = len(samples) == warmup_steps
+            shown = {k: NAN for k in stats()} if last else stats()
+            log.add(g=g, threshold=INF, scale=1.0, observed=True, z=0.0, **shown)
+            continue
+        if not started:
+            started = True
+            if samples:
+                mu = float(np.mean(samples))
+            if len(samples) > 1 and np.var(samples, ddof=1) > 0:
+                v = float(np.var(samples, ddof=1))
+        active = mu != 0
+        if zstat:
+            sd = math.sqrt(v)
+            stat = abs((g - mu) / (sd + 1e-8))
+            fires = active and stat > thresh
+            clip_val = mu + f(stat, thresh) * sd if fires else NAN
+        else:
+            stat = g / mu if active else NAN
+            fires = active and stat > thresh
+            factor = 1.0 if clip == "mean" else (f(stat, thresh) if fires else NAN)
+            clip_val = mu * factor
+        threshold = clip_val if fires else INF
+        scale = min(1.0, clip_val / (g + 1e-6)) if fires else 1.0
+        high = fires and g > mu
+        observed = not (high and feedback == "skip")
+        if observed:
+            x = clip_val if (high and feedback == "clipped") else g
+            if zstat:
+                v = alpha * v + (1 - alpha) * (x - mu) ** 2
+            mu = alpha * mu + (1 - alpha) * x
+        extra = {"z": stat} if zstat else {}
+        log.add(g=g, threshold=threshold, scale=scale, observed=observed, **extra, **stats())
+    return log.out()
+
+
+# ----------------------------------------------------------------------------
+# adagc (SPEC 9.3, CONTRACT)
+# ----------------------------------------------------------------------------
+
+
+def adagc(
+    norms: np.ndarray,
+    *,
+    relative_threshold: float = 1.05,
+    beta: float = 0.98,
+    warmup_steps: int = 100,
+    absolute_threshold: float = 1.0,
+    eps: float = 1e-6,
+    feedback: str = "clipped",
+) -> dict[str, np.ndarray]:
+    """``norms`` is ``[steps, groups]``; every field comes back ``[steps, groups]``."""
+    x = np.asarray(norms, np.float64)
+    steps, groups = x.shape
+    logs = [_Log([*COMMON, "mean"]) for _ in range(groups)]
+    gamma = [INF] * groups
+    for t in range(steps):
+        row = [float(v) for v in x[t]]
+        big_g = math.sqrt(sum(v * v for v in row if math.isfinite(v)))
+        h = min(1.0, absolute_threshold / (big_g + eps))
+        for i, g in enumerate(row):
+            log = logs[i]
+            if not math.isfinite(g):
+                log.add(g=g, threshold=NAN, scale=1.0, observed=False, mean=gamma[i])
+                continue
+            if log.count < warmup_steps:
+                gamma[i] = min(gamma[i], h * g)
+                log.add(g=g, threshold=absolute_threshold, scale=h, observed=True, mean=gamma[i])
+                continue
+            threshold = relative_threshold * gamma[i]
+            scale = min(1.0, threshold / (g + eps))
+            fires = scale < 1.0
+            observed = not (fires and feedback == "skip")
+            if observed:
+                obs = scale * g if feedback == "clipped" else g
+                gamma[i] = beta * gamma[i] + (1 - beta) * obs
+            log.add(g=g, threshold=threshold, scale=scale, observed=observed, mean=gamma[i])
+    outs = [log.out() for log in logs]
+    return {k: np.stack([o[k] for o in outs], axis=1) for k in outs[0]}
+
+
+# ----------------------------------------------------------------------------
+# Running clipjax on trees of given group norms, reading clipjax.metrics()
+# ----------------------------------------------------------------------------
+
+UNIT = np.array([0.5, -0.5, 0.5, -0.5])
+
+
+def flat_tree(row: jax.Array) -> dict[str, jax.Array]:
+    """One leaf per column: ``{"g0": row[0] * u, ...}`` (per_param groups g0, g1, ...)."""
+    unit = jnp.asarray(UNIT, jnp.float32)
+    return {f"g{i}": row[i] * unit for i in range(row.shape[0])}
+
+
+def layer_tree(row: jax.Array) -> dict[str, Any]:
+    """Layers ``l0, l1, ...`` with a kernel and a bias whose joint norm is ``row[i]``.
+
+    kernel = 0.6 row[i] u, bias = 0.8 row[i] u[:2]*sqrt(2) (norms 0.6 and 0.8 of it).
+    """
+    unit = jnp.asarray(UNIT, jnp.float32)
+    bias_unit = jnp.asarray([math.sqrt(0.5), -math.sqrt(0.5)], jnp.float32)
+    return {
+        f"l{i}": {"kernel": 0.6 * row[i] * unit, "bias": 0.8 * row[i] * bias_unit}
+        for i in range(row.shape[0])
+    }
+
+
+def group_norms(tree: Any) -> Any:
+    return jax.tree.map(lambda a: jnp.linalg.norm(a.astype(jnp.float32)), tree)
+
+
+def run_tree(
+    tx: Any, norms: np.ndarray, make_tree: Callable[[jax.Array], Any] = flat_tree
+) -> tuple[dict[str, np.ndarray], Any, Any]:
+    """Runs ``tx`` (any optax transform) over ``[steps, k]`` norms in one jitted scan.
+
+    Returns ``(metrics, outputs, inputs)``: ``clipjax.metrics`` per step (arrays
+    ``[steps]``) and the per-leaf norms of the transform's output and input
+    (trees of ``[steps]`` arrays), plus per-leaf "output identical to input".
+    """
+    seq = jnp.asarray(np.asarray(norms, np.float64), jnp.float32)
+    params = make_tree(jnp.ones(seq.shape[1], jnp.float32))
+    state0 = tx.init(params)
+
+    def step(state: Any, row: jax.Array) -> Any:
+        grads = make_tree(row)
+        out, state = tx.update(grads, state, params)
+        same = jax.tree.map(lambda a, b: jnp.array_equal(a, b, equal_nan=True), out, grads)
+        return state, (clipjax.metrics(state), group_norms(out), group_norms(grads), same)
+
+    metrics, outs, ins, same = jax.jit(lambda s: jax.lax.scan(step, state0, s)[1])(seq)
+    m = {k: np.asarray(v) for k, v in metrics.items()}
+    return m, (jax.tree.map(np.asarray, outs), jax.tree.map(np.asarray, ins)), same
+
+
+def compare(
+    got: dict[str, np.ndarray],
+    want: dict[str, np.ndarray],
+    prefix: str,
+    fields: Sequence[str] | None = None,
+    rtol: float = RTOL,
+    atol: float = 1e-6,
+    atol_for: dict[str, float] | None = None,
+) -> None:
+    """``got[prefix + field]`` vs ``want[field]`` for every field the restatement defines.
+
+    Positions where the restatement has NaN (undefined by the SPEC) are not
+    compared; elsewhere the finite/infinite pattern must match and finite values
+    agree to ``rtol`` (``atol`` only for values near 0, e.g. a std of ~0).
+    Integer/boolean fields must match exactly. ``atol_for`` overrides ``atol``
+    per field; by default ``z`` gets ``Z_ATOL``.
+    """
+    atol_for = {"z": Z_ATOL, **(atol_for or {})}
+    fields = list(want) if fields is None else list(fields)
+    for f in fields:
+        key = prefix + f
+        assert key in got, f"{key} missing from metrics: {sorted(got)[:20]}..."
+        g = np.asarray(got[key], np.float64)
+        w = np.asarray(want[f], np.float64)
+        assert g.shape == w.shape, (key, g.shape, w.shape)
+        defined = ~np.isnan(w)
+        if f in ("count", "step", "clipped_count", "nonfinite_count", "clipped"):
+            bad = np.nonzero(g[defined] != w[defined])[0]
+            assert bad.size == 0, (
+                f"{key}: first mismatch at {np.nonzero(defined)[0][bad[:5]]}: "
+                f"got {g[defined][bad[:5]]}, want {w[defined][bad[:5]]}"
+            )
+            continue
+        gd, wd = g[defined], w[defined]
+        np.testing.assert_array_equal(np.isfinite(gd), np.isfinite(wd), err_msg=key)
+        fin = np.isfinite(wd)
+        np.testing.assert_array_equal(gd[~fin], wd[~fin], err_msg=key)
+        tol = atol_for.get(f, atol)
+        np.testing.assert_allclose(gd[fin], wd[fin], rtol=rtol, atol=tol, err_msg=key)
