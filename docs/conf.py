@@ -33,7 +33,7 @@ import clipjax  # noqa: E402
 
 project = "clipjax"
 author = "The clipjax Authors"
-copyright = "The clipjax Authors"  # noqa: A001
+copyright = "The clipjax Authors"
 release = clipjax.__version__
 version = release
 
@@ -138,7 +138,8 @@ def _api_page() -> str:
     for title, about, names, directive in sections:
         if not names:
             continue
-        lines += [title, "-" * len(title), "", about, "", ".. autosummary::", "   :nosignatures:", ""]
+        lines += [title, "-" * len(title), "", about, ""]
+        lines += [".. autosummary::", "   :nosignatures:", ""]
         lines += [f"   {name}" for name in names]
         lines.append("")
         for name in names:
