@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -195,5 +196,18 @@ def _skip_namedtuple_fields(app, what, name, obj, skip, options):
     return None
 
 
+def _link_public_alias(app, env, node, contnode):
+    # Annotations name a class where it is defined (clipjax._metrics.GroupInfo):
+    # link them to the public name the API reference documents (clipjax.GroupInfo).
+    match = re.fullmatch(r"(?:clipjax\.)?_\w+\.(\w+)", node.get("reftarget", ""))
+    if node.get("refdomain") != "py" or not match or match.group(1) not in clipjax.__all__:
+        return None
+    target = f"clipjax.{match.group(1)}"
+    return env.get_domain("py").resolve_xref(
+        env, node["refdoc"], app.builder, node["reftype"], target, node, contnode
+    )
+
+
 def setup(app):
     app.connect("autodoc-skip-member", _skip_namedtuple_fields)
+    app.connect("missing-reference", _link_public_alias)
