@@ -6,7 +6,8 @@ Before Sphinx reads the sources, this file generates what is not committed:
   (so a new public name appears without editing the docs), grouped into
   transforms, other functions and classes;
 * ``notebooks/*.ipynb``: copies of the repository's notebooks, which myst-nb
-  executes during the build (they are committed without outputs);
+  executes during the build (they are committed without outputs), or copies
+  already executed by the tests when ``CLIPJAX_EXECUTED_NOTEBOOKS`` names them;
 * ``generated/*.md``: placeholders for the tables that ``make demo`` and
   ``examples/lm_spikes.py`` write, when those have not been generated.
 """
@@ -62,6 +63,12 @@ suppress_warnings = [
 # "force" executes both notebooks on every build (about 30 s each on a CPU);
 # NB_EXECUTION_MODE=cache reuses outputs while the notebook's code is unchanged.
 nb_execution_mode = os.environ.get("NB_EXECUTION_MODE", "force")
+# CLIPJAX_EXECUTED_NOTEBOOKS=folder: take the notebooks from there, already
+# executed (`CLIPJAX_NOTEBOOK_OUT=folder make test` writes them), and do not run
+# them again; .ci/run does this to save running them twice.
+_executed = os.environ.get("CLIPJAX_EXECUTED_NOTEBOOKS")
+EXECUTED = (ROOT / _executed) if _executed else None
+nb_execution_excludepatterns: list[str] = []
 nb_execution_timeout = 600
 nb_execution_raise_on_error = True  # a failing cell fails the build
 nb_execution_in_temp = True  # files the notebooks write go to a temporary folder
@@ -175,6 +182,10 @@ def _generate_sources() -> None:
     notebooks.mkdir(exist_ok=True)
     for source in sorted((ROOT / "notebooks").glob("*.ipynb")):
         target = notebooks / source.name
+        if EXECUTED and (EXECUTED / source.name).exists():
+            # Already executed by tests/test_notebooks.py in this run (CI): not again.
+            source = EXECUTED / source.name
+            nb_execution_excludepatterns.append(f"notebooks/{source.name}")
         if not target.exists() or target.read_bytes() != source.read_bytes():
             shutil.copy2(source, target)
     generated = DOCS / "generated"
