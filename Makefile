@@ -116,7 +116,7 @@ dist: $(VENV)/.installed-dist
 # Installs the wheel from dist/ into a fresh venv (jax, optax, chex, numpy from
 # the package index) and runs one update there.
 test-wheel: dist
-	CLIPJAX_TEST_WHEEL=1 $(BIN)/python -m pytest -n 0 -p no:cacheprovider --no-header -q tests/test_wheel.py
+	CLIPJAX_TEST_WHEEL=1 $(BIN)/python -m pytest -p no:cacheprovider -p no:xdist --noconftest -o addopts="" -ra -q tests/test_wheel.py
 
 format: $(VENV)/.installed-lint
 	$(BIN)/ruff format .

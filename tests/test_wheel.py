@@ -14,6 +14,7 @@ a few hundred megabytes of downloads (less with a warm pip cache).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -21,9 +22,12 @@ from pathlib import Path
 
 import pytest
 
-import clipjax
-
 ROOT = Path(__file__).resolve().parents[1]
+# Read, not imported: `make test-wheel` runs this file (with --noconftest) from an
+# environment that needs only pytest, build and twine.
+VERSION = re.search(
+    r'^__version__ = "([^"]+)"', (ROOT / "clipjax" / "__init__.py").read_text(), re.M
+).group(1)
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("CLIPJAX_TEST_WHEEL") != "1",
@@ -68,7 +72,7 @@ def run(*args: str | Path, cwd: Path) -> str:
 
 def wheel(tmp_path: Path) -> Path:
     """The wheel of this version from dist/ (``make dist``), else one built now."""
-    built = sorted((ROOT / "dist").glob(f"clipjax-{clipjax.__version__}-*.whl"))
+    built = sorted((ROOT / "dist").glob(f"clipjax-{VERSION}-*.whl"))
     if built:
         return built[-1]
     out = tmp_path / "wheelhouse"
@@ -78,7 +82,7 @@ def wheel(tmp_path: Path) -> Path:
 
 def test_wheel_contents(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel(tmp_path)).namelist()
-    package = {n for n in names if not n.startswith(f"clipjax-{clipjax.__version__}.dist-info/")}
+    package = {n for n in names if not n.startswith(f"clipjax-{VERSION}.dist-info/")}
     assert all(n.startswith("clipjax/") for n in package), sorted(package)
     assert {"clipjax/__init__.py", "clipjax/py.typed"} <= package
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
@@ -90,5 +94,5 @@ def test_wheel_installs_and_updates(tmp_path: Path) -> None:
     run(sys.executable, "-m", "venv", venv, cwd=tmp_path)
     python = venv / "bin" / "python"
     run(python, "-m", "pip", "install", "--quiet", path, cwd=tmp_path)
-    out = run(python, "-c", SMOKE, clipjax.__version__, ROOT, cwd=tmp_path)
-    assert f"clipjax {clipjax.__version__}" in out
+    out = run(python, "-c", SMOKE, VERSION, ROOT, cwd=tmp_path)
+    assert f"clipjax {VERSION}" in out
