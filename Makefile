@@ -133,7 +133,7 @@ bench: $(VENV)/.installed-bench
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis demo_out
-	rm -rf docs/api.rst docs/notebooks docs/jupyter_execute
+	rm -rf docs/api.rst docs/notebooks docs/_build
 	find . \( -path ./$(VENV) -o -path ./$(VENV_MIN) \) -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
 distclean: clean
