@@ -12,13 +12,29 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check
 # left to the resolver it pulls the CUDA build and gigabytes of wheels.
 TORCH ?= torch==2.13.0
 
-.PHONY: help test lint format demo notebooks bench clean distclean
+# `make test-min`: the oldest versions pyproject.toml declares (keep in step
+# with [project] dependencies), in their own environment.
+VENV_MIN ?= .venv-min
+MIN_DEPS ?= jax==0.4.36 jaxlib==0.4.36 optax==0.2.4 chex==0.1.87 numpy==1.24.1
+MIN_TEST_DEPS ?= "pytest>=8" "pytest-xdist>=3.5" "hypothesis>=6.100"
+BIN_MIN := $(VENV_MIN)/bin
+
+# `make docs`: Sphinx, warnings as errors; SPHINXOPTS adds options.
+SPHINXOPTS ?=
+DOCS_OUT ?= build/docs
+
+.PHONY: help test test-min lint typecheck format docs dist test-wheel demo notebooks bench clean distclean
 
 help:
 	@echo "make demo       train a small model with injected gradient spikes (examples/demo.py)"
 	@echo "make notebooks  run notebooks/*.ipynb top to bottom; executed copies in build/notebooks/"
 	@echo "make test       ruff check, then pytest (tests/ and doctests)"
-	@echo "make lint       ruff check and ruff format --check"
+	@echo "make test-min   the test suite on the oldest declared jax, optax, chex, numpy ($(VENV_MIN))"
+	@echo "make lint       ruff check, ruff format --check, then make typecheck"
+	@echo "make typecheck  pyright on clipjax/ ([tool.pyright] in pyproject.toml)"
+	@echo "make docs       the documentation site in $(DOCS_OUT)/html (runs the notebooks)"
+	@echo "make dist       wheel and sdist in dist/, checked with twine check --strict"
+	@echo "make test-wheel make dist, install the wheel in a clean venv, run one update"
 	@echo "make format     ruff format and ruff check --fix"
 	@echo "make bench      run benchmarks/run.py"
 	@echo "make clean      remove caches, build outputs and demo_out/"
@@ -47,13 +63,60 @@ $(VENV)/.installed-lint: pyproject.toml | $(BIN)/python
 	$(PIP) install "ruff>=0.8"
 	@touch $@
 
+# pyright resolves imports in this environment: clipjax's dependencies too.
+$(VENV)/.installed-typecheck: pyproject.toml | $(BIN)/python
+	$(PIP) install -e ".[typecheck]"
+	@touch $@
+
+$(VENV)/.installed-docs: pyproject.toml | $(BIN)/python
+	$(PIP) install -e ".[docs]"
+	@touch $@
+
+$(VENV)/.installed-dist: pyproject.toml | $(BIN)/python
+	$(PIP) install "build>=1.2" "twine>=5" "pytest>=8"
+	@touch $@
+
+$(BIN_MIN)/python:
+	$(PYTHON) -m venv $(VENV_MIN)
+	$(BIN_MIN)/python -m pip --disable-pip-version-check install --quiet --upgrade pip
+
+# One resolver call: it fails if the declared minimums cannot be installed together.
+$(VENV_MIN)/.installed: pyproject.toml Makefile | $(BIN_MIN)/python
+	$(BIN_MIN)/python -m pip --disable-pip-version-check install -e . $(MIN_DEPS) $(MIN_TEST_DEPS)
+	@touch $@
+
 test: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS)
 
+# Tests that need a newer API or a package left out here (flax, orbax, torch and
+# the reference packages) skip, with their reason in the -ra summary.
+test-min: $(VENV_MIN)/.installed
+	$(BIN_MIN)/python -m pip --disable-pip-version-check freeze | grep -iE '^(jax|jaxlib|optax|chex|numpy)=='
+	$(BIN_MIN)/python -m pytest -n $(PYTEST_WORKERS) -p no:cacheprovider
+
 lint: $(VENV)/.installed-lint
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(MAKE) typecheck
+
+typecheck: $(VENV)/.installed-typecheck
+	$(BIN)/pyright --pythonpath $(BIN)/python
+
+docs: $(VENV)/.installed-docs
+	rm -rf $(DOCS_OUT)/html
+	$(BIN)/sphinx-build -b html -W --keep-going -n $(SPHINXOPTS) docs $(DOCS_OUT)/html
+	@echo "open $(DOCS_OUT)/html/index.html"
+
+dist: $(VENV)/.installed-dist
+	rm -rf dist
+	$(BIN)/python -m build
+	$(BIN)/twine check --strict dist/*
+
+# Installs the wheel from dist/ into a fresh venv (jax, optax, chex, numpy from
+# the package index) and runs one update there.
+test-wheel: dist
+	CLIPJAX_TEST_WHEEL=1 $(BIN)/python -m pytest -p no:cacheprovider -p no:xdist --noconftest -o addopts="" -ra -q tests/test_wheel.py
 
 format: $(VENV)/.installed-lint
 	$(BIN)/ruff format .
@@ -70,7 +133,8 @@ bench: $(VENV)/.installed-bench
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis demo_out
-	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
+	rm -rf docs/api.rst docs/notebooks docs/_build
+	find . \( -path ./$(VENV) -o -path ./$(VENV_MIN) \) -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV_MIN)
