@@ -550,6 +550,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quick", action="store_true", help="tiny model, 60 steps: a smoke test, numbers mean nothing"
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a model/optimizer field of Config (e.g. --set n_layers=2 --set b2=0.99)",
+    )
     parser.add_argument("--out", type=Path, default=Path("lm_out"), help="output folder")
     args = parser.parse_args(argv)
 
@@ -563,6 +570,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         cfg = replace(cfg, steps=args.steps, eval_every=every)
     if args.lr is not None:
         cfg = replace(cfg, lr=args.lr)
+    for item in args.set:
+        field, _, value = item.partition("=")
+        if field not in Config.__dataclass_fields__ or not value:
+            parser.error(f"--set takes FIELD=VALUE with FIELD in {', '.join(vars(cfg))}")
+        cfg = replace(cfg, **{field: type(getattr(cfg, field))(float(value))})
     cfg = replace(cfg, warmup=min(cfg.warmup, cfg.steps // 4))
     if args.seeds < 1:
         parser.error("--seeds must be positive")
