@@ -62,6 +62,7 @@ class Config:
     b1: float = 0.9
     b2: float = 0.95
     weight_decay: float = 0.1
+    eps: float = 1e-8
 
 
 QUICK = Config(
@@ -103,7 +104,7 @@ def adamw(cfg: Config, lr: float | None = None) -> optax.GradientTransformation:
         [optax.linear_schedule(0.0, peak, max(cfg.warmup, 1)), optax.constant_schedule(peak)],
         [max(cfg.warmup, 1)],
     )
-    return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
+    return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
 def clipped_adamw(clipper: Callable[[], optax.GradientTransformation]) -> Callable:
@@ -171,7 +172,7 @@ def load_text() -> tuple[np.ndarray, np.ndarray, list[str]]:
     train, held_out = [], []
     for i, path in enumerate(files):
         (held_out if i % 10 == 9 else train).append(path.read_bytes())
-    as_array = lambda parts: np.frombuffer(b"\n".join(parts), dtype=np.uint8)  # noqa: E731
+    as_array = lambda parts: np.frombuffer(b"\n".join(parts), dtype=np.uint8)
     return as_array(train), as_array(held_out), [p.name for p in files]
 
 
@@ -183,7 +184,7 @@ def held_out_windows(held_out: np.ndarray, cfg: Config) -> np.ndarray:
 
 def sample_batch(text: jax.Array, key: jax.Array, cfg: Config) -> jax.Array:
     starts = jax.random.randint(key, (cfg.batch,), 0, text.shape[0] - cfg.context - 1)
-    take = lambda s: jax.lax.dynamic_slice(text, (s,), (cfg.context + 1,))  # noqa: E731
+    take = lambda s: jax.lax.dynamic_slice(text, (s,), (cfg.context + 1,))
     return jax.vmap(take)(starts).astype(jnp.int32)
 
 
@@ -193,7 +194,7 @@ def sample_batch(text: jax.Array, key: jax.Array, cfg: Config) -> jax.Array:
 def init_params(key: jax.Array, cfg: Config) -> dict[str, Any]:
     d, n = cfg.d_model, cfg.n_layers
     keys = iter(jax.random.split(key, 8))
-    normal = lambda shape, std=0.02: std * jax.random.normal(next(keys), shape)  # noqa: E731
+    normal = lambda shape, std=0.02: std * jax.random.normal(next(keys), shape)
     out_std = 0.02 / math.sqrt(2 * n)
     return {
         "embed": normal((256, d)),
@@ -258,30 +259,47 @@ class Run(NamedTuple):
     seconds: float  # wall time, compilation included
 
 
+class Model(NamedTuple):
+    """The jitted functions that do not depend on the setting: compiled once per run
+    of the script. Each maps over the seeds (leading axis) with ``jax.vmap``."""
+
+    init: Callable  # seeds -> params
+    grad: Callable  # (params, seeds, step) -> (batch loss, gradients)
+    eval: Callable  # params -> held-out loss
+
+
+def build_model(cfg: Config, text: jax.Array, windows: jax.Array) -> Model:
+    def init(seed: jax.Array) -> Any:
+        return init_params(jax.random.fold_in(jax.random.key(seed), 0), cfg)
+
+    def grad(params: Any, seed: jax.Array, step: jax.Array) -> tuple[jax.Array, Any]:
+        # The batch of a step depends on the seed and the step only: every
+        # setting sees the same batches.
+        data_key = jax.random.fold_in(jax.random.key(seed), 1)
+        window = sample_batch(text, jax.random.fold_in(data_key, step), cfg)
+        return jax.value_and_grad(lm_loss)(params, window, cfg)
+
+    return Model(
+        init=jax.jit(jax.vmap(init)),
+        grad=jax.jit(jax.vmap(grad, in_axes=(0, 0, None))),
+        eval=jax.jit(jax.vmap(lambda params: lm_loss(params, windows, cfg))),
+    )
+
+
 def train(
-    name: str,
-    setting: Setting,
-    cfg: Config,
-    seeds: list[int],
-    text: jax.Array,
-    windows: jax.Array,
-    progress: tqdm,
+    name: str, setting: Setting, cfg: Config, seeds: list[int], model: Model, progress: tqdm
 ) -> Run:
+    """Trains every seed at once; one call of model.grad and one of the setting's
+    jitted update per step (the model is compiled once for all settings, the
+    update -- small -- once per setting)."""
     tx = setting.make(cfg)
 
-    def init(seed: jax.Array) -> tuple[Any, Any]:
-        params = init_params(jax.random.fold_in(jax.random.key(seed), 0), cfg)
-        return params, tx.init(params)
-
-    def step(carry: tuple[Any, Any, jax.Array], index: jax.Array) -> tuple[Any, dict]:
-        params, opt_state, data_key = carry
-        window = sample_batch(text, jax.random.fold_in(data_key, index), cfg)
-        loss, grads = jax.value_and_grad(lm_loss)(params, window, cfg)
+    def update(params: Any, opt_state: Any, grads: Any, loss: jax.Array) -> tuple:
         extra = {"value": loss} if setting.needs_value else {}
         updates, opt_state = tx.update(grads, opt_state, params, **extra)
         params = optax.apply_updates(params, updates)
         grad_norm = optax.global_norm(grads)
-        # The clipper's per-step decisions, read from the optimizer state.
+        # The clipper's decisions of this step, read from the optimizer state.
         metrics = clipjax.metrics(opt_state)
         skipped = metrics.get("skip_on_spike/global/skipped", jnp.zeros((), bool)) > 0
         if setting.static_max_norm is not None:
@@ -295,36 +313,31 @@ def train(
             clipped = jnp.any(jnp.stack(flags)) if flags else jnp.zeros((), bool)
         # A skipped step leaves the inner state (and its metrics) as they were.
         clipped = clipped & ~skipped
-        return (params, opt_state, data_key), (loss, grad_norm, clipped)
+        return params, opt_state, jnp.stack([loss, grad_norm, clipped.astype(loss.dtype)])
 
-    def chunk(params: Any, opt_state: Any, seed: jax.Array, start: jax.Array) -> tuple:
-        data_key = jax.random.fold_in(jax.random.key(seed), 1)
-        indices = start + jnp.arange(cfg.eval_every)
-        (params, opt_state, _), out = jax.lax.scan(step, (params, opt_state, data_key), indices)
-        return params, opt_state, out, lm_loss(params, windows, cfg)
-
-    init_all = jax.jit(jax.vmap(init))
-    chunk_all = jax.jit(jax.vmap(chunk, in_axes=(0, 0, 0, None)), donate_argnums=(0, 1))
+    update_all = jax.jit(jax.vmap(update), donate_argnums=(0, 1))
 
     start_time = time.perf_counter()
     seed_array = jnp.asarray(seeds, jnp.uint32)
-    params, opt_state = init_all(seed_array)
-    evals = [jax.vmap(lambda p: lm_loss(p, windows, cfg))(params)]
-    outs = []
-    for start in range(0, cfg.steps, cfg.eval_every):
-        params, opt_state, out, eval_loss = chunk_all(params, opt_state, seed_array, start)
-        outs.append(out)
-        evals.append(eval_loss)
-        last = np.asarray(eval_loss)
-        progress.set_postfix_str(f"{name}: held-out {np.nanmean(last):.3f}")
-        progress.update(cfg.eval_every)
-    loss, grad_norm, clipped = (np.concatenate(x, axis=1) for x in zip(*jax.device_get(outs)))
+    params = model.init(seed_array)
+    opt_state = jax.jit(jax.vmap(tx.init))(params)
+    evals = [model.eval(params)]
+    records = []
+    for step in range(cfg.steps):
+        loss, grads = model.grad(params, seed_array, step)
+        params, opt_state, record = update_all(params, opt_state, grads, loss)
+        records.append(record)
+        if (step + 1) % cfg.eval_every == 0:
+            evals.append(model.eval(params))
+            progress.set_postfix_str(f"{name}: held-out {np.nanmean(np.asarray(evals[-1])):.3f}")
+            progress.update(cfg.eval_every)
+    loss, grad_norm, clipped = np.moveaxis(np.stack(jax.device_get(records), axis=-1), 1, 0)
     metrics = {k: np.asarray(v) for k, v in clipjax.metrics(opt_state).items()}
     seconds = time.perf_counter() - start_time
     return Run(
         loss=loss,
         grad_norm=grad_norm,
-        clipped=clipped,
+        clipped=clipped > 0,
         eval_steps=np.arange(0, cfg.steps + 1, cfg.eval_every),
         eval_loss=np.stack(jax.device_get(evals), axis=1),
         metrics=metrics,
@@ -506,7 +519,7 @@ def plot(path: Path, runs: dict[str, Run], cfg: Config) -> None:
     floor = float(np.min(finite)) if len(finite) else 1.0
 
     ax = fig.add_subplot(grid[0, :])
-    for i, (name, run) in enumerate(runs.items()):
+    for name, run in runs.items():
         style = {"color": "black", "linewidth": 2} if name == "none" else {"linewidth": 1.2}
         ax.plot(run.eval_steps, np.nanmean(run.eval_loss, axis=0), label=name, **style)
     ax.set(yscale="log", xlabel="step", ylabel="held-out loss (nats/byte)")
@@ -548,7 +561,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(static_<value>) per value, to tune STATIC_TUNED",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="tiny model, 60 steps: a smoke test, numbers mean nothing"
+        "--quick",
+        action="store_true",
+        help="tiny model, 60 steps: a smoke test, numbers mean nothing",
     )
     parser.add_argument(
         "--set",
@@ -612,14 +627,13 @@ def main(argv: list[str] | None = None) -> dict[str, Run]:
     )
     print(environment())
     print(f"{text_info}; {len(args.names)} settings x {len(seeds)} seeds x {cfg.steps} steps.")
-    text = jnp.asarray(train_text)
-    windows = jnp.asarray(held_out_windows(held_out, cfg))
+    model = build_model(cfg, jnp.asarray(train_text), jnp.asarray(held_out_windows(held_out, cfg)))
 
     runs: dict[str, Run] = {}
     total = len(args.names) * cfg.steps
     with tqdm(total=total, unit="step", desc="training", dynamic_ncols=True) as progress:
         for name in args.names:
-            runs[name] = train(name, SETTINGS[name], cfg, seeds, text, windows, progress)
+            runs[name] = train(name, SETTINGS[name], cfg, seeds, model, progress)
     rows = table_rows(runs, len(seeds))
     print()
     print_table(rows)
@@ -629,8 +643,18 @@ def main(argv: list[str] | None = None) -> dict[str, Run]:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "lm_spikes.md").write_text(markdown(runs, rows, cfg, seeds, text_info))
     plot(args.out / "lm_spikes.png", runs, cfg)
+    np.savez_compressed(
+        args.out / "lm_spikes.npz",
+        **{
+            f"{name}/{field}": getattr(run, field)
+            for name, run in runs.items()
+            for field in ("loss", "grad_norm", "clipped", "eval_steps", "eval_loss")
+        },
+    )
     total_s = sum(r.seconds for r in runs.values())
-    print(f"\nWrote {args.out / 'lm_spikes.md'} and {args.out / 'lm_spikes.png'} ({total_s:.0f} s).")
+    print(
+        f"\nWrote lm_spikes.md, .png and .npz (per-step curves) under {args.out} ({total_s:.0f} s)."
+    )
     return runs
 
 
