@@ -45,40 +45,72 @@ from tqdm.auto import tqdm
 
 import clipjax
 
+# How this configuration was chosen (H200, 3 seeds, 2000 steps; the commands
+# are this script's options; numbers: final held-out loss per seed):
+# * A narrower model (d_model 128, 4 heads) never spiked: adamw b2=0.95 at lr
+#   3e-3 / 1e-2 / 3e-2 ended at 1.25 / 1.32 / 1.59 with smooth curves; b2=0.999
+#   at 3e-3..2e-2 did not spike either, and at lr >= 3e-2 (b2 0.99 or 0.999)
+#   every run stays on the ~2.6 plateau of a model that has only learnt byte
+#   n-gram statistics, clipped or not (static 0.1-1, zclip, adagc: 2.52-2.70):
+#   a learning rate too high for any clipper to matter.
+# * The default below, `--set d_model=256 --set n_heads=8 --lr 1e-2 --set b2=0.999`
+#   (now the defaults): unclipped, 2 of 3 seeds hit natural gradient spikes of
+#   30-35x the running median norm (steps 649-1506), fall back to the plateau
+#   and end at 1.92 / 2.12 (the third seed: 1.44); the same runs at lr 3e-3 end
+#   at 1.20 / 1.18 / 1.18 and clip_by_global_norm(1.0) brings lr 1e-2 back to
+#   1.31 / 1.24 / 1.27 with no gradient spike above 2x. The spikes are
+#   gradient spikes that adam with b2 = 0.999 turns into lasting set-backs (the
+#   spike inflates the second moment, which then shrinks every update for ~1000
+#   steps), not one-step jumps of the batch loss: the largest single-step jump
+#   is x1.14, the smoothed loss rises 0.27-0.32 nats above its best.
+
 
 @dataclass(frozen=True)
 class Config:
-    d_model: int = 128
+    d_model: int = 256
     n_layers: int = 4
-    n_heads: int = 4
+    n_heads: int = 8
     context: int = 128
     batch: int = 32
     steps: int = 2000
     eval_every: int = 100
     eval_windows: int = 256  # held-out windows of `context` bytes scored at every eval
-    lr: float = 3e-3  # base learning rate: unclipped runs spike (see LR_EVIDENCE)
+    lr: float = 1e-2  # peak learning rate: unclipped runs spike (above)
     low_lr_factor: float = 0.3  # the "low_lr" setting trains at lr * low_lr_factor
     warmup: int = 100  # linear warm-up, then constant
     b1: float = 0.9
-    b2: float = 0.95
+    b2: float = 0.999
     weight_decay: float = 0.1
     eps: float = 1e-8
 
 
 QUICK = Config(
-    d_model=32, n_layers=1, n_heads=2, context=32, batch=8, steps=60, eval_every=20, eval_windows=32
+    d_model=32, n_layers=1, n_heads=2, context=32, batch=8, steps=40, eval_every=20, eval_windows=32
 )
 
-# A spike event: a batch loss more than SPIKE_RATIO times the median of the
-# SPIKE_WINDOW batch losses before it (consecutive such steps count once).
+# A gradient spike: a step whose global gradient norm exceeds GRAD_SPIKE times
+# the median of the SPIKE_WINDOW norms before it.
 SPIKE_WINDOW = 50
-SPIKE_RATIO = 1.2
+GRAD_SPIKE = 10.0
+# A loss spike (set-back): the batch loss averaged over SMOOTH steps rises more
+# than LOSS_SPIKE nats above the lowest such average so far; it ends when it is
+# back within LOSS_SPIKE / 3. Healthy runs of the default configuration stay
+# within 0.1 nats; the unclipped runs that spike go 0.27-0.32 nats back.
+SMOOTH = 20
+LOSS_SPIKE = 0.15
 # A diverged run: final held-out loss not finite, or above this many nats per
-# byte (the loss of a model that ignores context is about 3.3 on these files;
-# a healthy run ends near 1.3).
-DIVERGED_LOSS = 2.5
+# byte. Healthy runs end at 1.2-1.45; the plateau of a model that has learnt
+# only byte n-gram statistics is ~2.5.
+DIVERGED_LOSS = 1.6
 
-STATIC_TUNED = 0.5  # chosen by --static-sweep (see STATIC_SWEEP_EVIDENCE)
+# clip_by_global_norm's max_norm for "static_tuned", the best of the sweep
+#   python examples/lm_spikes.py --only none --static-sweep 0.25,0.5,1,2
+# (H200, defaults above, final held-out loss mean ± std over 3 seeds):
+#   0.25: 1.311 ± 0.015   0.5: 1.310 ± 0.003   1: 1.271 ± 0.028   2: 1.275 ± 0.026
+# (unclipped: 1.823 ± 0.283; lr x 0.3 unclipped: 1.186 ± 0.012). The best is
+# optax's customary 1.0, so "static_tuned" and "static_1" coincide here; both
+# rows are kept so that the table reads the same for another configuration.
+STATIC_TUNED = 1.0
 
 
 class Setting(NamedTuple):
@@ -348,25 +380,33 @@ def train(
 # ----------------------------------------------------------------------------- summary
 
 
-def spike_events(loss: np.ndarray) -> tuple[int, float]:
-    """(number of spike events, largest batch loss over its running median) of one run."""
-    events, largest, inside = 0, 1.0, False
-    for t in range(SPIKE_WINDOW, len(loss)):
-        if not np.isfinite(loss[t]):
-            break  # a NaN run counts as diverged, not as more spikes
-        level = np.nanmedian(loss[t - SPIKE_WINDOW : t])
-        ratio = loss[t] / level
-        largest = max(largest, ratio)
-        spiking = ratio > SPIKE_RATIO
-        events += spiking and not inside
-        inside = spiking
-    return events, largest
+def spike_events(loss: np.ndarray, grad_norm: np.ndarray) -> tuple[int, float, int]:
+    """(loss spikes, largest set-back in nats, gradient spikes) of one run."""
+    finite = np.isfinite(loss)
+    if not finite.all():
+        loss = loss[: np.argmin(finite)]  # up to the first NaN: the run diverged
+    events, largest, inside = 0, 0.0, False
+    if len(loss) >= SMOOTH:
+        smooth = np.convolve(loss, np.ones(SMOOTH) / SMOOTH, mode="valid")
+        setback = smooth - np.minimum.accumulate(smooth)
+        largest = float(setback.max())
+        for value in setback:
+            if not inside and value > LOSS_SPIKE:
+                events, inside = events + 1, True
+            elif inside and value < LOSS_SPIKE / 3:
+                inside = False
+    grad_spikes = 0
+    for t in range(SPIKE_WINDOW, len(grad_norm)):
+        level = np.median(grad_norm[t - SPIKE_WINDOW : t])
+        grad_spikes += bool(grad_norm[t] > GRAD_SPIKE * level)
+    return events, largest, grad_spikes
 
 
 class Summary(NamedTuple):
     final: np.ndarray  # [seeds] final held-out loss
-    events: np.ndarray  # [seeds]
-    largest: np.ndarray  # [seeds]
+    events: np.ndarray  # [seeds] loss spikes
+    largest: np.ndarray  # [seeds] largest set-back (nats)
+    grad_spikes: np.ndarray  # [seeds]
     clipped: np.ndarray  # [seeds] steps on which the clipper clipped
     skipped: np.ndarray | None  # [seeds] skip_on_spike's skipped_count
     diverged: int
@@ -375,12 +415,13 @@ class Summary(NamedTuple):
 
 def summarize(run: Run) -> Summary:
     final = run.eval_loss[:, -1]
-    spikes = [spike_events(seed_loss) for seed_loss in run.loss]
+    spikes = [spike_events(loss, norm) for loss, norm in zip(run.loss, run.grad_norm)]
     skipped = run.metrics.get("skip_on_spike/global/skipped_count")
     return Summary(
         final=final,
-        events=np.array([e for e, _ in spikes]),
-        largest=np.array([j for _, j in spikes]),
+        events=np.array([e for e, _, _ in spikes]),
+        largest=np.array([j for _, j, _ in spikes]),
+        grad_spikes=np.array([g for _, _, g in spikes]),
         clipped=run.clipped.sum(axis=1),
         skipped=None if skipped is None else skipped.reshape(len(final), -1)[:, 0],
         diverged=int(np.sum(~np.isfinite(final) | (final > DIVERGED_LOSS))),
@@ -401,8 +442,9 @@ def mean_spread(x: np.ndarray, fmt: str = ".3f") -> str:
 HEADER = [
     "setting",
     "final held-out loss",
-    "spike events / run",
-    "largest jump",
+    "loss spikes / run",
+    "largest set-back",
+    "grad spikes / run",
     "steps clipped",
     "steps skipped",
     "diverged",
@@ -419,7 +461,8 @@ def table_rows(runs: dict[str, Run], seeds: int) -> list[list[str]]:
                 name,
                 mean_spread(s.final),
                 mean_spread(s.events.astype(float), ".1f"),
-                f"x{np.max(s.largest):.2f}",
+                f"{np.max(s.largest):.2f}",
+                mean_spread(s.grad_spikes.astype(float), ".1f"),
                 mean_spread(s.clipped.astype(float), ".0f"),
                 "-" if s.skipped is None else mean_spread(s.skipped.astype(float), ".0f"),
                 f"{s.diverged} / {seeds}",
@@ -452,13 +495,13 @@ def environment() -> str:
 def markdown(
     runs: dict[str, Run], rows: list[list[str]], cfg: Config, seeds: list[int], text_info: str
 ) -> str:
-    names = list(runs)
+    names = [row[0] for row in rows]
     per_seed = []
     for name, run in runs.items():
         s = summarize(run)
         cells = [
-            f"{f:.3f} / {e} / x{j:.2f} / {c}"
-            for f, e, j, c in zip(s.final, s.events, s.largest, s.clipped)
+            f"{f:.3f} / {e} / {j:.2f} / {g} / {c}"
+            for f, e, j, g, c in zip(s.final, s.events, s.largest, s.grad_spikes, s.clipped)
         ]
         per_seed.append(f"- `{name}`: " + "; ".join(cells))
     lines = [
@@ -483,7 +526,8 @@ def markdown(
         "",
         *(f"- `{name}`: {SETTINGS[name].about}" for name in names),
         "",
-        "Per seed (final held-out loss / spike events / largest jump / steps clipped):",
+        "Per seed (final held-out loss / loss spikes / largest set-back / grad spikes / "
+        "steps clipped):",
         "",
         *per_seed,
         "",
@@ -493,12 +537,14 @@ def markdown(
 
 TABLE_NOTES = f"""\
 final held-out loss: mean ± std over seeds of the next-byte cross-entropy (nats) on the held-out
-files after the last step. spike event: a batch loss above {SPIKE_RATIO}x the median of the
-{SPIKE_WINDOW} batch losses before it (consecutive steps count once); largest jump: the largest
-such ratio over all seeds. steps clipped: steps on which the clipper scaled a gradient down,
-read every step from `clipjax.metrics(opt_state)` (for optax.clip_by_global_norm: global norm
-above max_norm). steps skipped: `skip_on_spike/global/skipped_count` of the final state.
-diverged: final held-out loss NaN or above {DIVERGED_LOSS}. wall s: all seeds (vmapped),
+files after the last step. loss spike: the batch loss averaged over {SMOOTH} steps rises more
+than {LOSS_SPIKE} nats above its lowest value so far (a set-back; it ends once back within
+{LOSS_SPIKE / 3:.2f}); largest set-back: the largest such rise over all seeds, in nats. grad spike:
+a step whose gradient norm exceeds {GRAD_SPIKE:g}x the median of the {SPIKE_WINDOW} before it
+(the raw gradient, before any clipping). steps clipped: steps on which the clipper scaled a
+gradient down, read every step from `clipjax.metrics(opt_state)` (for optax.clip_by_global_norm:
+global norm above max_norm). steps skipped: `skip_on_spike/global/skipped_count` of the final
+state. diverged: final held-out loss NaN or above {DIVERGED_LOSS}. wall s: all seeds (vmapped),
 compilation included."""
 
 
@@ -630,11 +676,21 @@ def main(argv: list[str] | None = None) -> dict[str, Run]:
     model = build_model(cfg, jnp.asarray(train_text), jnp.asarray(held_out_windows(held_out, cfg)))
 
     runs: dict[str, Run] = {}
+    missing: dict[str, str] = {}
     total = len(args.names) * cfg.steps
     with tqdm(total=total, unit="step", desc="training", dynamic_ncols=True) as progress:
         for name in args.names:
+            try:
+                SETTINGS[name].make(cfg)
+            except (AttributeError, TypeError, ValueError) as error:
+                # An API this clipjax does not have yet (feedback=, adagc, skip_on_spike).
+                missing[name] = f"{type(error).__name__}: {error}"
+                tqdm.write(f"skipping {name}: {missing[name]}")
+                progress.update(cfg.steps)
+                continue
             runs[name] = train(name, SETTINGS[name], cfg, seeds, model, progress)
     rows = table_rows(runs, len(seeds))
+    rows += [[name, "unavailable", *["-"] * (len(HEADER) - 2)] for name in missing]
     print()
     print_table(rows)
     print()
@@ -642,7 +698,8 @@ def main(argv: list[str] | None = None) -> dict[str, Run]:
 
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "lm_spikes.md").write_text(markdown(runs, rows, cfg, seeds, text_info))
-    plot(args.out / "lm_spikes.png", runs, cfg)
+    if runs:
+        plot(args.out / "lm_spikes.png", runs, cfg)
     np.savez_compressed(
         args.out / "lm_spikes.npz",
         **{
