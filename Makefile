@@ -21,7 +21,7 @@ help:
 	@echo "make lint       ruff check and ruff format --check"
 	@echo "make format     ruff format and ruff check --fix"
 	@echo "make bench      run benchmarks/run.py"
-	@echo "make clean      remove caches, build outputs and demo_out/"
+	@echo "make clean      remove caches, build outputs, demo_out/ and lm_out/"
 	@echo "make distclean  clean, and remove $(VENV)"
 
 $(BIN)/python:
@@ -69,7 +69,7 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/python benchmarks/run.py
 
 clean:
-	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis demo_out
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis demo_out lm_out
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
 distclean: clean
