@@ -357,7 +357,10 @@ def train(
         clipped = clipped & ~skipped
         return params, opt_state, jnp.stack([loss, grad_norm, clipped.astype(loss.dtype)])
 
-    update_all = jax.jit(jax.vmap(update), donate_argnums=(0, 1))
+    # Buffer donation saves a copy of the parameters and the state on
+    # accelerators; the CPU backend would only warn that it cannot.
+    donate = (0, 1) if jax.default_backend() != "cpu" else ()
+    update_all = jax.jit(jax.vmap(update), donate_argnums=donate)
 
     start_time = time.perf_counter()
     seed_array = jnp.asarray(seeds, jnp.uint32)
