@@ -37,7 +37,7 @@ help:
 	@echo "make test-wheel make dist, install the wheel in a clean venv, run one update"
 	@echo "make format     ruff format and ruff check --fix"
 	@echo "make bench      run benchmarks/run.py"
-	@echo "make clean      remove caches, build outputs and demo_out/"
+	@echo "make clean      remove caches, build outputs, demo_out/ and lm_out/"
 	@echo "make distclean  clean, and remove $(VENV)"
 
 $(BIN)/python:
@@ -132,7 +132,7 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/python benchmarks/run.py
 
 clean:
-	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis demo_out
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis demo_out lm_out
 	rm -rf docs/api.rst docs/notebooks docs/_build
 	find . \( -path ./$(VENV) -o -path ./$(VENV_MIN) \) -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
