@@ -15,7 +15,7 @@ TORCH ?= torch==2.13.0
 # `make test-min`: the oldest versions pyproject.toml declares (keep in step
 # with [project] dependencies), in their own environment.
 VENV_MIN ?= .venv-min
-MIN_DEPS ?= jax==0.4.36 jaxlib==0.4.36 optax==0.2.4 chex==0.1.87 numpy==1.24.1
+MIN_DEPS ?= jax==0.4.36 jaxlib==0.4.36 optax==0.2.5 chex==0.1.87 numpy==1.24.1
 MIN_TEST_DEPS ?= "pytest>=8" "pytest-xdist>=3.5" "hypothesis>=6.100"
 BIN_MIN := $(VENV_MIN)/bin
 

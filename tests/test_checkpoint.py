@@ -21,8 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
+
+ocp = pytest.importorskip("orbax.checkpoint", reason="needs orbax-checkpoint")
+pytest.importorskip("flax", reason="needs flax")
 from flax import nnx, serialization
 from parallel.cases import (
     HIDDEN,

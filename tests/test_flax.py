@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+pytest.importorskip("flax", reason="needs flax")
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
