@@ -9,6 +9,7 @@ constant of ``TARGETS``.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import os
@@ -98,9 +99,7 @@ def sizes(quick: bool) -> Sizes:
 
 
 # ---------------------------------------------------------------------------
-# Configurations: label -> the whole optimizer. A group is timed interleaved;
-# its "floor" is what extra traffic is counted over, its "base" what step
-# times are divided by.
+# Configurations
 # ---------------------------------------------------------------------------
 
 
@@ -108,9 +107,14 @@ def adam() -> optax.GradientTransformation:
     return optax.adam(LR)
 
 
+def plus_adam(clipper: Callable[[], optax.GradientTransformation]) -> Callable[[], Any]:
+    return lambda: optax.chain(clipper(), adam())
+
+
 ADAM = "adam"
 OPTAX_GN = "optax.clip_by_global_norm + adam"
 OPTAX_AGC = "optax.adaptive_grad_clip + adam"
+REFS = {ADAM: adam, OPTAX_GN: plus_adam(lambda: optax.clip_by_global_norm(1.0))}
 ADAPTIVE = {
     "zclip": lambda scope: clipjax.zclip(warmup_steps=WARM, scope=scope),
     "hist_clip": lambda scope: clipjax.hist_clip(warmup_steps=WARM, scope=scope),
@@ -126,71 +130,44 @@ ADAPTIVE = {
 
 @dataclasses.dataclass(frozen=True)
 class Group:
+    """Configurations timed together: ``label -> make`` of the whole optimizer.
+
+    Extra traffic is counted over ``floor``'s, step times divided by ``base``'s;
+    ``value``: the step passes the loss, ``update(..., value=loss)``.
+    """
+
     title: str
     configs: dict[str, Callable[[], optax.GradientTransformation]]
-    floor: str
-    base: str
-    value: bool = False  # update(..., value=loss)
-
-
-def with_adam(make: Callable[[], optax.GradientTransformation]) -> Callable[[], Any]:
-    return lambda: optax.chain(make(), adam())
+    floor: str = ADAM
+    base: str = OPTAX_GN
+    value: bool = False
 
 
 def groups(scopes: Sequence[str]) -> list[Group]:
     """The configurations that run on the current API."""
-    refs = {ADAM: adam, OPTAX_GN: with_adam(lambda: optax.clip_by_global_norm(1.0))}
-    out = [
-        Group(
-            "clip_by_global_norm",
-            {
-                **refs,
-                "clipjax.clip_by_global_norm + adam": with_adam(
-                    lambda: clipjax.clip_by_global_norm(1.0)
-                ),
-            },
-            ADAM,
-            OPTAX_GN,
-        )
-    ]
+    gn = {"clipjax.clip_by_global_norm + adam": plus_adam(lambda: clipjax.clip_by_global_norm(1.0))}
+    out = [Group("clip_by_global_norm", {**REFS, **gn})]
     for algo, make in ADAPTIVE.items():
-        configs = {
-            f"clipjax.{algo}[{s}] + adam": with_adam(lambda s=s, m=make: m(s)) for s in scopes
-        }
-        out.append(Group(algo, {**refs, **configs}, ADAM, OPTAX_GN))
-    agc = {ADAM: adam, OPTAX_AGC: with_adam(lambda: optax.adaptive_grad_clip(0.01))}
+        mine = {f"clipjax.{algo}[{s}] + adam": plus_adam(lambda s=s, m=make: m(s)) for s in scopes}
+        out.append(Group(algo, {**REFS, **mine}))
+    agc = {ADAM: adam, OPTAX_AGC: plus_adam(lambda: optax.adaptive_grad_clip(0.01))}
     for s in ("unitwise", *scopes):
-        agc[f"clipjax.agc[{s}] + adam"] = with_adam(lambda s=s: clipjax.agc(0.01, scope=s))
-    out.append(Group("agc", agc, ADAM, OPTAX_AGC))
-    return out
+        agc[f"clipjax.agc[{s}] + adam"] = plus_adam(lambda s=s: clipjax.agc(0.01, scope=s))
+    return [*out, Group("agc", agc, base=OPTAX_AGC)]
 
 
 def new_groups() -> list[Group]:
-    """The configurations written against CONTRACT.md (adagc, skip_on_spike): ``--new-api``."""
-    inner = lambda: optax.chain(clipjax.zclip(warmup_steps=WARM), adam())
-    out = [
-        Group(
-            "adagc",
-            {
-                ADAM: adam,
-                OPTAX_GN: with_adam(lambda: optax.clip_by_global_norm(1.0)),
-                "clipjax.adagc[per_param] + adam": with_adam(
-                    lambda: clipjax.adagc(warmup_steps=WARM, scope="per_param")
-                ),
-            },
-            ADAM,
-            OPTAX_GN,
-        )
-    ]
-    for name, make in (("adam", adam), ("chain(zclip, adam)", inner)):
+    """Written against CONTRACT.md (adagc, skip_on_spike); run with ``--new-api``."""
+    adagc = plus_adam(lambda: clipjax.adagc(warmup_steps=WARM, scope="per_param"))
+    out = [Group("adagc", {**REFS, "clipjax.adagc[per_param] + adam": adagc})]
+    zclip_adam = lambda: optax.chain(clipjax.zclip(warmup_steps=WARM), adam())
+    for inner, make in ((ADAM, adam), ("chain(zclip, adam)", zclip_adam)):
         configs = {
-            name: make,
-            f"optax.apply_if_finite({name}, 10)": lambda m=make: optax.apply_if_finite(m(), 10),
-            f"clipjax.skip_on_spike({name})": lambda m=make: clipjax.skip_on_spike(
-                m(), window_size=16, min_history=WARM
-            ),
+            inner: make,
+            f"optax.apply_if_finite({inner}, 10)": lambda m=make: optax.apply_if_finite(m(), 10),
+            f"clipjax.skip_on_spike({inner})": lambda m=make: clipjax.skip_on_spike(m()),
         }
-        out.append(Group(f"skip_on_spike({name})", configs, name, name, value=True))
+        out.append(Group(f"skip_on_spike({inner})", configs, inner, inner, value=True))
     return out
 
 
@@ -200,48 +177,30 @@ def new_groups() -> list[Group]:
 
 
 def transformer_shapes(blocks: int, d: int, vocab: int) -> dict[str, Any]:
-    """Leaf shapes of a flax-like decoder: embedding, ``blocks`` x 12 leaves, final norm."""
-    block = {
-        "ln1": {"scale": (d,), "bias": (d,)},
-        "attn": {
-            "qkv": {"kernel": (d, 3 * d), "bias": (3 * d,)},
-            "out": {"kernel": (d, d), "bias": (d,)},
-        },
-        "ln2": {"scale": (d,), "bias": (d,)},
-        "mlp": {
-            "fc1": {"kernel": (d, 4 * d), "bias": (4 * d,)},
-            "fc2": {"kernel": (4 * d, d), "bias": (d,)},
-        },
-    }
-    shapes: dict[str, Any] = {"embed": {"embedding": (vocab, d)}}
-    shapes.update({f"block_{i}": block for i in range(blocks)})
-    shapes["ln_f"] = {"scale": (d,), "bias": (d,)}
-    return {"params": shapes}
+    """A flax-like decoder's parameters: embedding, ``blocks`` x 12 leaves, final norm."""
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    dense = lambda n, m: {"kernel": f32(n, m), "bias": f32(m)}
+    norm = {"scale": f32(d), "bias": f32(d)}
+    attn, mlp = {"qkv": dense(d, 3 * d), "out": dense(d, d)}, {"fc1": dense(d, 4 * d)}
+    block = {"ln1": norm, "attn": attn, "ln2": norm, "mlp": {**mlp, "fc2": dense(4 * d, d)}}
+    blocks_ = {f"block_{i}": block for i in range(blocks)}
+    return {"params": {"embed": {"embedding": f32(vocab, d)}, **blocks_, "ln_f": norm}}
 
 
 def stack_shapes(n_leaves: int, total: float) -> dict[str, Any]:
     """``n_leaves // 2`` identical dense layers (kernel + bias) of about ``total`` parameters."""
     layers = max(1, n_leaves // 2)
     d = max(1, round((-1 + (1 + 4 * total / layers) ** 0.5) / 2))
-    return {"params": {f"layer_{i}": {"kernel": (d, d), "bias": (d,)} for i in range(layers)}}
-
-
-def _is_shape(x: Any) -> bool:
-    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
-
-
-def specs(shapes: Any) -> Any:
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes, is_leaf=_is_shape)
-
-
-def arrays(shapes: Any, seed: int, scale: float) -> Any:
-    leaves, treedef = jax.tree.flatten(shapes, is_leaf=_is_shape)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-    return treedef.unflatten([scale * jax.random.normal(k, s) for k, s in zip(keys, leaves)])
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    return {"params": {f"layer_{i}": {"kernel": f32(d, d), "bias": f32(d)} for i in range(layers)}}
 
 
 def params_and_grads(shapes: Any) -> tuple[Any, Any]:
-    return arrays(shapes, 0, 0.02), arrays(shapes, 1, 1e-3)
+    """Random normal arrays of the ``shapes`` (a tree of ``jax.ShapeDtypeStruct``)."""
+    leaves, treedef = jax.tree.flatten(shapes)
+    keys = jax.random.split(jax.random.PRNGKey(0), 2 * len(leaves))
+    draw = lambda ks, scale: [scale * jax.random.normal(k, x.shape) for k, x in zip(ks, leaves)]
+    return treedef.unflatten(draw(keys[::2], 0.02)), treedef.unflatten(draw(keys[1::2], 1e-3))
 
 
 def tree_bytes(tree: Any) -> int:
@@ -249,9 +208,9 @@ def tree_bytes(tree: Any) -> int:
 
 
 def describe(shapes: Any) -> str:
-    tree = specs(shapes)
-    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
-    return f"{n / 1e6:.3g}M float32 parameters in {len(jax.tree.leaves(tree))} leaves"
+    leaves = jax.tree.leaves(shapes)
+    n = sum(int(np.prod(x.shape)) for x in leaves)
+    return f"{n / 1e6:.3g}M float32 parameters in {len(leaves)} leaves"
 
 
 # ---------------------------------------------------------------------------
@@ -293,8 +252,7 @@ def compile_step(label: str, group: Group, shapes: Any) -> Compiled:
     key = (label, repr(shapes))
     if key not in _COMPILED:
         make = group.configs[label]
-        tx = make()
-        params = specs(shapes)
+        tx, params = make(), shapes
         loss = jax.ShapeDtypeStruct((), jnp.float32)
         t0 = time.perf_counter()
         jitted = jax.jit(train_step(tx, group.value), donate_argnums=(0, 1))
@@ -388,10 +346,11 @@ def _cpu_model() -> str:
 
 def _git() -> str:
     run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout
-    rev = run("rev-parse", "--short", "HEAD").strip() or "unknown"
-    return rev + (
-        " + uncommitted changes in clipjax/" if run("status", "--porcelain", "clipjax") else ""
-    )
+    try:
+        rev, dirty = run("rev-parse", "--short", "HEAD").strip(), run("status", "-s", "clipjax")
+    except OSError:  # no git where the tree was copied to
+        return "unknown"
+    return (rev or "unknown") + (" + uncommitted changes in clipjax/" if dirty else "")
 
 
 def header(command: str) -> list[str]:
@@ -412,3 +371,12 @@ def header(command: str) -> list[str]:
 
 def log(*args: Any) -> None:
     print(*args, file=sys.stderr, flush=True)
+
+
+def main(section: Callable[[bool, bool], tuple[str, list]], doc: str) -> None:
+    """A benchmark script's command line: prints its section."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer rounds")
+    parser.add_argument("--new-api", action="store_true", help="adagc and skip_on_spike too")
+    args = parser.parse_args()
+    print(section(args.quick, args.new_api)[0])

@@ -12,7 +12,6 @@ one huge outlier) and percentiles; the exact method's is shown next to it.
 
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Any
 
@@ -109,6 +108,4 @@ def section(quick: bool, new_api: bool = False) -> tuple[str, list[tuple[str, st
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    print(section(parser.parse_args().quick)[0])
+    common.main(section, __doc__)

@@ -15,7 +15,6 @@ clipjax's jitted ``chain(clipper, adam)``).
 
 from __future__ import annotations
 
-import argparse
 import traceback
 from typing import Any
 
@@ -63,9 +62,7 @@ def time_pair(key: str, shapes: Any, size: common.Sizes) -> list[Any]:
     tx = factory(**kwargs, scope=scope)
     update = jax.jit(tx.update)
     adam = jax.jit(common.train_step(common.adam(), False))
-    group = common.Group(
-        key, {key: common.with_adam(lambda: factory(**kwargs, scope=scope))}, key, key
-    )
+    group = common.Group(key, {key: common.plus_adam(lambda: factory(**kwargs, scope=scope))})
     box = {"cj": tx.init(params), "p": params, "s": common.adam().init(params)}
 
     def sc_clip(steps: int) -> None:
@@ -87,16 +84,12 @@ def time_pair(key: str, shapes: Any, size: common.Sizes) -> list[Any]:
     cj_step = common.Runner(common.compile_step(key, group, shapes), params, grads).run
     runs = {"sc clip": sc_clip, "cj clip": cj_clip, "sc step": sc_step, "cj step": cj_step}
     t = common.interleave(runs, size.rounds, size.block_s)
-    return [
-        common.describe(shapes),
-        key,
-        common.ms(t["sc clip"]),
-        common.ms(t["cj clip"]),
-        common.spread(common.ratios(t["sc clip"], t["cj clip"]), "{:.1f}"),
-        common.ms(t["sc step"]),
-        common.ms(t["cj step"]),
-        common.spread(common.ratios(t["sc step"], t["cj step"]), "{:.1f}"),
-    ], common.median(common.ratios(t["sc step"], t["cj step"]))
+    row = [common.describe(shapes), key]
+    for what in ("clip", "step"):
+        speedup = common.ratios(t[f"sc {what}"], t[f"cj {what}"])
+        row += [common.ms(t[f"sc {what}"]), common.ms(t[f"cj {what}"])]
+        row.append(common.spread(speedup, "{:.1f}"))
+    return row, common.median(speedup)
 
 
 def section(quick: bool, new_api: bool = False) -> tuple[str, list[tuple[str, str, bool]]]:
@@ -155,6 +148,4 @@ def section(quick: bool, new_api: bool = False) -> tuple[str, list[tuple[str, st
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    print(section(parser.parse_args().quick)[0])
+    common.main(section, __doc__)

@@ -12,7 +12,6 @@ rounds; ratios are medians [IQR] of the per-round ratios.
 
 from __future__ import annotations
 
-import argparse
 import re
 
 import common
@@ -100,8 +99,4 @@ def section(quick: bool, new_api: bool) -> tuple[str, list[tuple[str, str, bool]
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--new-api", action="store_true", help="adagc and skip_on_spike too")
-    args = parser.parse_args()
-    print(section(args.quick, args.new_api)[0])
+    common.main(section, __doc__)

@@ -11,14 +11,12 @@ into adam costs 1.0; AGC also reads the parameters, 2.0.
 
 from __future__ import annotations
 
-import argparse
-
 import common
 
 
 def extra(group: common.Group, shapes: object) -> dict[str, float]:
     """``{label: extra bytes over the floor / gradient bytes}`` for every config but the floor."""
-    grad_bytes = common.tree_bytes(common.specs(shapes))
+    grad_bytes = common.tree_bytes(shapes)
     floor = common.compile_step(group.floor, group, shapes).bytes
     return {
         label: (common.compile_step(label, group, shapes).bytes - floor) / grad_bytes
@@ -38,7 +36,7 @@ def section(quick: bool, new_api: bool) -> tuple[str, list[tuple[str, str, bool]
             if label not in figures:
                 figures[label] = x
                 rows.append([label, group.floor, f"{x:.3f}"])
-    grad_bytes = common.tree_bytes(common.specs(shapes))
+    grad_bytes = common.tree_bytes(shapes)
     floor = common.compile_step(common.ADAM, groups[0], shapes).bytes
     text = [
         "## Memory traffic",
@@ -72,8 +70,4 @@ def section(quick: bool, new_api: bool) -> tuple[str, list[tuple[str, str, bool]
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--new-api", action="store_true", help="adagc and skip_on_spike too")
-    args = parser.parse_args()
-    print(section(args.quick, args.new_api)[0])
+    common.main(section, __doc__)
