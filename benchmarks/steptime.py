@@ -38,7 +38,7 @@ def section(quick: bool, new_api: bool) -> tuple[str, list[tuple[str, str, bool]
         for i, (label, s) in enumerate(samples.items()):
             base = common.ratios(s, samples[group.base])
             glob = re.sub(r"\[per_\w+\]", "[global]", label)
-            scope = common.ratios(s, samples[glob]) if glob != label else None
+            scope = common.ratios(s, samples[glob]) if glob in samples and glob != label else None
             if label != group.base:
                 vs_base[label] = base
             if scope:
