@@ -66,35 +66,29 @@ def section(quick: bool, new_api: bool) -> tuple[str, list[tuple[str, str, bool]
     ]
     bound, scope_bound = common.TARGETS["step_ratio"], common.TARGETS["scope_ratio"]
 
-    def worst(figures: dict[str, list[float]], keep: str) -> tuple[str, str, bool]:
+    def check(target: str, figures: dict[str, list[float]], keep: str, limit: float) -> tuple:
         picked = {k: common.median(v) for k, v in figures.items() if re.search(keep, k)}
         name = max(picked, key=picked.get)
-        return f"{name} {common.spread(figures[name])}", picked[name]
+        return target, f"worst: {name} {common.spread(figures[name])}", picked[name] <= limit
 
-    checks = []
-    for target, figures, keep, limit in (
-        (
-            "clipjax global-scope clippers + adam: step time ≤ "
-            f"{bound}× optax clip_by_global_norm + adam",
+    gn, agc = "optax clip_by_global_norm + adam", "optax.adaptive_grad_clip + adam"
+    checks = [
+        check(
+            f"clipjax global-scope clippers + adam: step time ≤ {bound}× {gn}",
             vs_base,
             r"^clipjax\.(?!agc).*(\[global\]|clip_by_global_norm)",
             bound,
         ),
-        (
-            f"clipjax.agc[unitwise] + adam: step time ≤ {bound}× optax.adaptive_grad_clip + adam",
-            vs_base,
-            r"agc\[unitwise\]",
-            bound,
+        check(
+            f"clipjax.agc[unitwise] + adam: step time ≤ {bound}× {agc}", vs_base, "unitwise", bound
         ),
-        (
+        check(
             f"per_layer / per_param: step time ≤ {scope_bound}× the same clipper's global scope",
             vs_global,
-            r".",
+            ".",
             scope_bound,
         ),
-    ):
-        shown, value = worst(figures, keep)
-        checks.append((target, f"worst: {shown}", value <= limit))
+    ]
     return "\n".join(text), checks
 
 
