@@ -62,9 +62,7 @@ def section(quick: bool, new_api: bool = False) -> tuple[str, list[tuple[str, st
         "stands for every adaptive clipper. Compile: trace + lower + compile of the whole step, "
         "seconds, one measurement. Step ms: median [IQR] of interleaved rounds; × optax: ratio "
         "to optax clip_by_global_norm + adam, same rounds. Extra traffic: bytes accessed over "
-        "adam alone's, in gradient bytes (XLA's CPU backend materialises the square of a leaf "
-        "under about 4,096 elements, so small leaves cost more there). State B: the optimizer "
-        "state's bytes beyond adam's.",
+        "adam alone's, in gradient bytes. State B: the optimizer state's bytes beyond adam's.",
         "",
         common.table([*header, "state B"], rows),
     ]
