@@ -65,6 +65,7 @@ class Sizes:
     stack: tuple[int, float]  # (leaves, parameters) of smartclip's many-small-leaves tree
     smartclip_pairs: tuple[str, ...]
     percentile_sizes: tuple[int, ...]
+    error_max_n: int  # largest size whose percentile errors are measured (each sorts n floats)
     reps: int  # timed calls per percentile measurement
 
 
@@ -78,6 +79,7 @@ FULL = Sizes(
     stack=(200, 2e5),
     smartclip_pairs=("AutoClip[per_layer]", "AutoClip[per_param]", "ZScoreClip[per_param]"),
     percentile_sizes=(10**4, 10**5, 10**6, 10**7),
+    error_max_n=10**6,
     reps=7,
 )
 QUICK = Sizes(
@@ -90,6 +92,7 @@ QUICK = Sizes(
     stack=(40, 4e4),
     smartclip_pairs=("AutoClip[per_param]",),
     percentile_sizes=(10**4, 10**5),
+    error_max_n=10**5,
     reps=3,
 )
 
