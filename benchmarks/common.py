@@ -234,12 +234,7 @@ def train_step(tx: optax.GradientTransformation, value: bool) -> Callable:
 
 @dataclasses.dataclass
 class Compiled:
-    """One configuration's step, compiled for a tree of shapes (params and state donated).
-
-    Attributes:
-      run: the compiled step; compile_s: seconds to trace, lower and compile it;
-      bytes: XLA's "bytes accessed" of one call.
-    """
+    """A step compiled for a tree of shapes: seconds to trace, lower and compile; bytes accessed."""
 
     make: Callable[[], optax.GradientTransformation]
     run: Any
@@ -333,10 +328,6 @@ def ms(seconds: Sequence[float]) -> str:
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
-
-
-def verdict(ok: bool) -> str:
-    return "met" if ok else "**missed**"
 
 
 def _cpu_model() -> str:
