@@ -1,30 +1,24 @@
-"""Shared pieces of the benchmark suite.
+"""What every benchmark shares: sizes, targets, the configurations, the step and its timing.
 
-* the registry of clippers (every clipjax clipper and scope, next to what a
-  user would use instead: optax's ``clip_by_global_norm`` and
-  ``adaptive_grad_clip``);
-* model builders (parameter and gradient trees of a chosen size and leaf count);
-* the jitted training step, compile timing and interleaved step timing (A B A B
-  ..., medians and inter-quartile ranges of per-round ratios);
-* the machine / versions / command header of a results file.
-
-Nothing here asserts a time: wall-clock figures are reported, never checked.
+Every constant a benchmark depends on (model shapes, rounds, leaf counts,
+targets) is defined here, once; ``sizes(quick)`` picks the full or the
+``--quick`` set. Nothing here asserts a time: wall-clock figures are
+reported, and a verdict is only ever computed from a measurement and a
+constant of ``TARGETS``.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
-import importlib
-import math
 import os
 import platform
-import re
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from importlib.metadata import version
 from typing import Any
 
 import jax
@@ -33,536 +27,350 @@ import numpy as np
 import optax
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+sys.path.insert(0, ROOT)
 
 import clipjax  # noqa: E402
 
-SCOPES = ("global", "per_layer", "per_param")
 LR = 1e-3
+# Short warm-ups, so that the timed steps run the clippers' steady state.
+WARM = 5
+SCOPES = ("global", "per_layer", "per_param")
 
-# ---------------------------------------------------------------------------
-# Registry
-# ---------------------------------------------------------------------------
+# Bounds the report checks the measurements against (SPEC 7 and the issues).
+TARGETS = {
+    # extra "bytes accessed" over adam alone, in gradient bytes, of a norm clipper + adam
+    "traffic": 1.2,
+    # step time of a clipjax clipper + adam over optax's counterpart + adam (median ratio)
+    "step_ratio": 1.0,
+    # step time of per_layer / per_param over the same clipper's global scope
+    "scope_ratio": 1.10,
+    # compile time of zclip per_param + adam over optax clip_by_global_norm + adam, most leaves
+    "compile_ratio": 2.0,
+    # per-step speed-up of clipjax over smartclip's JAX backend (whole training step)
+    "smartclip_speedup": 20.0,
+    # largest relative error of clip_by_percentile(method="approx")'s bound: 2^-17 (its
+    # docstring), plus the float32 rounding of the exact percentile (a few ulps)
+    "percentile_error": 2.0**-17 + 2.0**-21,
+}
 
 
 @dataclasses.dataclass(frozen=True)
-class Clipper:
-    """One clipper configuration of the registry.
-
-    Attributes:
-      algo: the short name (``zclip``, ``autoclip[percentile]``, ``optax.clip_by_global_norm``).
-      scope: ``global``, ``per_layer``, ``per_param`` or ``unitwise``.
-      make: builds a fresh transform.
-      owner: ``clipjax`` or ``optax``.
-      kind: ``norm`` (floor 1.0 gradient bytes) or ``agc`` (floor 2.0: it reads params).
-      source: where the factory came from (``clipjax``, or a private module while
-        the factory is not yet exported).
-    """
-
-    algo: str
-    scope: str
-    make: Callable[[], optax.GradientTransformation]
-    owner: str = "clipjax"
-    kind: str = "norm"
-    source: str = "clipjax"
-
-    @property
-    def name(self) -> str:
-        return f"{self.algo}[{self.scope}]" if self.scope else self.algo
-
-    @property
-    def floor(self) -> float:
-        return 2.0 if self.kind == "agc" else 1.0
+class Sizes:
+    model: dict[str, int]  # transformer_shapes(**model)
+    scopes: tuple[str, ...]
+    rounds: int  # interleaved rounds of step timing
+    block_s: float  # seconds a timed block of steps lasts
+    leaf_counts: tuple[int, ...]  # scaling sweep
+    leaf_params: float  # parameters of every scaling tree
+    stack: tuple[int, float]  # (leaves, parameters) of smartclip's many-small-leaves tree
+    smartclip_pairs: tuple[str, ...]
+    percentile_sizes: tuple[int, ...]
+    error_max_n: int  # largest size whose percentile errors are measured (each sorts n floats)
+    reps: int  # timed calls per percentile measurement
 
 
-# Short warm-ups, so that the timed steps run the clippers' steady state
-# (the compiled program is the same either way: warm-up is a select on
-# [groups]-sized arrays).
-WARM = 5
+FULL = Sizes(
+    model={"blocks": 4, "d": 256, "vocab": 8192},  # 5.26M parameters, 51 leaves
+    scopes=SCOPES,
+    rounds=15,
+    block_s=0.1,
+    leaf_counts=(10, 100, 1000),
+    leaf_params=1e6,
+    stack=(200, 2e5),
+    smartclip_pairs=("AutoClip[per_layer]", "AutoClip[per_param]", "ZScoreClip[per_param]"),
+    percentile_sizes=(10**4, 10**5, 10**6, 10**7),
+    error_max_n=10**6,
+    reps=7,
+)
+QUICK = Sizes(
+    model={"blocks": 1, "d": 128, "vocab": 2048},
+    scopes=("global", "per_param"),
+    rounds=3,
+    block_s=0.02,
+    leaf_counts=(10, 40),
+    leaf_params=1e5,
+    stack=(40, 4e4),
+    smartclip_pairs=("AutoClip[per_param]",),
+    percentile_sizes=(10**4, 10**5),
+    error_max_n=10**5,
+    reps=3,
+)
 
-# name in clipjax -> (private module that defines it, keyword arguments per variant)
-_ADAPTIVE: dict[str, list[tuple[str, dict[str, Any]]]] = {
-    "zclip": [("zclip", {"warmup_steps": WARM})],
-    "hist_clip": [("hist_clip", {"warmup_steps": WARM})],
-    "autoclip": [
-        ("autoclip", {"warmup_steps": WARM, "min_history": WARM}),
-        (
-            "autoclip[percentile]",
-            {"mode": "percentile", "history": "window", "warmup_steps": WARM, "min_history": WARM},
-        ),
-    ],
-    "zscore_clip": [("zscore_clip", {"warmup_steps": WARM, "min_history": WARM})],
+
+def sizes(quick: bool) -> Sizes:
+    return QUICK if quick else FULL
+
+
+# ---------------------------------------------------------------------------
+# Configurations
+# ---------------------------------------------------------------------------
+
+
+def adam() -> optax.GradientTransformation:
+    return optax.adam(LR)
+
+
+def plus_adam(clipper: Callable[[], optax.GradientTransformation]) -> Callable[[], Any]:
+    return lambda: optax.chain(clipper(), adam())
+
+
+ADAM = "adam"
+OPTAX_GN = "optax.clip_by_global_norm + adam"
+OPTAX_AGC = "optax.adaptive_grad_clip + adam"
+REFS = {ADAM: adam, OPTAX_GN: plus_adam(lambda: optax.clip_by_global_norm(1.0))}
+ADAPTIVE = {
+    "zclip": lambda scope: clipjax.zclip(warmup_steps=WARM, scope=scope),
+    "hist_clip": lambda scope: clipjax.hist_clip(warmup_steps=WARM, scope=scope),
+    "autoclip": lambda scope: clipjax.autoclip(warmup_steps=WARM, min_history=WARM, scope=scope),
+    "autoclip[percentile]": lambda scope: clipjax.autoclip(
+        mode="percentile", history="window", warmup_steps=WARM, min_history=WARM, scope=scope
+    ),
+    "zscore_clip": lambda scope: clipjax.zscore_clip(
+        warmup_steps=WARM, min_history=WARM, scope=scope
+    ),
 }
-_PRIVATE = {"autoclip": "clipjax._autoclip", "zscore_clip": "clipjax._zscore_clip"}
 
 
-def clipjax_factory(name: str) -> tuple[Callable[..., Any] | None, str]:
-    """``(factory, source)``: the public ``clipjax.name`` when exported.
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Configurations timed together: ``label -> make`` of the whole optimizer.
 
-    While a clipper is being finished it may live only in its private module;
-    it is then taken from there and its rows say so. ``(None, reason)`` when
-    neither exists.
+    Extra traffic is counted over ``floor``'s, step times divided by ``base``'s;
+    ``value``: the step passes the loss, ``update(..., value=loss)``.
     """
-    if hasattr(clipjax, name):
-        return getattr(clipjax, name), "clipjax"
-    module = _PRIVATE.get(name)
-    if module is not None:
-        try:
-            mod = importlib.import_module(module)
-            if hasattr(mod, name):
-                return getattr(mod, name), module
-        except Exception as err:  # a module mid-edit must not stop the suite
-            return None, f"{module}: {type(err).__name__}: {err}"
-    return None, f"clipjax has no {name}"
+
+    title: str
+    configs: dict[str, Callable[[], optax.GradientTransformation]]
+    floor: str = ADAM
+    base: str = OPTAX_GN
+    value: bool = False
 
 
-def registry(scopes: Sequence[str] = SCOPES, refs: bool = True) -> tuple[list[Clipper], list[str]]:
-    """Every clipper x scope, plus the optax references; and notes on any left out."""
-    out: list[Clipper] = []
-    notes: list[str] = []
-    if refs:
-        out.append(
-            Clipper(
-                "optax.clip_by_global_norm",
-                "global",
-                lambda: optax.clip_by_global_norm(1.0),
-                owner="optax",
-            )
-        )
-        out.append(
-            Clipper(
-                "optax.adaptive_grad_clip",
-                "unitwise",
-                lambda: optax.adaptive_grad_clip(0.01),
-                owner="optax",
-                kind="agc",
-            )
-        )
-    out.append(Clipper("clip_by_global_norm", "global", lambda: clipjax.clip_by_global_norm(1.0)))
-    for name, variants in _ADAPTIVE.items():
-        factory, source = clipjax_factory(name)
-        if factory is None:
-            notes.append(f"{name}: not benchmarked ({source})")
-            continue
-        if source != "clipjax":
-            notes.append(f"{name}: taken from `{source}` (not yet exported from clipjax)")
-        for label, kwargs in variants:
-            for scope in scopes:
-                out.append(
-                    Clipper(
-                        label,
-                        scope,
-                        _bind(factory, dict(kwargs, scope=scope)),
-                        source=source,
-                    )
-                )
-    for scope in ("unitwise", *scopes):
-        out.append(
-            Clipper(
-                "agc", scope, _bind(clipjax.agc, {"clipping": 0.01, "scope": scope}), kind="agc"
-            )
-        )
-    return out, notes
+def groups(scopes: Sequence[str]) -> list[Group]:
+    """The configurations that run on the current API."""
+    gn = {"clipjax.clip_by_global_norm + adam": plus_adam(lambda: clipjax.clip_by_global_norm(1.0))}
+    out = [Group("clip_by_global_norm", {**REFS, **gn})]
+    for algo, make in ADAPTIVE.items():
+        mine = {f"clipjax.{algo}[{s}] + adam": plus_adam(lambda s=s, m=make: m(s)) for s in scopes}
+        out.append(Group(algo, {**REFS, **mine}))
+    agc = {ADAM: adam, OPTAX_AGC: plus_adam(lambda: optax.adaptive_grad_clip(0.01))}
+    for s in ("unitwise", *scopes):
+        agc[f"clipjax.agc[{s}] + adam"] = plus_adam(lambda s=s: clipjax.agc(0.01, scope=s))
+    return [*out, Group("agc", agc, base=OPTAX_AGC)]
 
 
-def _bind(factory: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[[], Any]:
-    return lambda: factory(**kwargs)
-
-
-def find(clippers: Sequence[Clipper], algo: str, scope: str) -> Clipper | None:
-    for c in clippers:
-        if c.algo == algo and c.scope == scope:
-            return c
-    return None
+def new_groups() -> list[Group]:
+    """Written against CONTRACT.md (adagc, skip_on_spike); run with ``--new-api``."""
+    adagc = plus_adam(lambda: clipjax.adagc(warmup_steps=WARM, scope="per_param"))
+    out = [Group("adagc", {**REFS, "clipjax.adagc[per_param] + adam": adagc})]
+    zclip_adam = lambda: optax.chain(clipjax.zclip(warmup_steps=WARM), adam())
+    for inner, make in ((ADAM, adam), ("chain(zclip, adam)", zclip_adam)):
+        configs = {
+            inner: make,
+            f"optax.apply_if_finite({inner}, 10)": lambda m=make: optax.apply_if_finite(m(), 10),
+            f"clipjax.skip_on_spike({inner})": lambda m=make: clipjax.skip_on_spike(m()),
+        }
+        out.append(Group(f"skip_on_spike({inner})", configs, inner, inner, value=True))
+    return out
 
 
 # ---------------------------------------------------------------------------
-# Models
+# Trees
 # ---------------------------------------------------------------------------
 
 
-def _normal(key: Any, shape: tuple[int, ...], scale: float, dtype: Any) -> jax.Array:
-    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-
-
-def transformer_shapes(
-    blocks: int = 4, d: int = 256, vocab: int = 8192, mlp: int = 4
-) -> dict[str, Any]:
-    """Leaf shapes of a flax-like decoder: embedding, ``blocks`` x 12 leaves, final norm."""
-    block = {
-        "ln1": {"scale": (d,), "bias": (d,)},
-        "attn": {
-            "qkv": {"kernel": (d, 3 * d), "bias": (3 * d,)},
-            "out": {"kernel": (d, d), "bias": (d,)},
-        },
-        "ln2": {"scale": (d,), "bias": (d,)},
-        "mlp": {
-            "fc1": {"kernel": (d, mlp * d), "bias": (mlp * d,)},
-            "fc2": {"kernel": (mlp * d, d), "bias": (d,)},
-        },
-    }
-    shapes: dict[str, Any] = {"embed": {"embedding": (vocab, d)}}
-    for i in range(blocks):
-        shapes[f"block_{i}"] = block
-    shapes["ln_f"] = {"scale": (d,), "bias": (d,)}
-    return {"params": shapes}
+def transformer_shapes(blocks: int, d: int, vocab: int) -> dict[str, Any]:
+    """A flax-like decoder's parameters: embedding, ``blocks`` x 12 leaves, final norm."""
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    dense = lambda n, m: {"kernel": f32(n, m), "bias": f32(m)}
+    norm = {"scale": f32(d), "bias": f32(d)}
+    attn, mlp = {"qkv": dense(d, 3 * d), "out": dense(d, d)}, {"fc1": dense(d, 4 * d)}
+    block = {"ln1": norm, "attn": attn, "ln2": norm, "mlp": {**mlp, "fc2": dense(4 * d, d)}}
+    blocks_ = {f"block_{i}": block for i in range(blocks)}
+    return {"params": {"embed": {"embedding": f32(vocab, d)}, **blocks_, "ln_f": norm}}
 
 
 def stack_shapes(n_leaves: int, total: float) -> dict[str, Any]:
-    """``n_leaves // 2`` identical dense layers (kernel + bias) of about ``total`` parameters.
-
-    Deep stacks of identical layers are what most large models are; identical
-    shapes also let XLA reuse one compiled kernel per shape, which is what
-    compile time depends on (see the scaling section).
-    """
+    """``n_leaves // 2`` identical dense layers (kernel + bias) of about ``total`` parameters."""
     layers = max(1, n_leaves // 2)
-    d = max(1, round((-1 + math.sqrt(1 + 4 * total / layers)) / 2))
-    return {"params": {f"layer_{i}": {"kernel": (d, d), "bias": (d,)} for i in range(layers)}}
+    d = max(1, round((-1 + (1 + 4 * total / layers) ** 0.5) / 2))
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    return {"params": {f"layer_{i}": {"kernel": f32(d, d), "bias": f32(d)} for i in range(layers)}}
 
 
-def _is_shape(x: Any) -> bool:
-    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
-
-
-def make_tree(shapes: Any, seed: int, scale: float, dtype: Any = jnp.float32) -> Any:
-    """Random normal arrays of the given shapes (``scale`` times a standard normal)."""
-    leaves, treedef = jax.tree.flatten(shapes, is_leaf=_is_shape)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-    arrays = [_normal(k, s, scale, dtype) for k, s in zip(keys, leaves)]
-    return jax.tree.unflatten(treedef, arrays)
-
-
-def params_and_grads(shapes: Any, dtype: Any = jnp.float32) -> tuple[Any, Any]:
-    return make_tree(shapes, 0, 0.02, dtype), make_tree(shapes, 1, 1e-3, dtype)
-
-
-def num_params(tree: Any) -> int:
-    return sum(
-        int(np.prod(x if _is_shape(x) else np.shape(x)))
-        for x in jax.tree.leaves(tree, is_leaf=_is_shape)
-    )
-
-
-def num_leaves(tree: Any) -> int:
-    return len(jax.tree.leaves(tree, is_leaf=_is_shape))
+def params_and_grads(shapes: Any) -> tuple[Any, Any]:
+    """Random normal arrays of the ``shapes`` (a tree of ``jax.ShapeDtypeStruct``)."""
+    leaves, treedef = jax.tree.flatten(shapes)
+    keys = jax.random.split(jax.random.PRNGKey(0), 2 * len(leaves))
+    draw = lambda ks, scale: [scale * jax.random.normal(k, x.shape) for k, x in zip(ks, leaves)]
+    return treedef.unflatten(draw(keys[::2], 0.02)), treedef.unflatten(draw(keys[1::2], 1e-3))
 
 
 def tree_bytes(tree: Any) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def state_bytes(make: Callable[[], optax.GradientTransformation], shapes: Any) -> int:
-    """Bytes of a transform's state for a tree of ``shapes`` (no arrays allocated)."""
-    spec = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes, is_leaf=_is_shape)
-    state = jax.eval_shape(make().init, spec)
-    return sum(
-        int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-        for x in jax.tree.leaves(state)
-        if hasattr(x, "shape")
-    )
-
-
-def memory_available() -> int:
-    """Bytes free for arrays on the default device (host memory on CPU)."""
-    dev = jax.devices()[0]
-    if dev.platform != "cpu":
-        try:
-            stats = dev.memory_stats() or {}
-            limit = stats.get("bytes_limit", 0)
-            return int(limit - stats.get("bytes_in_use", 0))
-        except Exception:
-            return 8 << 30
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
+def describe(shapes: Any) -> str:
+    leaves = jax.tree.leaves(shapes)
+    n = sum(int(np.prod(x.shape)) for x in leaves)
+    return f"{n / 1e6:.3g}M float32 parameters in {len(leaves)} leaves"
 
 
 # ---------------------------------------------------------------------------
-# Steps, compile and timing
+# The step, compiling and timing
 # ---------------------------------------------------------------------------
 
 
-def with_adam(tx: optax.GradientTransformation | None) -> optax.GradientTransformation:
-    adam = optax.adam(LR)
-    return adam if tx is None else optax.chain(tx, adam)
+def train_step(tx: optax.GradientTransformation, value: bool) -> Callable:
+    """``(params, state, grads, loss) -> (params, state)``: update and apply."""
 
-
-def train_step(tx: optax.GradientTransformation) -> Callable[..., Any]:
-    """``(params, opt_state, grads) -> (params, opt_state)``: update and apply."""
-
-    def step(params: Any, state: Any, grads: Any) -> Any:
-        updates, state = tx.update(grads, state, params)
+    def step(params: Any, state: Any, grads: Any, loss: Any) -> Any:
+        extra = {"value": loss} if value else {}
+        updates, state = tx.update(grads, state, params, **extra)
         return optax.apply_updates(params, updates), state
 
     return step
 
 
-def cost(compiled: Any) -> dict[str, float]:
-    out = compiled.cost_analysis()
-    if isinstance(out, list):
-        out = out[0]
-    return dict(out or {})
+@dataclasses.dataclass
+class Compiled:
+    """A step compiled for a tree of shapes: seconds to trace, lower and compile; bytes accessed."""
+
+    make: Callable[[], optax.GradientTransformation]
+    run: Any
+    compile_s: float
+    bytes: float
+
+
+_COMPILED: dict[tuple[str, str], Compiled] = {}
+
+
+def compile_step(label: str, group: Group, shapes: Any) -> Compiled:
+    """The step of ``group.configs[label]`` on ``shapes``, compiled once per process."""
+    key = (label, repr(shapes))
+    if key not in _COMPILED:
+        make = group.configs[label]
+        tx, params = make(), shapes
+        loss = jax.ShapeDtypeStruct((), jnp.float32)
+        t0 = time.perf_counter()
+        jitted = jax.jit(train_step(tx, group.value), donate_argnums=(0, 1))
+        compiled = jitted.lower(params, jax.eval_shape(tx.init, params), params, loss).compile()
+        seconds = time.perf_counter() - t0
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        _COMPILED[key] = Compiled(make, compiled, seconds, float(cost["bytes accessed"]))
+    return _COMPILED[key]
 
 
 class Runner:
-    """One configuration, compiled with donated params and state, ready to step.
+    """A compiled step with its own params and optimizer state, ready to be timed."""
 
-    Attributes:
-      trace_s: seconds to trace and lower; compile_s: seconds in XLA's compile.
-    """
-
-    def __init__(self, tx: optax.GradientTransformation, params: Any, grads: Any) -> None:
-        self.tx = tx
-        self.grads = grads
+    def __init__(self, step: Compiled, params: Any, grads: Any) -> None:
+        self.step, self.grads, self.loss = step.run, grads, jnp.float32(1.0)
         self.params = jax.tree.map(jnp.copy, params)
-        state = tx.init(self.params)
-        self.aliased = aliased_leaves(state)
-        # Donation needs one buffer per leaf: copy what init shares between fields.
-        self.state = jax.tree.map(jnp.copy, state) if self.aliased else state
-        t0 = time.perf_counter()
-        lowered = jax.jit(train_step(tx), donate_argnums=(0, 1)).lower(
-            self.params, self.state, grads
-        )
-        t1 = time.perf_counter()
-        self.compiled = lowered.compile()
-        t2 = time.perf_counter()
-        self.trace_s, self.compile_s = t1 - t0, t2 - t1
-        self.cost = cost(self.compiled)
-        self.kernels, self.distinct_kernels = kernel_counts(self.compiled)
-
-    @property
-    def total_compile_s(self) -> float:
-        return self.trace_s + self.compile_s
+        # init may put one array under two fields; donation needs distinct buffers.
+        self.state = jax.tree.map(jnp.copy, step.make().init(self.params))
 
     def run(self, steps: int) -> None:
         p, s = self.params, self.state
         for _ in range(steps):
-            p, s = self.compiled(p, s, self.grads)
-        jax.block_until_ready((p, s))
-        self.params, self.state = p, s
-
-    def delete(self) -> None:
-        for x in jax.tree.leaves((self.params, self.state)):
-            if hasattr(x, "delete"):
-                x.delete()
+            p, s = self.step(p, s, self.grads, self.loss)
+        self.params, self.state = jax.block_until_ready((p, s))
 
 
-def kernel_counts(compiled: Any) -> tuple[int, int]:
-    """(fused computations, distinct ones) in the optimized HLO of ``compiled``.
+def interleave(runs: dict[str, Callable[[int], None]], rounds: int, block_s: float) -> dict:
+    """Per-step seconds of each run, one sample per round, in an order that rotates and reverses.
 
-    XLA compiles one machine-code kernel per *distinct* fused computation
-    (names and metadata aside) and reuses it for identical ones, so the
-    distinct count is what compile time grows with.
-    """
-    try:
-        text = compiled.as_text()
-    except Exception:
-        return -1, -1
-    bodies: dict[str, int] = {}
-    for comp in re.split(r"\n(?=\S)", text):
-        lines = comp.split("\n")
-        if not lines[0].startswith("%") or ("fused" not in lines[0] and "wrapped" not in lines[0]):
-            continue
-        body = "\n".join(lines[1:])
-        body = re.sub(r", metadata=\{[^}]*\}", "", body)
-        body = re.sub(r"%[\w.\-]+", "%v", body)
-        bodies[body] = bodies.get(body, 0) + 1
-    return sum(bodies.values()), len(bodies)
-
-
-def aliased_leaves(tree: Any) -> list[tuple[str, str]]:
-    """Pairs of paths in ``tree`` that hold the very same array object.
-
-    A state with such pairs cannot be donated as returned by ``init``
-    ("Attempt to donate the same buffer twice").
-    """
-    seen: dict[int, str] = {}
-    pairs = []
-    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        name = jax.tree_util.keystr(path)
-        if id(x) in seen:
-            pairs.append((seen[id(x)], name))
-        else:
-            seen[id(x)] = name
-    return pairs
-
-
-def interleave(
-    runs: dict[str, Callable[[int], None]],
-    rounds: int,
-    target_s: float = 0.05,
-    warmup: int = 2 * WARM + 2,
-    max_steps: int = 256,
-) -> dict[str, list[float]]:
-    """Per-step seconds of each run, one sample per round, runs interleaved.
-
-    Every round runs each configuration once, for a block of ``steps`` steps
-    (chosen so that a block takes about ``target_s``), in an order that
-    rotates and reverses from round to round (A B C, C B A, B C A, ...), so
-    that slow drifts of the machine fall on all configurations alike.
+    Slow drifts of a shared machine then fall on every configuration alike.
     """
     labels = list(runs)
     for fn in runs.values():
-        fn(warmup)
-    probe = {}
-    for label in labels:
+        fn(2 * WARM + 2)
+    probe = []
+    for fn in runs.values():
         t0 = time.perf_counter()
-        runs[label](1)
-        probe[label] = time.perf_counter() - t0
-    steps = max(1, min(max_steps, int(target_s / max(min(probe.values()), 1e-6))))
+        fn(1)
+        probe.append(time.perf_counter() - t0)
+    steps = max(1, min(256, int(block_s / max(min(probe), 1e-6))))
     samples: dict[str, list[float]] = {label: [] for label in labels}
     for r in range(rounds):
-        k = r % len(labels)
-        order = labels[k:] + labels[:k]
-        if r % 2:
-            order = order[::-1]
-        for label in order:
+        order = labels[r % len(labels) :] + labels[: r % len(labels)]
+        for label in order[::-1] if r % 2 else order:
             t0 = time.perf_counter()
             runs[label](steps)
             samples[label].append((time.perf_counter() - t0) / steps)
     return samples
 
 
-def quantiles(xs: Sequence[float]) -> tuple[float, float, float]:
-    """(25th percentile, median, 75th percentile)."""
-    a = np.asarray(xs, np.float64)
-    q1, med, q3 = np.percentile(a, [25, 50, 75])
-    return float(q1), float(med), float(q3)
+def spread(xs: Sequence[float], fmt: str = "{:.2f}") -> str:
+    """``median [25th–75th percentile]``."""
+    q1, med, q3 = np.percentile(np.asarray(xs, np.float64), [25, 50, 75])
+    return f"{fmt.format(med)} [{fmt.format(q1)}–{fmt.format(q3)}]"
 
 
-def ratio_stats(num: Sequence[float], den: Sequence[float]) -> dict[str, float]:
-    """Median and IQR of the per-round ratios ``num[r] / den[r]``."""
-    ratios = [a / b for a, b in zip(num, den)]
-    q1, med, q3 = quantiles(ratios)
-    return {"median": med, "q1": q1, "q3": q3, "n": len(ratios)}
+def ratios(num: Sequence[float], den: Sequence[float]) -> list[float]:
+    return [a / b for a, b in zip(num, den)]
 
 
 def median(xs: Sequence[float]) -> float:
-    return float(statistics.median(xs))
+    return float(np.median(xs))
+
+
+def ms(seconds: Sequence[float]) -> str:
+    return spread([1e3 * s for s in seconds], "{:.3g}")
 
 
 # ---------------------------------------------------------------------------
-# Header and formatting
+# Report pieces
 # ---------------------------------------------------------------------------
-
-
-def _version(name: str) -> str:
-    try:
-        from importlib.metadata import version
-
-        return version(name)
-    except Exception:
-        return "not installed"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _git() -> str:
-    try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "clipjax"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        if not rev:
-            return "unknown"
-        return rev + (" + uncommitted changes in clipjax/" if dirty else "")
-    except Exception:
-        return "unknown"
-
-
-def machine_info() -> dict[str, str]:
-    dev = jax.devices()[0]
-    mem = "unknown"
-    try:
-        with open("/proc/meminfo") as f:
-            total_kb = int(f.readline().split()[1])
-        mem = f"{total_kb / 2**20:.1f} GiB"
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        load = "unknown"
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "device": f"{dev.device_kind} ({jax.default_backend()}, {jax.device_count()} device(s))",
-        "cpu": f"{_cpu_model()}, {os.cpu_count()} logical cores",
-        "memory": mem,
-        "platform": platform.platform(),
-        "load average at start (1, 5, 15 min)": load,
-    }
-
-
-def versions() -> dict[str, str]:
-    return {
-        "python": platform.python_version(),
-        "clipjax": f"{clipjax.__version__} (git {_git()})",
-        "jax": jax.__version__,
-        "jaxlib": _version("jaxlib"),
-        "optax": _version("optax"),
-        "flax": _version("flax"),
-        "numpy": np.__version__,
-        "smartclip": _version("smartclip"),
-        "matplotlib": _version("matplotlib"),
-    }
-
-
-def fmt_ms(seconds: float) -> str:
-    ms = 1e3 * seconds
-    if ms >= 100:
-        return f"{ms:.0f}"
-    if ms >= 10:
-        return f"{ms:.1f}"
-    return f"{ms:.2f}"
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
-def fmt_count(n: float) -> str:
-    if n >= 1e6:
-        return f"{n / 1e6:.3g}M"
-    if n >= 1e3:
-        return f"{n / 1e3:.3g}k"
-    return str(int(n))
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    for row in rows:
-        lines.append("| " + " | ".join(str(c) for c in row) + " |")
-    return "\n".join(lines)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+def _cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def _git() -> str:
+    run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout
+    try:
+        rev, dirty = run("rev-parse", "--short", "HEAD").strip(), run("status", "-s", "clipjax")
+    except OSError:  # no git where the tree was copied to
+        return "unknown"
+    return (rev or "unknown") + (" + uncommitted changes in clipjax/" if dirty else "")
+
+
+def header(command: str) -> list[str]:
+    dev = jax.devices()[0]
+    gpu = dev.platform == "gpu"
+    return [
+        f"* **command**: `{command}`",
+        f"* **date**: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"* **device**: {dev.device_kind} (jax platform `{dev.platform}`, "
+        f"{jax.device_count()} device(s))" + ("" if gpu else "; no GPU used"),
+        f"* **machine**: {_cpu_model()}, {os.cpu_count()} logical cores, {platform.platform()}",
+        f"* **load average at start**: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        f"* **versions**: python {platform.python_version()}, jax {jax.__version__}, "
+        f"jaxlib {version('jaxlib')}, optax {version('optax')}, "
+        f"clipjax {clipjax.__version__} (git {_git()})",
+    ]
 
 
 def log(*args: Any) -> None:
     print(*args, file=sys.stderr, flush=True)
+
+
+def main(section: Callable[[bool, bool], tuple[str, list]], doc: str) -> None:
+    """A benchmark script's command line: prints its section."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer rounds")
+    parser.add_argument("--new-api", action="store_true", help="adagc and skip_on_spike too")
+    args = parser.parse_args()
+    print(section(args.quick, args.new_api)[0])

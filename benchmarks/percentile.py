@@ -1,146 +1,111 @@
-"""Speed and error of the percentile methods behind ``clip_by_percentile``.
+"""``clip_by_percentile``: exact (sort) vs approximate (radix select) bound, speed and error.
 
-Compares, for one flat array of ``n`` elements (default 1e4 .. 1e7):
+For one flat leaf of ``n`` float32 elements, one jitted
+``clipjax.clip_by_percentile(p, method=...).update`` per method, timed as the
+median of several calls after compilation. The error column is the largest
+``|bound - numpy's percentile| / numpy's percentile`` of the approximate
+method over several distributions (normal, Cauchy, log-normal, integer ties,
+one huge outlier) and percentiles; the exact method's is shown next to it.
 
-* ``exact``: :func:`clipjax._percentile.exact_percentile` (XLA sort);
-* ``approx``: :func:`clipjax._percentile.approx_percentile` with its defaults
-  (4096 bins, two radix passes for float32, bound ``2^-17`` relative);
-* ``radix16``: ``approx_percentile(bins=2**16, passes=2)``, which resolves all
-  31 bits of a float32 magnitude and so is exact;
-* ``clip``: one jitted ``clip_by_percentile(99.0, method="auto")`` update of a
-  one-leaf tree (bound, clamp, metrics).
-
-Times are the median of ``--reps`` jitted calls after compilation, in
-milliseconds. The error columns give, over several distributions (normal,
-Cauchy, log-normal, integer ties, one huge outlier) and percentiles (0.1, 1,
-50, 90, 99, 99.9, 100), the largest ``|approx - exact| / exact`` and the same
-for ``radix16``, next to the documented bound; ``ok`` says whether every case
-met ``|approx - exact| <= eps·exact + tiny + 4 ulp(exact)``.
-
-Usage::
-
-    PYTHONPATH=. .venv/bin/python benchmarks/percentile.py
-    PYTHONPATH=. .venv/bin/python benchmarks/percentile.py --sizes 1e3 4096 1e5 --reps 9
-    JAX_PLATFORMS=cuda PYTHONPATH=. python benchmarks/percentile.py   # on a GPU
-
-The ``AUTO_EXACT_MAX_SIZE`` of ``clipjax/_percentile.py`` was chosen from this
-table: the sort is the slower method at every size measured on CPU, but below
-a few thousand elements both take well under a millisecond, so ``auto`` keeps
-the exact result there.
+    python benchmarks/percentile.py [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
+import common
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clipjax import _percentile, _value
+import clipjax
 
-PERCENTILES = (0.1, 1.0, 50.0, 90.0, 99.0, 99.9, 100.0)
+PERCENTILES = (1.0, 50.0, 99.0, 99.9)
 
 
-def _data(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
-    if kind == "normal":
-        x = rng.standard_normal(n)
-    elif kind == "cauchy":
-        x = rng.standard_cauchy(n)
-    elif kind == "lognormal":
-        x = rng.lognormal(0.0, 4.0, n)
-    elif kind == "ties":
-        x = rng.integers(-3, 4, n).astype(np.float64)
-    elif kind == "outlier":
-        x = rng.standard_normal(n)
-        x[n // 2] = 1e30
-    else:
-        raise ValueError(kind)
+def data(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    x = {
+        "normal": lambda: rng.standard_normal(n),
+        "cauchy": lambda: rng.standard_cauchy(n),
+        "lognormal": lambda: rng.lognormal(0.0, 4.0, n),
+        "ties": lambda: rng.integers(-3, 4, n).astype(np.float64),
+        "outlier": lambda: np.where(np.arange(n) == n // 2, 1e15, rng.standard_normal(n)),
+    }[kind]()
     return x.astype(np.float32)
 
 
-KINDS = ("normal", "cauchy", "lognormal", "ties", "outlier")
+def clip(p: float, method: str) -> tuple[Any, Any]:
+    tx = clipjax.clip_by_percentile(p, method=method)
+    return jax.jit(tx.update), tx.init
 
 
-def _time(fn: Callable[..., Any], *args: Any, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    samples = []
+def bound(update: Any, init: Any, x: np.ndarray) -> float:
+    tree = {"w": jnp.asarray(x)}
+    state = update(tree, init(tree))[1]
+    return float(clipjax.metrics(state)["clip_by_percentile/w/bound"])
+
+
+def seconds(update: Any, init: Any, n: int, reps: int) -> list[float]:
+    tree = {"w": jnp.asarray(data("normal", n, np.random.default_rng(0)))}
+    state = init(tree)
+    jax.block_until_ready(update(tree, state))
+    out = []
     for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(samples)
+        t0 = time.perf_counter()
+        jax.block_until_ready(update(tree, state))
+        out.append(time.perf_counter() - t0)
+    return out
 
 
-def _all_percentiles(fn: Callable[..., Any], **kwargs: Any) -> Callable[[Any], Any]:
-    # One jitted call per array for all percentiles (XLA shares the one sort).
-    return jax.jit(lambda x: jnp.stack([fn(x, p, **kwargs) for p in PERCENTILES]))
-
-
-def _errors(n: int, rng: np.random.Generator) -> tuple[float, float, bool]:
-    exact = _all_percentiles(_percentile.exact_percentile)
-    approx = _all_percentiles(_percentile.approx_percentile)
-    radix16 = _all_percentiles(_percentile.approx_percentile, bins=2**16, passes=2)
-    eps = _percentile.approx_relative_error()
-    tiny = float(jnp.finfo(jnp.float32).tiny)
-    worst = worst16 = 0.0
-    ok = True
-    for kind in KINDS:
-        x = jnp.asarray(_data(kind, n, rng))
-        e, a, r = (np.asarray(f(x), np.float64) for f in (exact, approx, radix16))
-        ulp = np.spacing(e.astype(np.float32)).astype(np.float64)
-        ok &= bool(np.all(np.abs(a - e) <= eps * e + tiny + 4 * ulp))
-        ok &= bool(np.all(r == e))
-        nonzero = e > 0
-        if nonzero.any():
-            worst = max(worst, float(np.max(np.abs(a - e)[nonzero] / e[nonzero])))
-            worst16 = max(worst16, float(np.max(np.abs(r - e)[nonzero] / e[nonzero])))
-    return worst, worst16, ok
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", nargs="*", type=float, default=[1e4, 1e5, 1e6, 1e7])
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--no-errors", action="store_true", help="timings only")
-    args = parser.parse_args()
+def section(quick: bool, new_api: bool = False) -> tuple[str, list[tuple[str, str, bool]]]:
+    size = common.sizes(quick)
     rng = np.random.default_rng(0)
-    exact = jax.jit(lambda x: _percentile.exact_percentile(x, 99.0))
-    approx = jax.jit(lambda x: _percentile.approx_percentile(x, 99.0))
-    radix16 = jax.jit(lambda x: _percentile.approx_percentile(x, 99.0, bins=2**16, passes=2))
-    tx = _value.clip_by_percentile(99.0)
-    print(f"device: {jax.devices()[0].device_kind}  ({jax.default_backend()})")
-    print(f"auto: exact up to {_percentile.AUTO_EXACT_MAX_SIZE} elements")
-    print(f"documented bound eps = {_percentile.approx_relative_error():.3g} (relative)")
-    header = (
-        f"{'n':>10} {'exact ms':>9} {'approx ms':>9} {'radix16 ms':>10} {'clip ms':>8} "
-        f"{'speedup':>7} {'max rel err':>11} {'radix16 err':>11} {'ok':>3}"
-    )
-    print(header)
-    for size in args.sizes:
-        n = int(size)
-        x = jnp.asarray(_data("normal", n, rng))
-        tree = {"w": x}
-        state = tx.init(tree)
-        update = jax.jit(tx.update)
-        t_exact = _time(exact, x, reps=args.reps)
-        t_approx = _time(approx, x, reps=args.reps)
-        t_radix16 = _time(radix16, x, reps=args.reps)
-        t_clip = _time(update, tree, state, reps=args.reps)
-        if args.no_errors:
-            err = err16 = float("nan")
-            ok = True
-        else:
-            err, err16, ok = _errors(n, rng)
-        print(
-            f"{n:>10} {t_exact:>9.3f} {t_approx:>9.3f} {t_radix16:>10.3f} {t_clip:>8.3f} "
-            f"{t_exact / t_approx:>6.1f}x {err:>11.2e} {err16:>11.2e} {'yes' if ok else 'NO':>3}"
+    rows, worst = [], 0.0
+    for n in size.percentile_sizes:
+        common.log(f"  percentile: {n}")
+        exact, approx = clip(99.0, "exact"), clip(99.0, "approx")
+        t_exact, t_approx = seconds(*exact, n, size.reps), seconds(*approx, n, size.reps)
+        errors = {"exact": 0.0, "approx": 0.0}
+        for p in PERCENTILES if n <= size.error_max_n else ():
+            fns = {m: clip(p, m) for m in errors}
+            for kind in ("normal", "cauchy", "lognormal", "ties", "outlier"):
+                x = data(kind, n, rng)
+                ref = float(np.percentile(np.abs(x).astype(np.float64), p))
+                for m, fn in fns.items():
+                    errors[m] = max(errors[m], abs(bound(*fn, x) - ref) / (ref or 1.0))
+        worst = max(worst, errors["approx"])
+        rows.append(
+            [
+                n,
+                common.ms(t_exact),
+                common.ms(t_approx),
+                f"{common.median(t_exact) / common.median(t_approx):.1f}×",
+                *(f"{e:.2e}" if n <= size.error_max_n else "" for e in errors.values()),
+            ]
         )
+    header = ["n", "exact ms", "approx ms", "speed-up", "exact max rel. error"]
+    text = [
+        "## Percentile clipping: exact vs approximate",
+        "",
+        f"One jitted `clipjax.clip_by_percentile(99.0, method=...)` update of a one-leaf tree "
+        f"({size.reps} timed calls, median [IQR]); errors (up to n = {size.error_max_n}) "
+        "against numpy's float64 percentile over 5 distributions and percentiles "
+        f"{', '.join(map(str, PERCENTILES))}.",
+        "",
+        common.table([*header, "approx max rel. error"], rows),
+    ]
+    limit = common.TARGETS["percentile_error"]
+    checks = [
+        (
+            f"`method='approx'`: bound within a relative {limit:.2e} of the exact percentile",
+            f"{worst:.2e}",
+            worst <= limit,
+        )
+    ]
+    return "\n".join(text), checks
 
 
 if __name__ == "__main__":
-    main()
+    common.main(section, __doc__)

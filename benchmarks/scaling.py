@@ -1,187 +1,77 @@
-"""How step time, compile time and state size grow with leaves and parameters.
+"""How compile time, step time and state grow with the number of leaves (SPEC 7).
 
-Two sweeps over stacks of identical dense layers (``kernel`` + ``bias`` per
-layer, so ``per_layer`` has half as many groups as ``per_param``):
+Stacks of identical dense layers (kernel + bias per layer, so ``per_layer``
+has half as many groups as ``per_param``) of a fixed parameter count. ``zclip``
+stands for every adaptive clipper (they share the engine). Compile time is
+``jax.jit(step).lower(...).compile()``'s wall time, one measurement.
 
-* leaves: 10 ... 5,000 leaves at a fixed parameter count;
-* parameters: 1e5 ... 1e8 at a fixed leaf count, as far as memory allows.
-
-Each point compiles the jitted step of adam alone, ``optax.clip_by_global_norm``
-+ adam, clipjax's ``clip_by_global_norm`` + adam and ``zclip`` + adam in
-every scope (``zclip`` stands for the engine every adaptive clipper runs on),
-records trace+compile seconds and the number of distinct compiled kernels,
-then times the steps interleaved. State bytes are computed for every clipper
-in the registry without compiling.
-
-    PYTHONPATH=. .venv/bin/python benchmarks/scaling.py [--quick]
+    python benchmarks/scaling.py [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-import time
-from collections.abc import Sequence
-from typing import Any
-
-import optax
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 import common
+import jax
+import steptime
 
 import clipjax
 
-ADAM = "adam (no clipping)"
-BASE = "optax.clip_by_global_norm[global]"
+ZCLIP_PP = "clipjax.zclip[per_param] + adam"
 
 
-def variants() -> dict[str, Any]:
-    """label -> factory of the clipper (None: adam alone)."""
-    out: dict[str, Any] = {
-        ADAM: None,
-        BASE: lambda: optax.clip_by_global_norm(1.0),
-        "clip_by_global_norm[global]": lambda: clipjax.clip_by_global_norm(1.0),
+def section(quick: bool, new_api: bool = False) -> tuple[str, list[tuple[str, str, bool]]]:
+    size = common.sizes(quick)
+    configs = {
+        **common.REFS,
+        "clipjax.clip_by_global_norm + adam": common.plus_adam(
+            lambda: clipjax.clip_by_global_norm(1.0)
+        ),
     }
-    for scope in common.SCOPES:
-        out[f"zclip[{scope}]"] = lambda scope=scope: clipjax.zclip(
-            warmup_steps=common.WARM, scope=scope
-        )
-    return out
-
-
-def point(shapes: Any, rounds: int, target_s: float) -> dict[str, Any]:
-    """Compile and time every variant on one tree."""
-    params, grads = common.params_and_grads(shapes)
-    runners: dict[str, common.Runner] = {}
-    rows: dict[str, Any] = {}
-    for label, make in variants().items():
-        tx = common.with_adam(None if make is None else make())
-        t0 = time.perf_counter()
-        r = common.Runner(tx, params, grads)
-        common.log(f"    {label}: compiled in {time.perf_counter() - t0:.1f} s")
-        runners[label] = r
-        rows[label] = {
-            "trace_s": r.trace_s,
-            "compile_s": r.compile_s,
-            "total_compile_s": r.total_compile_s,
-            "kernels": r.kernels,
-            "distinct_kernels": r.distinct_kernels,
-            "state_bytes": common.tree_bytes(r.state),
-            "bytes_accessed": float(r.cost.get("bytes accessed", float("nan"))),
-            "grad_bytes": common.tree_bytes(grads),
-        }
-    del params
-    samples = common.interleave(
-        {k: v.run for k, v in runners.items()}, rounds=rounds, target_s=target_s, warmup=2
-    )
-    for label, s in samples.items():
-        q1, med, q3 = common.quantiles(s)
-        rows[label].update({"median_s": med, "q1_s": q1, "q3_s": q3})
-        rows[label]["vs_base"] = common.ratio_stats(s, samples[BASE])
-        scope = label.split("[")[-1].rstrip("]")
-        if label.startswith("zclip[") and scope != "global":
-            rows[label]["vs_global"] = common.ratio_stats(s, samples["zclip[global]"])
-    for r in runners.values():
-        r.delete()
-    return rows
-
-
-def adam_state_bytes(total: int) -> int:
-    return 2 * 4 * total + 4
-
-
-def leaves_sweep(
-    leaf_counts: Sequence[int], total: float, rounds: int, target_s: float, max_compile: int
-) -> dict[str, Any]:
-    out: dict[str, Any] = {"total": total, "points": {}, "skipped": {}}
-    for n in leaf_counts:
-        shapes = common.stack_shapes(n, total)
-        key = common.num_leaves(shapes)
-        if n > max_compile:
-            out["skipped"][key] = (
-                f"not compiled: more than --max-compile-leaves={max_compile} leaves "
-                "(compile time on this machine)"
+    for s in size.scopes:
+        zclip = lambda s=s: clipjax.zclip(warmup_steps=common.WARM, scope=s)
+        configs[f"clipjax.zclip[{s}] + adam"] = common.plus_adam(zclip)
+    group = common.Group("scaling", configs)
+    rows, compile_s = [], {}
+    for n in size.leaf_counts:
+        shapes = common.stack_shapes(n, size.leaf_params)
+        common.log(f"  scaling: {common.describe(shapes)}")
+        samples = steptime.measure(group, shapes, size)
+        floor = common.compile_step(group.floor, group, shapes).bytes
+        adam_state = common.tree_bytes(jax.eval_shape(common.adam().init, shapes))
+        leaves = len(jax.tree.leaves(shapes))
+        for label, s in samples.items():
+            step = common.compile_step(label, group, shapes)
+            state = common.tree_bytes(jax.eval_shape(step.make().init, shapes)) - adam_state
+            compile_s[label] = step.compile_s
+            rows.append(
+                [
+                    leaves,
+                    label,
+                    f"{step.compile_s:.2f}",
+                    common.ms(s),
+                    common.spread(common.ratios(s, samples[group.base])),
+                    f"{(step.bytes - floor) / common.tree_bytes(shapes):.2f}",
+                    state,
+                ]
             )
-            continue
-        common.log(f"  scaling: {key} leaves, {common.num_params(shapes)} params")
-        out["points"][key] = {
-            "params": common.num_params(shapes),
-            "rows": point(shapes, rounds, target_s),
-        }
-    return out
-
-
-def params_sweep(
-    totals: Sequence[float], n_leaves: int, rounds: int, target_s: float
-) -> dict[str, Any]:
-    out: dict[str, Any] = {"leaves": n_leaves, "points": {}, "skipped": {}}
-    copies = 3 * len(variants()) + 3  # params, mu, nu per variant; grads; a spare pair
-    for total in totals:
-        shapes = common.stack_shapes(n_leaves, total)
-        n = common.num_params(shapes)
-        need = copies * 4 * n
-        avail = common.memory_available()
-        if need > 0.6 * avail:
-            out["skipped"][n] = (
-                f"needs about {common.fmt_bytes(need)} ({copies} float32 copies), "
-                f"{common.fmt_bytes(avail)} available"
-            )
-            common.log(f"  scaling: {n} params skipped ({out['skipped'][n]})")
-            continue
-        common.log(f"  scaling: {n} params, {common.num_leaves(shapes)} leaves")
-        out["points"][n] = {
-            "leaves": common.num_leaves(shapes),
-            "rows": point(shapes, rounds, target_s),
-        }
-    return out
-
-
-def state_table(leaf_counts: Sequence[int], total: float) -> dict[str, Any]:
-    """Clipper state bytes (no compile) for every clipper and scope."""
-    clippers, _ = common.registry(refs=False)
-    out: dict[str, Any] = {}
-    for n in leaf_counts:
-        shapes = common.stack_shapes(n, total)
-        key = common.num_leaves(shapes)
-        out[key] = {}
-        for c in clippers:
-            if c.scope not in ("global", "per_param", "unitwise"):
-                continue
-            try:
-                out[key][c.name] = common.state_bytes(c.make, shapes)
-            except Exception as err:
-                out[key][c.name] = f"{type(err).__name__}: {err}"
-    return out
-
-
-def measure(quick: bool = False, max_compile: int | None = None) -> dict[str, Any]:
-    if quick:
-        leaf_counts, leaf_total = [10, 100], 1e5
-        totals, rounds, target_s = [1e5, 1e6], 5, 0.05
-        state_counts = [10, 1000, 5000]
-    else:
-        leaf_counts, leaf_total = [10, 100, 1000, 5000], 1e6
-        totals, rounds, target_s = [1e5, 1e6, 1e7, 1e8], 9, 0.1
-        state_counts = [10, 100, 1000, 5000]
-    if max_compile is None:
-        max_compile = 1000
-    return {
-        "leaves": leaves_sweep(leaf_counts, leaf_total, rounds, target_s, max_compile),
-        "params": params_sweep(totals, 20, rounds, target_s),
-        "state": state_table(state_counts, leaf_total),
-    }
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--max-compile-leaves", type=int, default=None)
-    args = parser.parse_args()
-    print(json.dumps(measure(args.quick, args.max_compile_leaves), indent=1, default=str))
+    header = ["leaves", "configuration", "compile s", "step ms", "× optax", "extra traffic"]
+    text = [
+        "## Scaling with the number of leaves",
+        "",
+        f"Stacks of identical dense layers of about {size.leaf_params:.0e} parameters; `zclip` "
+        "stands for every adaptive clipper. Compile: trace + lower + compile of the whole step, "
+        "seconds, one measurement. Step ms: median [IQR] of interleaved rounds; × optax: ratio "
+        "to optax clip_by_global_norm + adam, same rounds. Extra traffic: bytes accessed over "
+        "adam alone's, in gradient bytes. State B: the optimizer state's bytes beyond adam's.",
+        "",
+        common.table([*header, "state B"], rows),
+    ]
+    bound = common.TARGETS["compile_ratio"]
+    ratio = compile_s[ZCLIP_PP] / compile_s[common.OPTAX_GN]
+    target = f"compile time with {leaves} leaves: zclip per_param + adam ≤ {bound}× optax's"
+    measured = f"{compile_s[ZCLIP_PP]:.1f} s vs {compile_s[common.OPTAX_GN]:.1f} s: {ratio:.2f}×"
+    return "\n".join(text), [(target, measured, ratio <= bound)]
 
 
 if __name__ == "__main__":
-    main()
+    common.main(section, __doc__)
