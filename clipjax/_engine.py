@@ -268,7 +268,8 @@ def _norm_step(
         fires = fires & gate_open & finite
         x = norm if judgement.observation is None else judgement.observation
         if rule.feedback == "clipped":
-            clip_to = judgement.threshold if judgement.clip_to is None else judgement.clip_to
+            clip_to = judgement.clip_to if judgement.clip_to is not None else judgement.threshold
+            assert clip_to is not None, f"{rule.algo}: feedback='clipped' needs clip_to"
             x = jnp.where(fires, clip_to, x)
         observed = observable & ~fires if rule.feedback == "skip" else observable
         after = select_groups(observed, stat.observe(before, x, count), before)
@@ -276,7 +277,7 @@ def _norm_step(
     scale = jnp.where(finite & gate_open, judgement.scale, 1.0).astype(norm.dtype)
     clipped = scale < 1
     metrics = {"grad_norm": norm}
-    if rule.threshold_name is not None:
+    if rule.threshold_name is not None and judgement.threshold is not None:
         metrics[rule.threshold_name] = judgement.threshold
     metrics["scale"] = scale
     metrics["clipped"] = clipped
@@ -387,7 +388,7 @@ def transform(
                     f"[{grouping.num_groups}] for the groups of this tree; was the state "
                     "restored from another model?"
                 )
-        p_leaves = None
+        p_leaves: list[Any] | None = None
         if rule.needs_params:
             if params is None:
                 raise ValueError(
@@ -406,14 +407,14 @@ def transform(
                 leaf_metrics = {"grad_norm": step.leaf_norms}
         else:
             _grouping.check_inexact(leaves, grouping, who)
-            keep = None
+            keep: list[bool] | None = None
             if rule.leaf_filter is not None:
                 keep = [bool(rule.leaf_filter(p, x)) for p, x in zip(paths, leaves)]
             partial = _grouping.leaf_power_sums(leaves, rule.ord)
             kept = partial if keep is None else [s * k for s, k in zip(partial, keep)]
             norm = _grouping.group_norms(leaves, grouping, rule.ord, kept)
             aux = {}
-            if rule.needs_params:
+            if p_leaves is not None:
                 p_keep = (
                     p_leaves
                     if keep is None
@@ -432,7 +433,7 @@ def transform(
                 new_leaves = [s if k else x for x, s, k in zip(leaves, scale_leaves, keep)]
             else:
                 new_leaves = _grouping.apply_scales(leaves, grouping, scale, state.leaf_index)
-            if warmup is not None:
+            if warmup is not None and judgement.warming is not None:
                 warming = judgement.warming & jnp.isfinite(norm)
                 new_leaves, nested = _run_warmup(
                     warmup, updates, state.nested, params, new_leaves, grouping, warming

@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.core import Tracer
 
 Array = jax.Array
 
@@ -75,7 +76,7 @@ def is_clipjax_state(x: Any) -> bool:
         and fields is not None
         and "metrics" in fields
         and "info" in fields
-        and isinstance(x.info, GroupInfo)
+        and isinstance(getattr(x, "info", None), GroupInfo)
     )
 
 
@@ -113,7 +114,7 @@ def _split(values: Any, n: int) -> list[Any]:
     # The group axis is the last one: a state stacked by pmap (replicas), vmap
     # or a scan over steps has [..., groups] metrics, read as [...] per group.
     values = unwrap(values)
-    if isinstance(values, jax.core.Tracer) or n == 1:
+    if isinstance(values, Tracer) or n == 1:
         return [values[..., i] for i in range(n)]
     # One unstack instead of one slice per group.
     return list(jnp.moveaxis(jnp.asarray(values), -1, 0))

@@ -226,10 +226,9 @@ def _radix(
         size = 1 << width
         if step == 0:
             # Every element is in the (empty-prefix) bucket of both ranks.
-            hist = sum(
-                jnp.zeros((size,), jnp.int32).at[k >> shift].add(1, mode="promise_in_bounds")
-                for k in keys
-            )
+            hist = jnp.zeros((size,), jnp.int32)
+            for k in keys:
+                hist = hist.at[k >> shift].add(1, mode="promise_in_bounds")
             hists = [hist] * len(ranks)
             # inf/NaN keys start at a digit boundary (width >= exponent bits).
             nonfinite = jnp.sum(hist[layout.inf_key >> shift :])

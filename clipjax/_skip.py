@@ -179,7 +179,7 @@ def skip_on_spike(
     inner = optax.with_extra_args_support(inner)
     info = GroupInfo(algo=ALGO, name=name, groups=("global",))
 
-    def init_fn(params: Any) -> SkipOnSpikeState:
+    def init_fn(params: Any) -> Any:
         f32 = lambda x: jnp.full((1,), x, jnp.float32)
         i32 = lambda: jnp.zeros((1,), jnp.int32)
         metrics = {
@@ -206,15 +206,15 @@ def skip_on_spike(
 
     def update_fn(
         updates: Any,
-        state: SkipOnSpikeState,
+        state: Any,
         params: Any = None,
         *,
         value: Any = None,
         **extra_args: Any,
-    ) -> tuple[Any, SkipOnSpikeState]:
+    ) -> tuple[Any, Any]:
         norm = global_norm(updates).astype(jnp.float32)
         has_value = value is not None
-        loss = None
+        loss = jnp.full((), jnp.nan, jnp.float32)
         if has_value:
             if jnp.size(value) != 1:
                 raise ValueError(f"value must be a scalar (the loss), got shape {jnp.shape(value)}")
@@ -269,7 +269,7 @@ def skip_on_spike(
         skip1 = skip.reshape(1)
         metrics = {
             "grad_norm": norm.reshape(1),
-            "value": (loss if has_value else jnp.array(jnp.nan, jnp.float32)).reshape(1),
+            "value": loss.reshape(1),
             "grad_threshold": grad_threshold.reshape(1),
             "value_threshold": value_threshold.reshape(1),
             "skipped": skip1,

@@ -205,7 +205,9 @@ def p2_update(state: P2State, x: ArrayLike, p: ArrayLike = 0.5, textbook: bool =
     n = positions + (slot > cell[:, None]).astype(jnp.int32)
     want = desired + increments
     # Markers 1, 2, 3 in turn: each sees its neighbours already moved.
-    q, n = jax.lax.fori_loop(1, 4, lambda i, qn: _p2_adjust(*qn, want, i, textbook), (q, n))
+    q, n = jax.lax.fori_loop(
+        1, 4, lambda i, qn: _p2_adjust(qn[0], qn[1], want, i, textbook), (q, n)
+    )
     steady = P2State(q, n, want, count + 1)
 
     return _select(count < 5, warm, steady)

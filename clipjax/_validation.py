@@ -13,10 +13,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.core import Tracer
 
 
 def _concrete(value: Any) -> float | None:
-    if isinstance(value, jax.core.Tracer):
+    if isinstance(value, Tracer):
         return None
     try:
         arr = np.asarray(value)
@@ -63,7 +64,7 @@ def integer(name: str, value: Any, minimum: int = 0, static: bool = True) -> Non
     ``static=False``: it only enters arithmetic, so an array or tracer (from
     ``optax.inject_hyperparams``) is accepted and checked when concrete.
     """
-    if isinstance(value, (jax.Array, jax.core.Tracer)) and not isinstance(value, bool):
+    if isinstance(value, (jax.Array, Tracer)) and not isinstance(value, bool):
         if static:
             raise ValueError(_static_hint(name))
         check(name, value, lambda x: x >= minimum and float(x).is_integer(), f"an int >= {minimum}")
@@ -76,7 +77,7 @@ def integer(name: str, value: Any, minimum: int = 0, static: bool = True) -> Non
 
 def static_number(name: str, value: Any) -> None:
     """Raises the ``static_args`` hint for an array where a Python number is needed."""
-    if isinstance(value, (jax.Array, jax.core.Tracer)):
+    if isinstance(value, (jax.Array, Tracer)):
         raise ValueError(_static_hint(name))
 
 

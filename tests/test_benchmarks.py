@@ -15,8 +15,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-import common  # noqa: E402
-import traffic  # noqa: E402
+import common
+import traffic
 
 SHAPES = common.transformer_shapes(**common.QUICK.model)
 SECTIONS = (
