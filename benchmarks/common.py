@@ -160,7 +160,7 @@ def groups(scopes: Sequence[str]) -> list[Group]:
 
 
 def new_groups() -> list[Group]:
-    """Written against CONTRACT.md (adagc, skip_on_spike); run with ``--new-api``."""
+    """adagc, and skip_on_spike against its inner optimizer and optax.apply_if_finite."""
     adagc = plus_adam(lambda: clipjax.adagc(warmup_steps=WARM, scope="per_param"))
     out = [Group("adagc", {**REFS, "clipjax.adagc[per_param] + adam": adagc})]
     zclip_adam = lambda: optax.chain(clipjax.zclip(warmup_steps=WARM), adam())
@@ -371,6 +371,5 @@ def main(section: Callable[[bool, bool], tuple[str, list]], doc: str) -> None:
     """A benchmark script's command line: prints its section."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer rounds")
-    parser.add_argument("--new-api", action="store_true", help="adagc and skip_on_spike too")
     args = parser.parse_args()
-    print(section(args.quick, args.new_api)[0])
+    print(section(args.quick)[0])

@@ -2,7 +2,7 @@
 # Bytes accessed, step time and the smartclip comparison on the first jax device (the GPU,
 # when jax sees one), written as one Markdown file.
 #
-#   bash benchmarks/device.sh [OUTFILE] [run.py options, e.g. --quick or --new-api]
+#   bash benchmarks/device.sh [OUTFILE] [run.py options, e.g. --quick]
 #
 # OUTFILE defaults to $OUT/gpu_results.md (benchmarks/gpu_results.md when OUT is unset). Run it
 # from a copy of the repository; clipjax is imported from there. Nothing is fetched from the

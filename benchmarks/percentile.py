@@ -59,7 +59,7 @@ def seconds(update: Any, init: Any, n: int, reps: int) -> list[float]:
     return out
 
 
-def section(quick: bool, new_api: bool = False) -> tuple[str, list[tuple[str, str, bool]]]:
+def section(quick: bool) -> tuple[str, list[tuple[str, str, bool]]]:
     size = common.sizes(quick)
     rng = np.random.default_rng(0)
     rows, worst = [], 0.0

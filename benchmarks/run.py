@@ -3,7 +3,6 @@
     python benchmarks/run.py                        # everything, ~15 min on 2 CPU cores
     python benchmarks/run.py --quick                # smaller sizes, about a minute
     python benchmarks/run.py --only traffic,steptime --out /tmp/R.md
-    python benchmarks/run.py --new-api              # adds adagc and skip_on_spike
 
 Each section is also a script of its own (``python benchmarks/traffic.py``).
 The "Targets" table compares measured figures with ``common.TARGETS``.
@@ -35,7 +34,6 @@ SECTIONS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds")
-    parser.add_argument("--new-api", action="store_true", help="adagc and skip_on_spike too")
     parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
     parser.add_argument("--out", default=os.path.join(common.ROOT, "benchmarks", "RESULTS.md"))
     args = parser.parse_args()
@@ -49,12 +47,12 @@ def main() -> None:
     for name in names:
         common.log(f"== {name}")
         t0 = time.perf_counter()
-        text, found = SECTIONS[name](args.quick, args.new_api)
+        text, found = SECTIONS[name](args.quick)
         texts.append(text)
         checks += found
         took.append(f"{name} {time.perf_counter() - t0:.0f} s")
     mode = "quick" if args.quick else "full"
-    head.append(f"* **sections** ({mode}{', new API' if args.new_api else ''}): {', '.join(took)}")
+    head.append(f"* **sections** ({mode}): {', '.join(took)}")
     rows = [[target, measured, "met" if ok else "**missed**"] for target, measured, ok in checks]
     report = [
         "# clipjax benchmarks",

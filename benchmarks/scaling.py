@@ -19,7 +19,7 @@ import clipjax
 ZCLIP_PP = "clipjax.zclip[per_param] + adam"
 
 
-def section(quick: bool, new_api: bool = False) -> tuple[str, list[tuple[str, str, bool]]]:
+def section(quick: bool) -> tuple[str, list[tuple[str, str, bool]]]:
     size = common.sizes(quick)
     configs = {
         **common.REFS,

@@ -92,7 +92,7 @@ def time_pair(key: str, shapes: Any, size: common.Sizes) -> list[Any]:
     return row, common.median(speedup)
 
 
-def section(quick: bool, new_api: bool = False) -> tuple[str, list[tuple[str, str, bool]]]:
+def section(quick: bool) -> tuple[str, list[tuple[str, str, bool]]]:
     size = common.sizes(quick)
     shapes = common.transformer_shapes(**size.model)
     params, grads = common.params_and_grads(shapes)

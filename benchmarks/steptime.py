@@ -7,7 +7,7 @@ every round runs each configuration once for a block of steps, in an order
 that rotates and reverses. Times are medians [inter-quartile range] over
 rounds; ratios are medians [IQR] of the per-round ratios.
 
-    python benchmarks/steptime.py [--quick] [--new-api]
+    python benchmarks/steptime.py [--quick]
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ def measure(group: common.Group, shapes: object, size: common.Sizes) -> dict[str
     return common.interleave({k: r.run for k, r in runners.items()}, size.rounds, size.block_s)
 
 
-def section(quick: bool, new_api: bool) -> tuple[str, list[tuple[str, str, bool]]]:
+def section(quick: bool) -> tuple[str, list[tuple[str, str, bool]]]:
     size = common.sizes(quick)
     shapes = common.transformer_shapes(**size.model)
-    groups = common.groups(size.scopes) + (common.new_groups() if new_api else [])
+    groups = common.groups(size.scopes) + common.new_groups()
     rows, vs_base, vs_global = [], {}, {}
     for group in groups:
         samples = measure(group, shapes, size)

@@ -6,7 +6,7 @@ wrapper), in units of the gradients' bytes, from
 A norm clipper that reads the gradients once and fuses its scalar multiply
 into adam costs 1.0; AGC also reads the parameters, 2.0.
 
-    python benchmarks/traffic.py [--quick] [--new-api]
+    python benchmarks/traffic.py [--quick]
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ def extra(group: common.Group, shapes: object) -> dict[str, float]:
     }
 
 
-def section(quick: bool, new_api: bool) -> tuple[str, list[tuple[str, str, bool]]]:
+def section(quick: bool) -> tuple[str, list[tuple[str, str, bool]]]:
     size = common.sizes(quick)
     shapes = common.transformer_shapes(**size.model)
-    groups = common.groups(size.scopes) + (common.new_groups() if new_api else [])
+    groups = common.groups(size.scopes) + common.new_groups()
     rows, figures = [], {}
     for group in groups:
         common.log(f"  traffic: {group.title}")
@@ -58,7 +58,7 @@ def section(quick: bool, new_api: bool) -> tuple[str, list[tuple[str, str, bool]
         for k, v in figures.items()
         if re.match(r"clipjax\.(?!agc|skip_on_spike)", k) and ("[per_" not in k or "adagc" in k)
     }
-    adagc = " (and adagc[per_param])" if new_api else ""
+    adagc = " (and adagc[per_param])"
     worst = max(norm, key=norm.get)
     checks = [
         (
