@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import references
 
 import clipjax
 
@@ -95,58 +96,9 @@ def _positive(g: float, eps: float) -> float:
 # ----------------------------------------------------------------------------
 
 
-class P2Median:
-    """Textbook P² (p = 0.5), incremental: the same steps as
-    ``references.p2_restated(xs, 0.5, textbook=True)`` (checked in test_feedback),
-    O(1) per observation instead of re-running the whole prefix."""
-
-    def __init__(self, p: float = 0.5) -> None:
-        self.p, self.xs, self.q, self.n, self.nd = p, [], [], [], []
-        self.dn = [0.0, p / 2, p, (1 + p) / 2, 1.0]
-
-    def observe(self, x: float) -> None:
-        p, q, n = self.p, self.q, self.n
-        if len(self.xs) < 5:
-            self.xs.append(x)
-            if len(self.xs) == 5:
-                self.q = sorted(self.xs)
-                self.n = [0, 1, 2, 3, 4]
-                self.nd = [0.0, 2 * p, 4 * p, 2 + 2 * p, 4.0]
-            return
-        if x < q[0]:
-            q[0], k = x, 0
-        elif x < q[1]:
-            k = 0
-        elif x < q[2]:
-            k = 1
-        elif x < q[3]:
-            k = 2
-        elif x <= q[4]:
-            k = 3
-        else:
-            q[4], k = x, 3
-        for i in range(k + 1, 5):
-            n[i] += 1
-        for i in range(5):
-            self.nd[i] += self.dn[i]
-        for i in range(1, 4):
-            d = self.nd[i] - n[i]
-            if (d >= 1 and n[i + 1] - n[i] > 1) or (d <= -1 and n[i - 1] - n[i] < -1):
-                s = 1 if d >= 1 else -1
-                qp = q[i] + s / (n[i + 1] - n[i - 1]) * (
-                    (n[i] - n[i - 1] + s) * (q[i + 1] - q[i]) / (n[i + 1] - n[i])
-                    + (n[i + 1] - n[i] - s) * (q[i] - q[i - 1]) / (n[i] - n[i - 1])
-                )
-                if q[i - 1] < qp < q[i + 1]:
-                    q[i] = qp
-                else:
-                    q[i] = q[i] + s * (q[i + s] - q[i]) / (n[i + s] - n[i])
-                n[i] += s
-
-    def value(self) -> float:
-        if len(self.xs) < 5:
-            return float(np.median(self.xs)) if self.xs else NAN
-        return self.q[2]
+def P2Median(p: float = 0.5) -> references.P2:
+    """Textbook P² (clipjax's), incremental (``references.P2``)."""
+    return references.P2(p, textbook=True)
 
 
 class _AutoStats:
