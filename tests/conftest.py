@@ -25,6 +25,12 @@ settings.register_profile(
 settings.register_profile("dev", deadline=None, max_examples=50)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+
+def version_of(module: Any) -> tuple[int, ...]:
+    """``(major, minor, patch)`` of a module's ``__version__``."""
+    return tuple(int(part) for part in module.__version__.split(".")[:3] if part.isdigit())
+
+
 Params = dict[str, Any]
 GradFn = Callable[..., Params]
 

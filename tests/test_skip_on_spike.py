@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import version_of
 
 import clipjax
 
@@ -346,6 +347,10 @@ def test_skipped_updates_are_zeros_of_each_leafs_dtype() -> None:
             assert not any(np.any(np.asarray(v, np.float32)) for v in updates.values())
 
 
+@pytest.mark.skipif(
+    version_of(optax) < (0, 2, 6),
+    reason="optax 0.2.5's reduce_on_plateau state changes after its first update (a retrace)",
+)
 def test_value_and_extra_args_reach_the_inner_transform() -> None:
     inner = optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau(patience=1, factor=0.5))
     grads, _ = make_stream("clean")
@@ -561,7 +566,7 @@ def test_inside_multisteps() -> None:
 
 
 def test_nnx_optimizer_passes_the_loss_through() -> None:
-    from flax import nnx
+    nnx = pytest.importorskip("flax.nnx", reason="needs flax")
 
     model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
     opt = nnx.Optimizer(
@@ -585,7 +590,7 @@ def test_nnx_optimizer_passes_the_loss_through() -> None:
 
 
 def test_orbax_checkpoint_continues_bit_identically(tmp_path: Path) -> None:
-    import orbax.checkpoint as ocp
+    ocp = pytest.importorskip("orbax.checkpoint", reason="needs orbax-checkpoint")
 
     grads, losses = make_stream("both")
     tx = clipjax.skip_on_spike(
@@ -614,6 +619,10 @@ def test_orbax_checkpoint_continues_bit_identically(tmp_path: Path) -> None:
     assert tree_equal(jax.device_get(train(*restored, range(28, STEPS))), jax.device_get(final))
 
 
+@pytest.mark.skipif(
+    version_of(jax) < (0, 5),
+    reason="bytes accessed are calibrated on jaxlib >= 0.5's cost analysis",
+)
 def test_a_taken_step_costs_the_inner_update_plus_one_read_of_the_gradients() -> None:
     params = {"w": jnp.zeros((256, 256), jnp.float32), "b": jnp.zeros((256,), jnp.float32)}
     grads = jax.tree.map(jnp.ones_like, params)
