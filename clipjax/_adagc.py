@@ -22,6 +22,12 @@ class AdaGCState(NamedTuple):
       info: static names (algorithm, prefix, groups, leaves).
       leaf_index: each leaf's group index, int32 scalars (empty for one group).
       leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, clipjax
+      >>> state = clipjax.adagc().init({"w": jnp.zeros((3, 2))})
+      >>> isinstance(state, clipjax.AdaGCState), state.info.groups
+      (True, ('w',))
     """
 
     stats: Any

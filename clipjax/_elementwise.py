@@ -41,6 +41,12 @@ class ClipByValueState(NamedTuple):
       info: static names (algorithm, prefix, groups, leaves).
       leaf_index: each leaf's group index, int32 scalars (empty for one group).
       leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, clipjax
+      >>> state = clipjax.clip_by_value(1.0).init({"w": jnp.zeros((3, 2))})
+      >>> isinstance(state, clipjax.ClipByValueState), state.info.groups
+      (True, ('global',))
     """
 
     stats: Any
@@ -59,6 +65,12 @@ class ClipByPercentileState(NamedTuple):
       info: static names (algorithm, prefix, groups, leaves).
       leaf_index: each leaf's group index, int32 scalars (empty for one group).
       leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, clipjax
+      >>> state = clipjax.clip_by_percentile(90.0).init({"w": jnp.zeros((3, 2))})
+      >>> isinstance(state, clipjax.ClipByPercentileState), state.info.groups
+      (True, ('w',))
     """
 
     stats: Any

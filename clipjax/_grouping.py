@@ -54,7 +54,14 @@ def _strip_wrappers(path: KeyPath) -> KeyPath:
 
 
 def path_name(path: KeyPath) -> str:
-    """``params/Dense_0/kernel`` for a key path; ``root`` for the empty path."""
+    """``params/Dense_0/kernel`` for a key path; ``root`` for the empty path.
+
+    Examples:
+      >>> import jax, clipjax
+      >>> [(path, _)] = jax.tree_util.tree_flatten_with_path({"params": {"w": 1.0}})[0]
+      >>> clipjax.path_name(path)
+      'params/w'
+    """
     return "/".join(_key_name(k) for k in path) or "root"
 
 

@@ -27,6 +27,12 @@ class HistClipState(NamedTuple):
       leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
       nested: the ``warmup_clip`` state (None without one); its metrics are
         reported under ``hist_clip/...``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, clipjax
+      >>> state = clipjax.hist_clip().init({"w": jnp.zeros((3, 2))})
+      >>> isinstance(state, clipjax.HistClipState), state.info.groups
+      (True, ('global',))
     """
 
     stats: Any
@@ -45,7 +51,13 @@ ClipFunction = Callable[[jax.Array, Any], jax.Array]
 
 
 def max_clipping(zt: jax.Array, thresh: Any) -> jax.Array:
-    """Clip to the threshold itself: factor ``thresh`` (drytorch ``max_clipping``)."""
+    """Clip to the threshold itself: factor ``thresh`` (drytorch ``max_clipping``).
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> float(clipjax.max_clipping(jnp.array(4.0), 2.5))
+      2.5
+    """
     return jnp.full_like(zt, thresh)
 
 
@@ -56,12 +68,23 @@ def mean_clipping(zt: jax.Array, thresh: Any) -> jax.Array:
     :func:`ema_criterion` the factor is 1, i.e. the clip value is ``mu`` too:
     **FIX**, drytorch returns 0 there, which makes the clip value 0 and zeroes
     the gradient, contrary to its own documentation ("clip to the mean").
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> float(clipjax.mean_clipping(jnp.array(4.0), 2.5))
+      0.0
     """
     return jnp.zeros_like(zt)
 
 
 def reciprocal_clipping(zt: jax.Array, thresh: Any) -> jax.Array:
-    """Reciprocal clipping, ``thresh**2 / zt``: larger spikes are cut harder (ZClip)."""
+    """Reciprocal clipping, ``thresh**2 / zt``: larger spikes are cut harder (ZClip).
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> float(clipjax.reciprocal_clipping(jnp.array(5.0), 2.5))
+      1.25
+    """
     return thresh**2 / zt
 
 
@@ -74,6 +97,12 @@ class Criterion:
       alpha: EMA decay of the statistics.
       thresh: ``z_thresh`` (zstat) or ``r_thresh`` (ema).
       clip_fn: ``(statistic, thresh) -> factor``.
+
+    Examples:
+      >>> import clipjax
+      >>> criterion = clipjax.zstat_criterion(z_thresh=3.0)
+      >>> isinstance(criterion, clipjax.Criterion), criterion.kind, criterion.thresh
+      (True, 'zstat', 3.0)
     """
 
     kind: str
@@ -96,6 +125,10 @@ def zstat_criterion(
     z_thresh) * sqrt(v)``; update with the raw norm:
     ``v <- alpha v + (1-alpha)(g - mu_old)**2`` then
     ``mu <- alpha mu + (1-alpha) g``.
+
+    Examples:
+      >>> import clipjax
+      >>> tx = clipjax.hist_clip(clipjax.zstat_criterion(alpha=0.9, z_thresh=3.0))
     """
     _validation.open_unit("alpha", alpha)
     _validation.positive("z_thresh", z_thresh)
@@ -110,6 +143,10 @@ def ema_criterion(
 
     Clip value ``mu * clip_fn(r, r_thresh)`` (``mu`` for :func:`mean_clipping`,
     a **FIX**); update ``mu <- alpha mu + (1-alpha) g``.
+
+    Examples:
+      >>> import clipjax
+      >>> tx = clipjax.hist_clip(clipjax.ema_criterion(r_thresh=1.1, clip_fn=clipjax.mean_clipping))
     """
     _validation.open_unit("alpha", alpha)
     _validation.positive("r_thresh", r_thresh)

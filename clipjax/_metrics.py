@@ -45,6 +45,11 @@ class GroupInfo:
       placeholder: built by ``init`` on optax's params placeholder
         (``optax.tree_utils.tree_map_params``), which has no leaves: it then
         stands for any tree and compares equal to every state of its algorithm.
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> clipjax.zclip().init({"w": jnp.zeros(2)}).info.groups
+      ('global',)
     """
 
     algo: str

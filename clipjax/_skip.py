@@ -32,6 +32,12 @@ class SkipOnSpikeState(NamedTuple):
         ``value_threshold``, ``skipped``, and the counters ``skipped_count``,
         ``consecutive_skips``, ``nonfinite_count``, ``step``, ``count``.
       info: static names, ``GroupInfo(algo="skip_on_spike", ...)``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, clipjax
+      >>> state = clipjax.skip_on_spike(optax.sgd(0.1)).init({"w": jnp.zeros((3, 2))})
+      >>> isinstance(state, clipjax.SkipOnSpikeState), state.info.groups
+      (True, ('global',))
     """
 
     inner_state: Any

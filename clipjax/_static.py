@@ -25,6 +25,12 @@ class ClipByGlobalNormState(NamedTuple):
       info: static names (algorithm, prefix, groups, leaves).
       leaf_index: each leaf's group index, int32 scalars (empty for one group).
       leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, clipjax
+      >>> state = clipjax.clip_by_global_norm(1.0).init({"w": jnp.zeros((3, 2))})
+      >>> isinstance(state, clipjax.ClipByGlobalNormState), state.info.groups
+      (True, ('global',))
     """
 
     stats: Any
@@ -43,6 +49,12 @@ class NormalizePerParamState(NamedTuple):
       info: static names (algorithm, prefix, groups, leaves).
       leaf_index: each leaf's group index, int32 scalars (empty for one group).
       leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, clipjax
+      >>> state = clipjax.normalize_per_param().init({"w": jnp.zeros((3, 2))})
+      >>> isinstance(state, clipjax.NormalizePerParamState), state.info.groups
+      (True, ('w',))
     """
 
     stats: Any
@@ -61,6 +73,12 @@ class ZScoreNormalizeState(NamedTuple):
       info: static names (algorithm, prefix, groups, leaves).
       leaf_index: each leaf's group index, int32 scalars (empty for one group).
       leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, clipjax
+      >>> state = clipjax.zscore_normalize().init({"w": jnp.zeros((3, 2))})
+      >>> isinstance(state, clipjax.ZScoreNormalizeState), state.info.groups
+      (True, ('w',))
     """
 
     stats: Any

@@ -21,6 +21,12 @@ class ZScoreClipState(NamedTuple):
       info: static names (algorithm, prefix, groups, leaves).
       leaf_index: each leaf's group index, int32 scalars (empty for one group).
       leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, clipjax
+      >>> state = clipjax.zscore_clip().init({"w": jnp.zeros((3, 2))})
+      >>> isinstance(state, clipjax.ZScoreClipState), state.info.groups
+      (True, ('global',))
     """
 
     stats: Any
