@@ -170,6 +170,43 @@ def own_buffers(state: Any) -> Any:
     return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
 
 
+def run_if(
+    pred: Array, tx: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
+) -> tuple[Any, Any]:
+    """``tx.update`` on the steps where ``pred`` holds; elsewhere its state stays as it was.
+
+    The one way clipjax runs a transform on some steps only (skip_on_spike's
+    inner optimizer, hist_clip's warm-up clip). Where ``pred`` is False the
+    returned updates are not ``tx``'s: the caller masks them.
+
+    Two routes, both free of full-size copies in the compiled step:
+
+    * a clipjax transform holds only small ``[groups]`` arrays: it runs on
+      every step and its state is selected. Its norms are the ones the caller
+      computes anyway (XLA merges the identical reductions) and its scaling
+      fuses with the caller's, so it costs no extra pass over the gradients;
+    * any other transform (an optimizer with full-size moments) runs under
+      ``lax.cond`` whose pass-through branch is branch 0 (the false branch)
+      and returns its operands as they are: XLA elides the buffer copies of
+      such a branch only then. Skipping in branch 0, or returning fresh zeros,
+      copies the optimizer state or the updates every step; computing the
+      update unconditionally and selecting the moments afterwards copies them
+      too, because the parameter update then recomputes the new moments from
+      the old ones after they were overwritten in place. The conditional
+      still writes the updates out and reads them back (it cannot fuse with
+      ``apply_updates``): about two passes over the updates.
+    """
+    if isinstance(tx, ClipTransform):
+        out, new_state = tx.update(updates, state, params, **extra_args)
+        return out, jax.tree.map(lambda n, o: jnp.where(pred, n, o), new_state, state)
+    return jax.lax.cond(
+        pred,
+        lambda operands: tx.update(operands[0], operands[1], params, **extra_args),
+        lambda operands: operands,
+        (updates, state),
+    )
+
+
 def select_groups(mask: Array, new: Any, old: Any) -> Any:
     """Per-group select on stacked ``[groups, ...]`` arrays (never full tensors)."""
 
@@ -493,18 +530,12 @@ def _run_warmup(
 
         return jax.tree.map(fix, state, is_leaf=_metrics.is_clipjax_state)
 
-    def run(_: Any) -> tuple[list[Array], Any]:
-        out, new_nested = warmup.update(updates, nested, params)
-        out_leaves = jax.tree_util.tree_leaves(out)
-        mask = _grouping.leaf_scales(grouping, warming)
-        # A select on the warm-up path only, inside the cond.
-        leaves = [jnp.where(m, w, s) for m, w, s in zip(mask, out_leaves, scaled)]
-        return leaves, quiet(select_groups_state(warming, new_nested, nested))
-
-    def skip(_: Any) -> tuple[list[Array], Any]:
-        return list(scaled), quiet(nested)
-
-    return jax.lax.cond(jnp.any(warming), run, skip, None)
+    out, new_nested = run_if(jnp.any(warming), warmup, updates, nested, params)
+    out_leaves = jax.tree_util.tree_leaves(out)
+    mask = _grouping.leaf_scales(grouping, warming)
+    # A select with a per-leaf mask that fuses into the scaling multiply.
+    leaves = [jnp.where(m, w, s) for m, w, s in zip(mask, out_leaves, scaled)]
+    return leaves, quiet(select_groups_state(warming, new_nested, nested))
 
 
 def select_groups_state(mask: Array, new: Any, old: Any) -> Any:
