@@ -8,11 +8,14 @@ path outside the repository, and the flax ``value=loss`` recipes run.
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
+import typing
 from pathlib import Path
 
 import jax.numpy as jnp
+import optax
 import pytest
 
 import clipjax
@@ -113,3 +116,73 @@ def test_flax_value_loss_recipes_run_and_skip_the_spike() -> None:
         assert bool(jnp.isfinite(metrics["skip_on_spike/global/value"]))
         assert int(metrics["skip_on_spike/global/skipped_count"]) == 1
     assert int(linen_ns["state"].step) == 12
+
+
+def api_pages() -> dict:
+    """``API_PAGES`` of docs/conf.py, read without running the conf (it writes files)."""
+    tree = ast.parse((DOCS / "conf.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "API_PAGES":
+            return ast.literal_eval(node.value)
+    raise AssertionError("docs/conf.py defines no API_PAGES")
+
+
+def test_api_pages_list_public_names_once() -> None:
+    listed = [
+        name for _, _, sections in api_pages().values() for _, names in sections for name in names
+    ]
+    assert len(listed) == len(set(listed)), "a name on two reference pages"
+    assert set(listed) <= set(clipjax.__all__), set(listed) - set(clipjax.__all__)
+    assert {"clippers", "wrappers", "static", "metrics", "states"} <= set(api_pages())
+
+
+TRANSFORM_FACTORIES = sorted(
+    name
+    for name in clipjax.__all__
+    if not inspect.isclass(getattr(clipjax, name))
+    and "ClipTransform" in str(inspect.signature(getattr(clipjax, name)).return_annotation)
+)
+
+
+def test_clip_transform_is_what_the_clippers_return() -> None:
+    assert len(TRANSFORM_FACTORIES) >= 10
+    for name in TRANSFORM_FACTORIES:
+        factory = getattr(clipjax, name)
+        required = [
+            p
+            for p in inspect.signature(factory).parameters.values()
+            if p.default is inspect.Parameter.empty and p.kind is not p.VAR_KEYWORD
+        ]
+        args = [1.0 if p.name != "percentile" else 90.0 for p in required]
+        tx = factory(*args)
+        assert isinstance(tx, clipjax.ClipTransform), name
+        assert isinstance(tx, optax.GradientTransformationExtraArgs), name
+
+
+@pytest.mark.parametrize(
+    ("name", "argument", "choices"),
+    [
+        ("autoclip", "mode", {"auto", "percentile"}),
+        ("autoclip", "history", {"window", "ema", "geometric"}),
+        ("autoclip", "feedback", {"observe_first", "raw", "clipped", "skip"}),
+        ("zscore_clip", "feedback", {"observe_first", "raw", "clipped", "skip"}),
+        ("zclip", "mode", {"zscore", "percentile"}),
+        ("zclip", "clip_option", {"adaptive_scaling", "mean"}),
+        ("zclip", "feedback", {"raw", "clipped", "skip"}),
+        ("hist_clip", "feedback", {"raw", "clipped", "skip"}),
+        ("adagc", "feedback", {"raw", "clipped", "skip"}),
+        ("clip_by_percentile", "method", {"auto", "exact", "approx"}),
+        ("zclip", "scope", {"global", "per_param", "per_layer"}),
+        ("agc", "scope", {"unitwise", "global", "per_param", "per_layer"}),
+    ],
+)
+def test_string_choices_are_literal_types(name: str, argument: str, choices: set[str]) -> None:
+    hint = typing.get_type_hints(getattr(clipjax, name))[argument]
+    literals = [hint] if typing.get_origin(hint) is typing.Literal else typing.get_args(hint)
+    found = {
+        v for h in literals if typing.get_origin(h) is typing.Literal for v in typing.get_args(h)
+    }
+    assert found == choices
+    # The default is one of the choices.
+    default = inspect.signature(getattr(clipjax, name)).parameters[argument].default
+    assert default in choices
