@@ -141,11 +141,30 @@ Rule = NormRule | ElementwiseRule
 
 
 class ClipTransform(optax.GradientTransformationExtraArgs):
-    """A clipjax transform: an optax transform that can be rebuilt for a scope.
+    """The transform every clipjax clipper returns: an optax transform.
 
-    ``configure(scope=..., axis_name=...)`` returns the same transform with
-    other engine settings; hist_clip uses it to run a clipjax ``warmup_clip``
-    on its own groups.
+    A ``ClipTransform`` is an ``optax.GradientTransformationExtraArgs`` (a
+    named tuple of ``init`` and ``update``), so it goes wherever optax takes
+    a transform: ``optax.chain``, ``MultiSteps``, ``inject_hyperparams``, flax
+    optimizers. ``init(params)`` returns the clipper's state, a pytree whose
+    metrics :func:`clipjax.metrics` reads; ``update(updates, state,
+    params=None, **extra_args)`` returns the clipped updates and the new
+    state (the clippers that need ``params``, such as :func:`clipjax.agc`, say
+    so).
+
+    It adds one attribute, ``configure``: ``configure(scope=...,
+    axis_name=...)`` returns the same clipper with other grouping settings.
+    :func:`clipjax.hist_clip` uses it to run a clipjax ``warmup_clip`` on its
+    own groups.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, clipjax
+      >>> tx = clipjax.clip_by_global_norm(1.0)
+      >>> isinstance(tx, clipjax.ClipTransform), isinstance(tx, optax.GradientTransformation)
+      (True, True)
+      >>> updates, state = tx.update({"w": jnp.full(4, 2.0)}, tx.init({"w": jnp.zeros(4)}))
+      >>> float(clipjax.metrics(state)["clip_by_global_norm/global/scale"])
+      0.25
     """
 
     configure: Callable[..., ClipTransform] | None = None
