@@ -83,7 +83,7 @@ def launch(
     *,
     processes: int = 2,
     devices: int = 4,
-    timeout: float = 150.0,
+    timeout: float = 300.0,
     grace: float = 10.0,
     kill: tuple[int, str] | None = None,
     env: dict[str, str] | None = None,

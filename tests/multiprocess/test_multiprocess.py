@@ -205,6 +205,11 @@ def test_a_dead_process_is_named_and_the_other_is_killed(tmp_path: Path) -> None
     )
 
 
+def test_a_run_past_its_time_is_killed(tmp_path: Path) -> None:
+    with pytest.raises(LaunchError, match=r"ran past 1 s; process\(es\) \[0, 1\] still running"):
+        launch(["jit"], tmp_path, processes=2, devices=4, timeout=1.0)
+
+
 def test_no_loopback_port_fails_with_a_clear_message(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(self: socket.socket, address: Any) -> None:
         raise PermissionError(1, "Operation not permitted")
