@@ -84,11 +84,13 @@ def assert_equals_one_process(mine: dict[str, Any], ref: dict[str, Any], scenari
 
 
 def assert_metrics_are_replicated_scalars(results: list[dict[str, Any]], scenario: str) -> None:
-    """``clipjax.metrics`` outside jit: replicated scalars, read by ``float()`` on each process,
-    equal to the metrics the step returned."""
+    """``clipjax.metrics`` outside jit: global arrays (not fully addressable on
+    either process) that are replicated scalars, read by ``float()`` on each
+    process, equal to the metrics the step returned."""
     for i, result in enumerate(results):
         for case, record in result[scenario].items():
             assert record["not_replicated"] == [], f"process {i} {case}"
+            assert record["addressable"] == 0, f"process {i} {case}"
             assert record["metrics"] == record["steps"][-1]["metrics"], f"process {i} {case}"
 
 

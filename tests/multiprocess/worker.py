@@ -149,10 +149,12 @@ def gather(tree: Any) -> Any:
     return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
 
 
-def read_metrics(state: Any) -> tuple[dict[str, float], list[str]]:
-    """``clipjax.metrics`` as floats, and the names of any that are not replicated scalars."""
-    values, not_replicated = {}, []
+def read_metrics(state: Any) -> tuple[dict[str, float], list[str], int]:
+    """``clipjax.metrics`` as floats, the names of any that are not replicated scalars,
+    and how many are fully addressable (all on this process's devices)."""
+    values, not_replicated, addressable = {}, [], 0
     for key, value in clipjax.metrics(state).items():
+        addressable += value.is_fully_addressable
         if not (
             isinstance(value, jax.Array)
             and value.shape == ()
@@ -160,7 +162,7 @@ def read_metrics(state: Any) -> tuple[dict[str, float], list[str]]:
         ):
             not_replicated.append(key)
         values[key] = float(value)  # on every process, with no gather
-    return values, not_replicated
+    return values, not_replicated, addressable
 
 
 def local_copy(tree: Any) -> Any:
@@ -259,7 +261,7 @@ def jit_scenario(checkpoint: bool, names: tuple[str, ...] = CASES) -> dict[str, 
                 path = out / "checkpoints" / name
                 with ocp.StandardCheckpointer() as checkpointer:
                     checkpointer.save(path, {"params": params, "opt_state": state})
-        record["metrics"], record["not_replicated"] = read_metrics(state)
+        record["metrics"], record["not_replicated"], record["addressable"] = read_metrics(state)
         record["compiled"] = jitted._cache_size()
         results[name] = record
         if not checkpoint:
@@ -347,7 +349,7 @@ def shard_map_scenario(names: tuple[str, ...] = CASES) -> dict[str, Any]:
                     "skipped": skipped(state),
                 }
             )
-        record["metrics"], record["not_replicated"] = read_metrics(state)
+        record["metrics"], record["not_replicated"], record["addressable"] = read_metrics(state)
         record["compiled"] = jitted._cache_size()
         results[name] = record
     return results
