@@ -21,11 +21,15 @@ as ``{prefix}/leaf/{leaf path}/{field}``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
+import types
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax.core import Tracer
 
 Array = jax.Array
@@ -135,10 +139,13 @@ def _emit(state: Any, prefix: str, out: dict[str, Any]) -> None:
             out[f"{prefix}/leaf/{leaf}/{field}"] = value
 
 
-def _walk(tree: Any, prefix: str, out: dict[str, Any], seen: dict[str, int]) -> None:
+def _walk(tree: Any, prefix: str, out: dict[str, Any], seen: dict[str, int]) -> bool:
+    """Reports every clipjax state in ``tree`` into ``out``; whether there was one."""
+    found = False
     for node in jax.tree_util.tree_leaves(tree, is_leaf=is_clipjax_state):
         if not is_clipjax_state(node):
             continue
+        found = True
         info: GroupInfo = node.info
         if info.name is not None:
             label = info.name
@@ -152,6 +159,7 @@ def _walk(tree: Any, prefix: str, out: dict[str, Any], seen: dict[str, int]) -> 
                 _walk(node.nested, f"{prefix}{label}/", out, {})
             elif field not in ("metrics", "info", "leaf_metrics"):
                 _walk(getattr(node, field), prefix, out, seen)
+    return found
 
 
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:
@@ -204,7 +212,30 @@ def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
       >>> nested = clipjax.metrics(state, flat=False)
       >>> round(float(nested["clip_by_global_norm"]["global"]["scale"]), 3)
       0.289
+
+    Raises:
+      TypeError: ``opt_state`` is a transform or a factory (``tx`` or
+        ``clipjax.autoclip``) rather than a state (``tx.init(params)``).
+
+    Warns:
+      UserWarning: ``opt_state`` holds no clipjax state, so the result is
+        ``{}``. Python's default warning filter shows it once per calling
+        line, so a training loop that logs every step warns once.
     """
+    if isinstance(opt_state, (optax.GradientTransformation, types.FunctionType, functools.partial)):
+        raise TypeError(
+            "clipjax.metrics reads an optimizer state, got a transform or its factory "
+            f"({getattr(opt_state, '__name__', type(opt_state).__name__)}): pass "
+            "tx.init(params) or the state returned by tx.update"
+        )
     out: dict[str, Any] = {}
-    _walk(opt_state, "", out, {})
+    found = _walk(opt_state, "", out, {})
+    if not found:
+        warnings.warn(
+            "clipjax.metrics found no clipjax state in the optimizer state "
+            f"({type(opt_state).__name__}) and returns {{}}; is a clipjax transform "
+            "part of this optimizer?",
+            UserWarning,
+            stacklevel=2,
+        )
     return out if flat else _nest(out)
