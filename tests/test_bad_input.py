@@ -183,3 +183,116 @@ def test_integer_leaf_left_out_by_masked_passes(case: str) -> None:
     out, _ = tx.update(tree, tx.init(tree))
     np.testing.assert_array_equal(out["steps"], tree["steps"])
     assert out["steps"].dtype == jnp.int32
+
+
+# --- a checkpoint of another model ---------------------------------------------------------
+
+
+def three_layers() -> Any:
+    out = jax.tree.map(lambda x: x, PARAMS)
+    out["params"]["Dense_2"] = {"kernel": jnp.ones((2, 2)), "bias": jnp.zeros((2,))}
+    return out
+
+
+@pytest.mark.parametrize("chained", [False, True], ids=["alone", "in_chain"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: clipjax.autoclip(scope="per_layer"),
+        lambda: clipjax.zclip(warmup_steps=2, scope="per_param", name="my_zclip"),
+        lambda: clipjax.clip_by_value(1.0, scope="per_layer"),
+    ],
+    ids=["autoclip_per_layer", "named_zclip_per_param", "clip_by_value_per_layer"],
+)
+def test_restore_into_another_model_names_the_transform_and_the_trees(
+    make: Callable[[], Any], chained: bool
+) -> None:
+    serialization = pytest.importorskip("flax.serialization")
+    clipper = make()
+    tx = optax.chain(clipper, optax.adam(1e-3)) if chained else clipper
+    who = clipper.init(PARAMS).info
+    who = who.name or who.algo
+    small, big = PARAMS, three_layers()
+    groups = {"autoclip": (2, 3), "my_zclip": (4, 6), "clip_by_value": (2, 3)}[who]
+    for saved, target, (n_saved, n_target), (l_saved, l_target) in (
+        (small, big, groups, (4, 6)),
+        (big, small, groups[::-1], (6, 4)),
+    ):
+        data = serialization.to_bytes(tx.init(saved))
+        with pytest.raises(ValueError, match="do not match") as info:
+            serialization.from_bytes(tx.init(target), data)
+        message = str(info.value)
+        assert message.startswith(f"{who}: the checkpointed state")
+        assert ("at ./0 " in message) == chained
+        assert f"checkpoint holds a state for {n_saved} groups and {l_saved} leaves" in message
+        assert f"tree of {n_target} groups (params/Dense_0" in message
+        assert f"and {l_target} leaves" in message
+        assert "leaf_index" not in message
+
+
+def test_restore_of_other_groups_names_them_at_update() -> None:
+    serialization = pytest.importorskip("flax.serialization")
+    tx = clipjax.zclip(warmup_steps=2, scope="per_layer")
+    p = PARAMS["params"]
+    regrouped = {"A": {"k": p["Dense_0"]["kernel"]}, "B": {"b": p["Dense_0"]["bias"]}}
+    regrouped["C"] = dict(p["Dense_1"])
+    regrouped = {"params": regrouped}
+    # Same leaves in the same order, three groups instead of two: flax restores.
+    restored = serialization.from_bytes(tx.init(regrouped), serialization.to_bytes(tx.init(PARAMS)))
+    with pytest.raises(ValueError, match=r"zclip: the state does not fit") as info:
+        tx.update(regrouped, restored)
+    assert "(params/A, params/B, params/C)" in str(info.value)
+    assert "another model" in str(info.value)
+
+
+# --- optax.tree_utils.tree_map_params ------------------------------------------------------
+
+MULTI_GROUP: dict[str, Callable[[], Any]] = {
+    "autoclip_per_layer": lambda: clipjax.autoclip(scope="per_layer"),
+    "zclip_per_param": lambda: clipjax.zclip(warmup_steps=1, scope="per_param"),
+    "hist_clip_nested": lambda: clipjax.hist_clip(
+        warmup_steps=2, scope="per_param", warmup_clip=clipjax.clip_by_global_norm(1.0)
+    ),
+    "agc_unitwise": lambda: clipjax.agc(0.01),
+    "agc_per_layer": lambda: clipjax.agc(0.01, scope="per_layer"),
+    "adagc": lambda: clipjax.adagc(),
+    "clip_by_value": lambda: clipjax.clip_by_value(0.5, scope="per_param"),
+    "clip_by_percentile": lambda: clipjax.clip_by_percentile(50.0),
+    "normalize_per_param": lambda: clipjax.normalize_per_param(),
+    "zscore_normalize": lambda: clipjax.zscore_normalize(),
+    "leaf_norms": lambda: clipjax.clip_by_global_norm(1.0, leaf_norms=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MULTI_GROUP))
+def test_tree_map_params_keeps_names_and_metrics(case: str) -> None:
+    tx = optax.chain(MULTI_GROUP[case](), optax.adam(1e-3))
+    state = tx.init(PARAMS)
+    for t in range(3):
+        _, state = tx.update(grads(1.0 + t), state, PARAMS)
+    expected = clipjax.metrics(state)
+    assert len(expected) > 8
+
+    mapped = optax.tree_utils.tree_map_params(tx, lambda p: p, state)
+
+    assert jax.tree.structure(mapped) == jax.tree.structure(state)
+    assert mapped[0].info == state[0].info
+    got = clipjax.metrics(mapped)
+    assert got.keys() == expected.keys()
+    for key in expected:
+        np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+    # update accepts the mapped state, eagerly and under jit, and steps as from the original.
+    for update in (tx.update, jax.jit(tx.update)):
+        out, new = update(grads(5.0), mapped, PARAMS)
+        ref_out, ref_new = update(grads(5.0), state, PARAMS)
+        jax.tree.map(np.testing.assert_array_equal, (out, new), (ref_out, ref_new))
+
+
+def test_tree_map_params_maps_params_shaped_parts_only() -> None:
+    tx = optax.chain(clipjax.autoclip(scope="per_layer"), optax.adam(1e-3))
+    state = tx.init(PARAMS)
+    mapped = optax.tree_utils.tree_map_params(tx, lambda p: p + 1.0, state)
+    # adam's moments are the params' shape and were mapped; the clipper's state was not.
+    np.testing.assert_array_equal(mapped[1][0].mu["params"]["Dense_1"]["bias"], np.ones(2))
+    assert clipjax.metrics(mapped).keys() == clipjax.metrics(state).keys()
+    tx.update(grads(), mapped, PARAMS)
