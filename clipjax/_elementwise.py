@@ -155,13 +155,17 @@ def clip_by_value(
     output equals ``optax.clip(max_abs)``, including non-finite elements
     (``±inf`` become ``±max_abs``, NaN stays NaN). ``scope`` only decides how
     the metrics are grouped. A complex element keeps its phase and has its
-    magnitude clamped.
+    magnitude clamped. An integer or boolean leaf raises a ``ValueError``
+    naming it (``optax.clip`` would return it promoted to float): cast it, or
+    leave it out with ``optax.masked``.
 
     ``max_abs`` may be injected and scheduled with ``optax.inject_hyperparams``;
     ``scope`` is static.
 
     Args:
-      max_abs: the largest magnitude kept; its absolute value is used.
+      max_abs: the largest magnitude kept, ``!= 0``. A negative value means
+        its absolute value (``-1.0`` clamps like ``1.0``); zero, which would
+        zero every element, raises ``ValueError``.
       scope: grouping of the metrics: ``"global"``, ``"per_param"``,
         ``"per_layer"`` or a callable ``(path, leaf) -> str``.
       leaf_norms: also record each leaf's L2 norm before clipping.
@@ -188,10 +192,11 @@ def clip_by_value(
       <https://www.fit.vut.cz/study/phd-thesis-file/283/283.pdf>`_, 2012
       (section 3.2.2: clipping gradient values).
     """
-    _validation.check("max_abs", max_abs, lambda x: not math.isnan(x), "a number, not NaN")
+    _validation.nonzero_bound("max_abs", max_abs)
     _grouping.validate_scope(scope)
 
     def kernel(leaves: list[Array], _: Any, grouping: Grouping, dtype: Any) -> Step:
+        _grouping.check_inexact(leaves, grouping, name or "clip_by_value")
         limit = jnp.abs(jnp.asarray(max_abs, dtype))
         bound = jnp.broadcast_to(limit, (grouping.num_groups,))
         norm, counts, leaf_norm = _norms_and_clipped(leaves, grouping, bound, dtype)
@@ -230,7 +235,8 @@ def clip_by_percentile(
     A group with a non-finite norm (any NaN or inf) is passed through
     unchanged, reports ``bound = inf`` and ``clipped_fraction = 0`` and
     increments ``nonfinite_count``. A complex element keeps its phase and has
-    its magnitude clamped.
+    its magnitude clamped. An integer or boolean leaf raises a ``ValueError``
+    naming it.
     With bfloat16/float16 leaves the bound is rounded to the leaf dtype before
     clamping. ``percentile`` may be injected with
     ``optax.inject_hyperparams`` (its rank is then computed in float32);
@@ -270,6 +276,7 @@ def clip_by_percentile(
     _grouping.validate_scope(scope, PERCENTILE_SCOPES)
 
     def kernel(leaves: list[Array], _: Any, grouping: Grouping, dtype: Any) -> Step:
+        _grouping.check_inexact(leaves, grouping, name or "clip_by_percentile")
         bounds = [
             _percentile._select([leaves[i] for i in members], percentile, method)[0]
             for members in grouping.members

@@ -413,13 +413,11 @@ def transform(
             else (rule.statistic.init(grouping.num_groups, dtype))
         )
         metrics = _state_metrics(rule, grouping.num_groups, dtype, stats)
-        info = _metrics.GroupInfo(
-            rule.algo,
-            name,
-            grouping.names,
-            grouping.leaf_names,
-            grouping.leaf_shapes,
-            placeholder=placeholder,
+        # On optax's placeholder (tree_map_params) the names are a leaf, so
+        # that the real state's names are mapped onto them.
+        info_class = _metrics.PlaceholderInfo if placeholder else _metrics.GroupInfo
+        info = info_class(
+            rule.algo, name, grouping.names, grouping.leaf_names, grouping.leaf_shapes
         )
         leaf_metrics = {"grad_norm": jnp.zeros((len(leaves),), dtype)} if leaf_norms else {}
         # On optax's placeholder the index is one leaf standing for the tuple,
@@ -428,6 +426,8 @@ def transform(
         fields = [stats, metrics, info, index, leaf_metrics]
         if warmup is not None:
             fields.append(warmup.init(params))
+        if placeholder:
+            return state_class(*fields)  # a template for tree_map_params, never updated
         return own_buffers(state_class(*fields))
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
@@ -439,10 +439,12 @@ def transform(
         grouping.check_matches(info.leaves, info.shapes, who)
         for field, value in state.metrics.items():
             if jnp.shape(_metrics.unwrap(value))[:1] != (grouping.num_groups,):
+                groups = ", ".join(grouping.names[:4]) + (", ..." * (grouping.num_groups > 4))
                 raise ValueError(
-                    f"{who}: state field {field!r} has shape {jnp.shape(value)}, expected "
-                    f"[{grouping.num_groups}] for the groups of this tree; was the state "
-                    "restored from another model?"
+                    f"{who}: the state does not fit the tree passed to update: its metric "
+                    f"{field!r} has shape {jnp.shape(value)}, expected [{grouping.num_groups}] "
+                    f"for the groups of this tree ({groups}); was the state restored from "
+                    "another model?"
                 )
         p_leaves: list[Any] | None = None
         if rule.needs_params:

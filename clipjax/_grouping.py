@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -31,8 +32,25 @@ SCOPES = ("global", "per_param", "per_layer")
 
 
 def validate_scope(scope: Any, allowed: Sequence[str] = SCOPES) -> None:
-    """Raises ``ValueError`` naming ``scope`` unless it is allowed or callable."""
+    """Raises ``ValueError`` naming ``scope`` unless it is allowed or callable.
+
+    A callable must accept the two positional arguments ``(path, leaf)``; a
+    ``TypeError`` naming ``scope`` says so at construction, before ``init``
+    calls it (callables without an inspectable signature are let through).
+    """
     if callable(scope):
+        try:
+            signature = inspect.signature(scope)
+        except (TypeError, ValueError):
+            return
+        try:
+            signature.bind(("params", "w"), None)
+        except TypeError:
+            raise TypeError(
+                f"scope must be a str or a callable (path, leaf) -> str taking two "
+                f"positional arguments, the leaf's key path and the leaf; got "
+                f"{getattr(scope, '__name__', scope)!r} with signature {signature}"
+            ) from None
         return
     if scope not in allowed:
         raise ValueError(f"scope must be one of {tuple(allowed)} or a callable, got {scope!r}")
@@ -167,7 +185,10 @@ def _label(scope: Scope, path: KeyPath, leaf: Any) -> str:
     if callable(scope):
         label = scope(path, leaf)
         if not isinstance(label, str):
-            raise TypeError(f"scope callable must return a str, got {type(label).__name__}")
+            raise TypeError(
+                f"scope callable must return a str, got {type(label).__name__} "
+                f"for leaf {path_name(path)}"
+            )
         return label
     if scope == "global":
         return "global"

@@ -21,11 +21,15 @@ as ``{prefix}/leaf/{leaf path}/{field}``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
+import types
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax.core import Tracer
 
 Array = jax.Array
@@ -42,10 +46,6 @@ class GroupInfo:
       groups: the group names, in the order of the ``[groups]`` arrays.
       leaves: the path names of the leaves seen by ``init``.
       shapes: their shapes, so that ``update`` on another tree fails clearly.
-      placeholder: built by ``init`` on optax's params placeholder
-        (``optax.tree_utils.tree_map_params``), which has no leaves: it then
-        stands for any tree and compares equal to every state of its algorithm.
-
     Examples:
       >>> import jax.numpy as jnp, clipjax
       >>> clipjax.zclip().init({"w": jnp.zeros(2)}).info.groups
@@ -57,7 +57,6 @@ class GroupInfo:
     groups: tuple[str, ...] = ("global",)
     leaves: tuple[str, ...] = ()
     shapes: tuple[tuple[int, ...], ...] = ()
-    placeholder: bool = False
 
     def _key(self) -> tuple[Any, ...]:
         return (self.algo, self.name, self.groups, self.leaves, self.shapes)
@@ -65,12 +64,24 @@ class GroupInfo:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, GroupInfo):
             return NotImplemented
-        if self.placeholder or other.placeholder:
-            return (self.algo, self.name) == (other.algo, other.name)
         return self._key() == other._key()
 
     def __hash__(self) -> int:
         return hash((self.algo, self.name))
+
+
+class PlaceholderInfo(GroupInfo):
+    """The names of a state built by ``init`` on optax's params placeholder.
+
+    ``optax.tree_utils.tree_map_params`` initialises the optimizer on a
+    leafless placeholder, then maps that state and the real one together,
+    keeping the placeholder state's tree structure. A :class:`GroupInfo` is
+    part of the structure, so the mapped state would carry the placeholder's
+    names (no leaves, no groups) and lose its metrics. This subclass is not a
+    registered pytree node: it is a leaf, the real state's ``GroupInfo`` is
+    mapped onto it like any other non-params field, and the mapped state
+    keeps its names.
+    """
 
 
 def is_clipjax_state(x: Any) -> bool:
@@ -91,14 +102,90 @@ def is_clipjax_state(x: Any) -> bool:
 _flax_registered = False
 
 
+class StateMismatchError(ValueError):
+    """A checkpointed clipjax state does not fit the restore target's tree."""
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
+def _saved_sizes(state_dict: Any) -> str:
+    """What a checkpointed state was built for: its groups and, where known, leaves."""
+    parts = []
+    metrics = state_dict.get("metrics") if isinstance(state_dict, dict) else None
+    if isinstance(metrics, dict) and metrics:
+        shape = jnp.shape(next(iter(metrics.values())))
+        if shape:
+            parts.append(_count(shape[-1], "group"))
+    index = state_dict.get("leaf_index") if isinstance(state_dict, dict) else None
+    leaf_metrics = state_dict.get("leaf_metrics") if isinstance(state_dict, dict) else None
+    if isinstance(index, dict) and index:
+        parts.append(_count(len(index), "leaf").replace("leafs", "leaves"))
+    elif isinstance(leaf_metrics, dict) and leaf_metrics:
+        shape = jnp.shape(next(iter(leaf_metrics.values())))
+        if shape:
+            parts.append(_count(shape[-1], "leaf").replace("leafs", "leaves"))
+    return " and ".join(parts) or "another tree"
+
+
+def _target_sizes(info: GroupInfo) -> str:
+    groups = ", ".join(info.groups[:4]) + (", ..." if len(info.groups) > 4 else "")
+    leaves = _count(len(info.leaves), "leaf").replace("leafs", "leaves")
+    return f"{_count(len(info.groups), 'group')} ({groups}) and {leaves}"
+
+
+def _checked_restore(restore: Any, current_path: Any) -> Any:
+    """flax's NamedTuple restore, naming the clipjax state that does not fit."""
+
+    def restore_namedtuple(target: Any, state_dict: Any) -> Any:
+        if not is_clipjax_state(target):
+            return restore(target, state_dict)
+        try:
+            return restore(target, state_dict)
+        except StateMismatchError:
+            raise
+        except ValueError as error:
+            info: GroupInfo = target.info
+            who = info.name or info.algo
+            path = current_path()
+            at = "" if path in ("", ".") else f" at {path}"
+            raise StateMismatchError(
+                f"{who}: the checkpointed state{at} and the restore target do not "
+                f"match: the checkpoint holds a state for "
+                f"{_saved_sizes(state_dict)}, the target was built by init on a tree of "
+                f"{_target_sizes(info)}. Restore into tx.init(params) of the model the "
+                f"checkpoint was saved from."
+            ) from error
+
+    restore_namedtuple.clipjax_checked = True  # type: ignore[attr-defined]
+    return restore_namedtuple
+
+
 def ensure_serializable() -> None:
-    """Registers :class:`GroupInfo` with flax.serialization once flax is loaded."""
+    """Registers :class:`GroupInfo` with flax.serialization once flax is loaded.
+
+    Also makes a restore that does not fit a clipjax state say which transform
+    and which trees: flax's own message names the internal field that failed
+    (``./0/leaf_index``). flax has no public hook for NamedTuples, so its
+    NamedTuple handler is wrapped where it is found, and left alone otherwise.
+    """
     global _flax_registered
     if _flax_registered or "flax.serialization" not in sys.modules:
         return
-    sys.modules["flax.serialization"].register_serialization_state(
+    serialization = sys.modules["flax.serialization"]
+    serialization.register_serialization_state(
         GroupInfo, lambda info: {}, lambda target, state: target, override=True
     )
+    marker = getattr(serialization, "_NamedTuple", None)
+    registry = getattr(serialization, "_STATE_DICT_REGISTRY", None)
+    current_path = getattr(serialization, "current_path", None)
+    if isinstance(registry, dict) and marker in registry and callable(current_path):
+        to_state_dict, restore = registry[marker]
+        if not getattr(restore, "clipjax_checked", False):
+            serialization.register_serialization_state(
+                marker, to_state_dict, _checked_restore(restore, current_path), override=True
+            )
     _flax_registered = True
 
 
@@ -162,10 +249,13 @@ def _skipped(node: Any, idle: Any) -> Any:
 
 def _walk(
     tree: Any, prefix: str, out: dict[str, Any], seen: dict[str, int], idle: Any = None
-) -> None:
+) -> bool:
+    """Reports every clipjax state in ``tree`` into ``out``; whether there was one."""
+    found = False
     for node in jax.tree_util.tree_leaves(tree, is_leaf=is_clipjax_state):
         if not is_clipjax_state(node):
             continue
+        found = True
         info: GroupInfo = node.info
         if info.name is not None:
             label = info.name
@@ -181,6 +271,7 @@ def _walk(
                 _walk(node.inner_state, prefix, out, seen, _skipped(node, idle))
             elif field not in ("metrics", "info", "leaf_metrics"):
                 _walk(getattr(node, field), prefix, out, seen, idle)
+    return found
 
 
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:
@@ -233,7 +324,30 @@ def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
       >>> nested = clipjax.metrics(state, flat=False)
       >>> round(float(nested["clip_by_global_norm"]["global"]["scale"]), 3)
       0.289
+
+    Raises:
+      TypeError: ``opt_state`` is a transform or a factory (``tx`` or
+        ``clipjax.autoclip``) rather than a state (``tx.init(params)``).
+
+    Warns:
+      UserWarning: ``opt_state`` holds no clipjax state, so the result is
+        ``{}``. Python's default warning filter shows it once per calling
+        line, so a training loop that logs every step warns once.
     """
+    if isinstance(opt_state, (optax.GradientTransformation, types.FunctionType, functools.partial)):
+        raise TypeError(
+            "clipjax.metrics reads an optimizer state, got a transform or its factory "
+            f"({getattr(opt_state, '__name__', type(opt_state).__name__)}): pass "
+            "tx.init(params) or the state returned by tx.update"
+        )
     out: dict[str, Any] = {}
-    _walk(opt_state, "", out, {})
+    found = _walk(opt_state, "", out, {})
+    if not found:
+        warnings.warn(
+            "clipjax.metrics found no clipjax state in the optimizer state "
+            f"({type(opt_state).__name__}) and returns {{}}; is a clipjax transform "
+            "part of this optimizer?",
+            UserWarning,
+            stacklevel=2,
+        )
     return out if flat else _nest(out)

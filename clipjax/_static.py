@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -121,7 +120,9 @@ def clip_by_global_norm(
     ``optax.apply_if_finite`` to drop such steps).
 
     Args:
-      max_norm: the maximum norm; its absolute value is used.
+      max_norm: the maximum norm, ``!= 0``. A negative value means its
+        absolute value (``-1.0`` clips like ``1.0``); zero, which would zero
+        every update, raises ``ValueError``.
       norm_type: the order p of the norm, ``> 0`` or ``float("inf")``.
       eps: added to the norm in the denominator.
       leaf_norms: also record each leaf's L2 norm before clipping.
@@ -144,7 +145,7 @@ def clip_by_global_norm(
       <https://arxiv.org/abs/1211.5063>`_, 2013.
     """
     p = _norm_type(norm_type)
-    _validation.check("max_norm", max_norm, lambda x: not math.isnan(x), "a number")
+    _validation.nonzero_bound("max_norm", max_norm)
     _validation.non_negative("eps", eps)
 
     def judge(stats: Any, norm: jax.Array, count: jax.Array, aux: Any) -> Judgement:
@@ -177,7 +178,8 @@ def normalize_per_param(eps: float = 1e-8, *, name: str | None = None) -> _engin
     drytorch's ``GradParamNormalizer``. One pass computes all leaf norms (in
     float32, float64 for float64 leaves), then each leaf is multiplied by the
     scalar ``1 / (‖g‖ + eps)`` in its own dtype. A leaf with a non-finite norm
-    passes through unchanged and increments ``nonfinite_count``. ``eps`` may
+    passes through unchanged and increments ``nonfinite_count``. An integer or
+    boolean leaf raises a ``ValueError`` naming it. ``eps`` may
     be injected with ``optax.inject_hyperparams``.
 
     Args:
@@ -205,6 +207,7 @@ def normalize_per_param(eps: float = 1e-8, *, name: str | None = None) -> _engin
     _validation.non_negative("eps", eps)
 
     def kernel(leaves: list[Array], _: Any, grouping: Grouping, dtype: Any) -> Step:
+        _grouping.check_inexact(leaves, grouping, name or "normalize_per_param")
         norm = _grouping.group_norms(leaves, grouping)
         finite = jnp.isfinite(norm)
         scale = jnp.where(finite, 1 / (norm + jnp.asarray(eps, dtype)), jnp.ones_like(norm))
@@ -222,7 +225,8 @@ def zscore_normalize(eps: float = 1e-8, *, name: str | None = None) -> _engine.C
     over the leaf's elements in float32 (float64 for float64 leaves), by the
     corrected two-pass algorithm (mean, then the sums of the deviations and of
     their squares), which stays accurate when ``|mean| >> std``; the result is
-    cast back to the leaf's dtype. Leaves must be real-valued.
+    cast back to the leaf's dtype. An integer or boolean leaf raises a
+    ``ValueError`` naming it.
 
     **FIX**: a one-element leaf becomes 0 (its deviation from its own mean);
     drytorch divides by the undefined ddof=1 std and gives NaN. A leaf with a
@@ -253,6 +257,7 @@ def zscore_normalize(eps: float = 1e-8, *, name: str | None = None) -> _engine.C
     _validation.non_negative("eps", eps)
 
     def kernel(leaves: list[Array], _: Any, grouping: Grouping, dtype: Any) -> Step:
+        _grouping.check_inexact(leaves, grouping, name or "zscore_normalize")
         norms, finites, out = [], [], []
         for x in leaves:
             size = x.size

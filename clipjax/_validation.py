@@ -46,6 +46,12 @@ def non_negative(name: str, value: Any) -> None:
     check(name, value, lambda x: x >= 0, ">= 0")
 
 
+def nonzero_bound(name: str, value: Any) -> None:
+    """A clipping bound: any number but 0 and NaN (a negative bound means its absolute value)."""
+    expected = "a nonzero number (0 would zero every update)"
+    check(name, value, lambda x: x != 0 and not math.isnan(x), expected)
+
+
 def open_unit(name: str, value: Any) -> None:
     check(name, value, lambda x: 0 < x < 1, "in (0, 1)")
 
