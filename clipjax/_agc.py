@@ -69,6 +69,26 @@ def _unit_norm(x: jax.Array, dtype: Any, axis: Axis) -> jax.Array:
     return jnp.sqrt(jnp.sum(sq, axis=unit_axes(x, axis), keepdims=True))
 
 
+def _unit_norms(leaves: list[Any], dtype: Any, axis: Axis) -> list[jax.Array]:
+    """Each leaf's unit norms; leaves that are one unit each are reduced together by shape."""
+    out: list[Any] = [None] * len(leaves)
+    whole: dict[tuple, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if axis is None and jnp.ndim(x) == 1:
+            whole.setdefault((jnp.shape(x), jnp.result_type(x)), []).append(i)
+        else:
+            out[i] = _unit_norm(x, dtype, axis)
+    for members in whole.values():
+        if len(members) == 1:
+            out[members[0]] = _unit_norm(leaves[members[0]], dtype, axis)
+            continue
+        # One [k, n] reduction instead of k small ones.
+        norms = _unit_norm(jnp.stack([leaves[i] for i in members]), dtype, 1)
+        for row, i in enumerate(members):
+            out[i] = norms[row]
+    return out
+
+
 def agc(
     clipping: float = 0.01,
     eps: float = 1e-3,
@@ -181,8 +201,7 @@ def _unitwise(
         # number of units, one [leaves, units] array per unit count: a few operations for
         # the whole tree instead of a dozen small ones per leaf, which dominate a CPU
         # step. Each leaf then reads its row of scales back, fused into its consumer.
-        g_units = [_unit_norm(x, dtype, axis) for x in leaves]
-        w_units = [_unit_norm(p, dtype, axis) for p in params]
+        g_units, w_units = _unit_norms(leaves, dtype, axis), _unit_norms(params, dtype, axis)
         stacks: dict[tuple[int, bool], list[int]] = {}
         for i, (x, u) in enumerate(zip(leaves, g_units)):
             skip = exclude_bias_bn and jnp.ndim(x) <= 1
