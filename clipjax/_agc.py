@@ -232,7 +232,8 @@ def _unitwise(
             parts["weight_norm"].append(w_norm)
             parts["target"].append(clipping * jnp.maximum(w_norm, eps))
             parts["scale"].append(smallest)
-            parts["clipped_fraction"].append(jnp.mean(unit_scale < 1, axis=1))
+            clipped_units = jnp.sum(unit_scale < 1, axis=1, dtype=unit_scale.dtype)
+            parts["clipped_fraction"].append(clipped_units / units)
             parts["clipped"].append(smallest < 1)
             order += members
         out = [x * s.astype(x.dtype) for x, s in zip(leaves, scales)]
