@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -51,6 +52,17 @@ TARGETS = {
     # largest relative error of clip_by_percentile(method="approx")'s bound: 2^-17 (its
     # docstring), plus the float32 rounding of the exact percentile (a few ulps)
     "percentile_error": 2.0**-17 + 2.0**-21,
+    # skip_on_spike(inner): step time over the inner transform alone (median ratio), extra
+    # bytes accessed over it in gradient bytes, full-size copies in the compiled donated step
+    "skip_ratio": 1.25,
+    "skip_traffic": 1.1,
+    "skip_copies": 0,
+    # hist_clip (default and per_param) + adam: extra bytes over adam in gradient bytes, and
+    # step time over zclip's of the same scope, same run (median ratio)
+    "hist_traffic": 1.2,
+    "hist_vs_zclip": 1.05,
+    # agc unitwise + adam: extra bytes over optax.adaptive_grad_clip + adam, gradient bytes
+    "agc_traffic": 0.02,
 }
 
 
@@ -147,12 +159,20 @@ class Group:
 
 
 def groups(scopes: Sequence[str]) -> list[Group]:
-    """The configurations that run on the current API."""
+    """The configurations that run on the current API.
+
+    hist_clip's group also holds zclip in the same scopes: its step time is
+    compared with zclip's in the same rounds.
+    """
     gn = {"clipjax.clip_by_global_norm + adam": plus_adam(lambda: clipjax.clip_by_global_norm(1.0))}
     out = [Group("clip_by_global_norm", {**REFS, **gn})]
-    for algo, make in ADAPTIVE.items():
-        mine = {f"clipjax.{algo}[{s}] + adam": plus_adam(lambda s=s, m=make: m(s)) for s in scopes}
-        out.append(Group(algo, {**REFS, **mine}))
+    mine = {
+        algo: {f"clipjax.{algo}[{s}] + adam": plus_adam(lambda s=s, m=make: m(s)) for s in scopes}
+        for algo, make in ADAPTIVE.items()
+    }
+    for algo in ADAPTIVE:
+        extra = mine["zclip"] if algo == "hist_clip" else {}
+        out.append(Group(algo, {**REFS, **mine[algo], **extra}))
     agc = {ADAM: adam, OPTAX_AGC: plus_adam(lambda: optax.adaptive_grad_clip(0.01))}
     for s in ("unitwise", *scopes):
         agc[f"clipjax.agc[{s}] + adam"] = plus_adam(lambda s=s: clipjax.agc(0.01, scope=s))
@@ -260,6 +280,43 @@ def compile_step(label: str, group: Group, shapes: Any) -> Compiled:
         cost = cost[0] if isinstance(cost, list) else cost
         _COMPILED[key] = Compiled(make, compiled, seconds, float(cost["bytes accessed"]))
     return _COMPILED[key]
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(", re.M)
+_FUSION_BODY = re.compile(r"\sfusion\(.*?calls=%?([\w.\-]+)")
+_COPY = re.compile(
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\(?[a-z0-9]+\[(?P<dims>[\d,]*)\][^\n]*?"
+    r"\s(?:copy|copy-start)\(",
+    re.M,
+)
+
+
+def full_size_copies(hlo: str, shapes: Any) -> int:
+    """The ``copy`` (and ``copy-start``) ops in ``hlo`` whose shape is a leaf shape of ``shapes``.
+
+    ``hlo``: a compiled module's text (``compiled.as_text()``); ``shapes``: the params
+    (arrays or ``jax.ShapeDtypeStruct``), whose leaf shapes are the full-size shapes of the
+    optimizer state too. Copies inside fusion bodies (layout changes fused into a loop)
+    are not counted: only those that run as an op of their own and write a buffer, in the
+    entry computation or in the branches and loop bodies it calls. Scalars are not counted.
+    """
+    full = {tuple(x.shape) for x in jax.tree.leaves(shapes) if len(x.shape) > 0}
+    fused = set(_FUSION_BODY.findall(hlo))
+    count, body = 0, ""
+    for block in re.split(r"\n(?=\S)", hlo):
+        head = _COMPUTATION.match(block)
+        body = head.group(1) if head else body
+        if head is None or body in fused:
+            continue
+        for m in _COPY.finditer(block):
+            dims = tuple(int(d) for d in m.group("dims").split(",") if d)
+            count += dims in full
+    return count
+
+
+def copies(label: str, group: Group, shapes: Any) -> int:
+    """Full-size copies in the compiled, donated step of ``group.configs[label]``."""
+    return full_size_copies(compile_step(label, group, shapes).run.as_text(), shapes)
 
 
 class Runner:

@@ -4,8 +4,9 @@
 #
 #   bash benchmarks/device.sh [OUTFILE] [run.py options, e.g. --quick]
 #
-# OUTFILE defaults to $OUT/gpu_results.md (benchmarks/gpu_results.md when OUT is unset). Run it
-# from a copy of the repository; clipjax is imported from there. Nothing is fetched from the
+# OUTFILE defaults to $OUT/RESULTS_GPU.md (benchmarks/RESULTS_GPU.md when OUT is unset), the
+# page committed beside benchmarks/RESULTS.md. Run it from a copy of the repository; clipjax is
+# imported from there. Nothing is fetched from the
 # network: wheels in .whl/ (e.g. smartclip's, a pure-Python wheel:
 # `pip download --no-deps -d .whl smartclip==0.1.1`) are installed from there with --no-index;
 # without smartclip its section is left out. The file's header names the device and jax
@@ -13,7 +14,7 @@
 # PYTHON picks the interpreter (default python3).
 set -euo pipefail
 
-out="${OUT:-benchmarks}/gpu_results.md"
+out="${OUT:-benchmarks}/RESULTS_GPU.md"
 if [ $# -gt 0 ] && [[ "$1" != -* ]]; then out="$1"; shift; fi
 out="$(realpath -m "$out")"
 cd "$(dirname "$0")/.."

@@ -31,6 +31,22 @@ SECTIONS = {
 }
 
 
+def gpu_section() -> str:
+    """Where the GPU figures are: this page's, or not measured yet."""
+    dev = common.jax.devices()[0]
+    if dev.platform == "gpu":
+        where = f"The figures on this page were measured on {dev.device_kind} (header above)."
+    else:
+        where = (
+            "Not measured yet: every figure on this page is a CPU one. "
+            "`bash benchmarks/device.sh` on a machine with a GPU writes the same traffic, "
+            "full-size copy, step-time (skip_on_spike, hist_clip and AGC rows included) and "
+            "smartclip sections to `benchmarks/RESULTS_GPU.md`, with the device name, "
+            "versions and date in its header."
+        )
+    return "\n".join(["## GPU", "", where])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds")
@@ -41,7 +57,13 @@ def main() -> None:
     unknown = set(names) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
-    command = "python " + " ".join([os.path.relpath(sys.argv[0], common.ROOT), *sys.argv[1:]])
+    # The command as run from the repository root, with no machine path in it.
+    argv = [os.path.relpath(sys.argv[0], common.ROOT), *sys.argv[1:]]
+    if "--out" in argv[:-1]:
+        i = argv.index("--out") + 1
+        rel = os.path.relpath(os.path.abspath(argv[i]), common.ROOT)
+        argv[i] = rel if not rel.startswith("..") else os.path.basename(argv[i])
+    command = "python " + " ".join(argv)
     head = common.header(command)
     texts, checks, took = [], [], []
     for name in names:
@@ -53,6 +75,7 @@ def main() -> None:
         took.append(f"{name} {time.perf_counter() - t0:.0f} s")
     mode = "quick" if args.quick else "full"
     head.append(f"* **sections** ({mode}): {', '.join(took)}")
+    head.append(f"* **load average at end**: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     rows = [[target, measured, "met" if ok else "**missed**"] for target, measured, ok in checks]
     report = [
         "# clipjax benchmarks",
@@ -69,6 +92,8 @@ def main() -> None:
         "",
         common.table(["target", "measured", "status"], rows),
         *(f"\n{text}" for text in texts),
+        "",
+        gpu_section(),
     ]
     with open(args.out, "w") as f:
         f.write("\n".join(report) + "\n")

@@ -32,9 +32,9 @@ def section(quick: bool) -> tuple[str, list[tuple[str, str, bool]]]:
     size = common.sizes(quick)
     shapes = common.transformer_shapes(**size.model)
     groups = common.groups(size.scopes) + common.new_groups()
-    rows, vs_base, vs_global = [], {}, {}
+    rows, vs_base, vs_global, by_group = [], {}, {}, {}
     for group in groups:
-        samples = measure(group, shapes, size)
+        samples = by_group[group.title] = measure(group, shapes, size)
         for i, (label, s) in enumerate(samples.items()):
             base = common.ratios(s, samples[group.base])
             glob = re.sub(r"\[per_\w+\]", "[global]", label)
@@ -64,6 +64,30 @@ def section(quick: bool) -> tuple[str, list[tuple[str, str, bool]]]:
         "",
         common.table(header, rows),
     ]
+    hist = by_group["hist_clip"]
+    vs_zclip = {
+        s: common.ratios(hist[f"clipjax.hist_clip[{s}] + adam"], hist[f"clipjax.zclip[{s}] + adam"])
+        for s in ("global", "per_param")
+        if f"clipjax.hist_clip[{s}] + adam" in hist
+    }
+    text += [
+        "",
+        "hist_clip over zclip of the same scope, per-round ratios of the hist_clip group's "
+        "rounds (global is hist_clip's default scope):",
+        "",
+        common.table(
+            ["scope", "hist_clip ms", "zclip ms", "× zclip"],
+            [
+                [
+                    s,
+                    common.ms(hist[f"clipjax.hist_clip[{s}] + adam"]),
+                    common.ms(hist[f"clipjax.zclip[{s}] + adam"]),
+                    common.spread(r),
+                ]
+                for s, r in vs_zclip.items()
+            ],
+        ),
+    ]
     bound, scope_bound = common.TARGETS["step_ratio"], common.TARGETS["scope_ratio"]
 
     def check(target: str, figures: dict[str, list[float]], keep: str, limit: float) -> tuple:
@@ -89,6 +113,27 @@ def section(quick: bool) -> tuple[str, list[tuple[str, str, bool]]]:
             scope_bound,
         ),
     ]
+    sb = common.TARGETS["skip_ratio"]
+    for group in groups:
+        if group.title.startswith("skip_on_spike"):
+            checks.append(
+                check(
+                    f"`clipjax.{group.title}`: step time ≤ {sb}× {group.base} (same rounds)",
+                    vs_base,
+                    re.escape(f"clipjax.{group.title}"),
+                    sb,
+                )
+            )
+    hb = common.TARGETS["hist_vs_zclip"]
+    worst = max(vs_zclip, key=lambda s: common.median(vs_zclip[s]))
+    checks.append(
+        (
+            f"hist_clip (default and per_param) + adam: step time ≤ {hb}× zclip's, same scope "
+            "and rounds",
+            f"worst: {worst} {common.spread(vs_zclip[worst])}",
+            common.median(vs_zclip[worst]) <= hb,
+        )
+    )
     return "\n".join(text), checks
 
 

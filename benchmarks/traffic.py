@@ -14,6 +14,9 @@ from __future__ import annotations
 import re
 
 import common
+import jax
+
+AGC = "clipjax.agc[unitwise] + adam"
 
 
 def extra(group: common.Group, shapes: object) -> dict[str, float]:
@@ -72,6 +75,54 @@ def section(quick: bool) -> tuple[str, list[tuple[str, str, bool]]]:
             norm[worst] <= bound,
         ),
     ]
+    skip = [g for g in groups if g.title.startswith("skip_on_spike")]
+    counts = {label: common.copies(label, g, shapes) for g in skip for label in g.configs}
+    text += [
+        "",
+        "### Full-size copies in the compiled step",
+        "",
+        "`copy` ops in the compiled, donated step (`jax.jit(step, donate_argnums=(0, 1))"
+        ".lower(...).compile().as_text()`) whose shape is a parameter's, hence a full-size "
+        "optimizer-state or parameter buffer (copies fused into a loop not counted; "
+        f"{len(jax.tree.leaves(shapes))} leaves).",
+        "",
+        common.table(["configuration", "full-size copies"], list(counts.items())),
+    ]
+    tb, cb = common.TARGETS["skip_traffic"], common.TARGETS["skip_copies"]
+    for g in skip:
+        label = f"clipjax.{g.title}"
+        checks += [
+            (
+                f"`{label}`: extra traffic over {g.floor} ≤ {tb}",
+                f"{figures[label]:.3f}",
+                figures[label] <= tb,
+            ),
+            (
+                f"`{label}`: full-size copies in the donated step ≤ {cb}",
+                f"{counts[label]} ({g.floor}: {counts[g.floor]})",
+                counts[label] <= cb,
+            ),
+        ]
+    hb = common.TARGETS["hist_traffic"]
+    hist = {
+        k: v for k, v in figures.items() if re.match(r"clipjax\.hist_clip\[(global|per_param)\]", k)
+    }
+    worst = max(hist, key=hist.get)
+    checks.append(
+        (
+            f"hist_clip (default and per_param) + adam: extra traffic ≤ {hb}",
+            f"worst {worst} {hist[worst]:.3f}",
+            hist[worst] <= hb,
+        )
+    )
+    ab, agc, optax_agc = common.TARGETS["agc_traffic"], figures[AGC], figures[common.OPTAX_AGC]
+    checks.append(
+        (
+            f"`clipjax.agc[unitwise]` + adam: extra traffic ≤ optax.adaptive_grad_clip's + {ab}",
+            f"{agc:.3f} (optax's {optax_agc:.3f}: +{agc - optax_agc:.3f})",
+            agc <= optax_agc + ab,
+        )
+    )
     return "\n".join(text), checks
 
 

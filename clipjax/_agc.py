@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from clipjax import _engine, _grouping, _validation
 from clipjax._engine import ElementwiseRule, Judgement, NormRule, Step
@@ -66,6 +67,26 @@ def unit_axes(x: Any, axis: Axis = None) -> Any:
 def _unit_norm(x: jax.Array, dtype: Any, axis: Axis) -> jax.Array:
     sq = jnp.real(x * jnp.conj(x)).astype(dtype) if jnp.iscomplexobj(x) else x.astype(dtype) ** 2
     return jnp.sqrt(jnp.sum(sq, axis=unit_axes(x, axis), keepdims=True))
+
+
+def _unit_norms(leaves: list[Any], dtype: Any, axis: Axis) -> list[jax.Array]:
+    """Each leaf's unit norms; leaves that are one unit each are reduced together by shape."""
+    out: list[Any] = [None] * len(leaves)
+    whole: dict[tuple, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if axis is None and jnp.ndim(x) == 1:
+            whole.setdefault((jnp.shape(x), jnp.result_type(x)), []).append(i)
+        else:
+            out[i] = _unit_norm(x, dtype, axis)
+    for members in whole.values():
+        if len(members) == 1:
+            out[members[0]] = _unit_norm(leaves[members[0]], dtype, axis)
+            continue
+        # One [k, n] reduction instead of k small ones.
+        norms = _unit_norm(jnp.stack([leaves[i] for i in members]), dtype, 1)
+        for row, i in enumerate(members):
+            out[i] = norms[row]
+    return out
 
 
 def agc(
@@ -176,33 +197,55 @@ def _unitwise(
 
     def kernel(leaves: list[jax.Array], params: Any, grouping: Grouping, dtype: Any) -> Step:
         _grouping.check_inexact(leaves, grouping, name or "agc")
-        out, rows = [], {f: [] for f in fields}
-        for x, p in zip(leaves, params):
-            g_unit = _unit_norm(x, dtype, axis)
-            w_unit = _unit_norm(p, dtype, axis)
+        # The per-unit rule and the metrics run on stacks of leaves that have the same
+        # number of units, one [leaves, units] array per unit count: a few operations for
+        # the whole tree instead of a dozen small ones per leaf, which dominate a CPU
+        # step. Each leaf then reads its row of scales back, fused into its consumer.
+        g_units, w_units = _unit_norms(leaves, dtype, axis), _unit_norms(params, dtype, axis)
+        stacks: dict[tuple[int, bool], list[int]] = {}
+        for i, (x, u) in enumerate(zip(leaves, g_units)):
+            skip = exclude_bias_bn and jnp.ndim(x) <= 1
+            stacks.setdefault((int(jnp.size(u)), skip), []).append(i)
+        scales: list[Any] = [None] * len(leaves)
+        parts: dict[str, list[jax.Array]] = {f: [] for f in fields}
+        order: list[int] = []
+        for (units, skip), members in stacks.items():
+            g_unit = jnp.stack([g_units[i].reshape(units) for i in members])
+            w_unit = jnp.stack([w_units[i].reshape(units) for i in members])
             if axis_name is not None:
                 # Every replica decides from the same (averaged) unit norms.
                 g_unit = jax.lax.pmean(g_unit, axis_name)
             max_norm = clipping * jnp.maximum(w_unit, eps)
-            # optax's rule, formed on the unit-norm array: keep where g < max_norm.
+            # optax's rule, formed on the unit norms: keep where g < max_norm.
             unit_scale = jnp.where(
                 (g_unit < max_norm) | ~jnp.isfinite(g_unit),
                 1.0,
                 max_norm / jnp.maximum(g_unit, _DIV_EPS),
             )
-            if exclude_bias_bn and jnp.ndim(x) <= 1:
+            if skip:
                 unit_scale = jnp.ones_like(unit_scale)
-            out.append(x * unit_scale.astype(x.dtype))
-            w_norm = jnp.sqrt(jnp.sum(w_unit * w_unit))
-            smallest = jnp.min(unit_scale, initial=1.0)
-            rows["grad_norm"].append(jnp.sqrt(jnp.sum(g_unit * g_unit)))
-            rows["weight_norm"].append(w_norm)
-            rows["target"].append(clipping * jnp.maximum(w_norm, eps))
-            rows["scale"].append(smallest)
-            rows["clipped_fraction"].append(jnp.mean(unit_scale < 1))
-            rows["clipped"].append(smallest < 1)
+            for row, i in enumerate(members):
+                scales[i] = unit_scale[row].reshape(jnp.shape(g_units[i]))
+            w_norm = jnp.sqrt(jnp.sum(w_unit * w_unit, axis=1))
+            smallest = jnp.min(unit_scale, axis=1, initial=1.0)
+            parts["grad_norm"].append(jnp.sqrt(jnp.sum(g_unit * g_unit, axis=1)))
+            parts["weight_norm"].append(w_norm)
+            parts["target"].append(clipping * jnp.maximum(w_norm, eps))
+            parts["scale"].append(smallest)
+            clipped_units = jnp.sum(unit_scale < 1, axis=1, dtype=unit_scale.dtype)
+            parts["clipped_fraction"].append(clipped_units / units)
+            parts["clipped"].append(smallest < 1)
+            order += members
+        out = [x * s.astype(x.dtype) for x, s in zip(leaves, scales)]
         num = grouping.num_groups
-        metrics = {f: jnp.stack(v) if v else jnp.zeros((num,)) for f, v in rows.items()}
+        if order:
+            # Back from stack order to leaf order (a constant permutation).
+            where = np.argsort(np.asarray(order))
+            metrics = {f: jnp.concatenate(v) for f, v in parts.items()}
+            if order != sorted(order):
+                metrics = {f: v[where] for f, v in metrics.items()}
+        else:
+            metrics = {f: jnp.zeros((num,)) for f in fields}
         finite = jnp.isfinite(metrics["grad_norm"])
         return Step(out, metrics, finite, metrics["clipped"], metrics["grad_norm"])
 

@@ -35,6 +35,7 @@ SECTIONS = (
     "## Scaling with the number of leaves",
     "## smartclip's JAX backend",
     "## Percentile clipping: exact vs approximate",
+    "## GPU",
 )
 
 
@@ -64,6 +65,62 @@ def test_adaptive_clipper_reads_the_gradients_once(figures: dict[str, float]) ->
 def test_agc_reads_gradients_and_params_once(figures: dict[str, float]) -> None:
     assert figures["clipjax.agc[global] + adam"] <= 2.0 + 0.2
     assert figures["clipjax.agc[unitwise] + adam"] <= figures[common.OPTAX_AGC] + 0.1
+
+
+@traffic_bounds
+@pytest.mark.slow
+def test_unitwise_agc_traffic_target_on_the_benchmark_tree() -> None:
+    # Unit norms weigh more on the small tree; the target is set on the benchmark's.
+    group = {g.title: g for g in common.groups(("global",))}["agc"]
+    full = traffic.extra(group, common.transformer_shapes(**common.FULL.model))
+    assert (
+        full["clipjax.agc[unitwise] + adam"]
+        <= full[common.OPTAX_AGC] + common.TARGETS["agc_traffic"]
+    )
+
+
+# A compiled module's text, trimmed: a fusion whose body holds a copy, a conditional whose
+# branch copies a [4,8] buffer, and copies of a scalar and of a shape that no leaf has.
+HLO = """HloModule jit_step, entry_computation_layout={(f32[4,8]{1,0}, f32[8]{0})->f32[4,8]{1,0}}
+
+%fused_computation (param_0: f32[4,8]) -> f32[4,8] {
+  %param_0 = f32[4,8]{1,0} parameter(0)
+  ROOT %copy.1 = f32[4,8]{0,1} copy(%param_0)
+}
+
+%branch_1 (arg: (f32[4,8], s32[])) -> (f32[4,8], s32[]) {
+  %arg = (f32[4,8]{1,0}, s32[]) parameter(0)
+  %get-tuple-element.1 = f32[4,8]{1,0} get-tuple-element(%arg), index=0
+  %copy.2 = f32[4,8]{1,0} copy(%get-tuple-element.1)
+  %get-tuple-element.2 = s32[] get-tuple-element(%arg), index=1
+  %copy.3 = s32[] copy(%get-tuple-element.2)
+  ROOT %tuple = (f32[4,8]{1,0}, s32[]) tuple(%copy.2, %copy.3)
+}
+
+ENTRY %main.9 (p0: f32[4,8], p1: f32[8]) -> f32[4,8] {
+  %p0 = f32[4,8]{1,0} parameter(0)
+  %p1 = f32[8]{0} parameter(1)
+  %copy.4 = f32[8]{0} copy(%p1)
+  %copy.5 = f32[2,8]{1,0} copy(%p0)
+  ROOT %fusion = f32[4,8]{1,0} fusion(%p0), kind=kLoop, calls=%fused_computation
+}
+"""
+
+
+def test_full_size_copies_counts_unfused_copies_of_leaf_shapes() -> None:
+    shapes = {
+        "w": jax.ShapeDtypeStruct((4, 8), "float32"),
+        "b": jax.ShapeDtypeStruct((8,), "float32"),
+    }
+    # copy.2 (a branch's [4,8]) and copy.4 ([8]); not the fused copy.1, the scalar copy.3
+    # or copy.5, whose shape no leaf has.
+    assert common.full_size_copies(HLO, shapes) == 2
+    assert common.full_size_copies(HLO, {"w": shapes["w"]}) == 1
+
+
+def test_adam_step_has_no_full_size_copy() -> None:
+    group = common.groups(("global",))[0]
+    assert common.copies(common.ADAM, group, SHAPES) == 0
 
 
 def test_quick_run_writes_every_section(tmp_path: str) -> None:
