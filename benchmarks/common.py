@@ -315,8 +315,24 @@ def full_size_copies(hlo: str, shapes: Any) -> int:
 
 
 def copies(label: str, group: Group, shapes: Any) -> int:
-    """Full-size copies in the compiled, donated step of ``group.configs[label]``."""
-    return full_size_copies(compile_step(label, group, shapes).run.as_text(), shapes)
+    """Full-size copies in the compiled, donated step of ``group.configs[label]``.
+
+    The gradients are made inside the step (scaled by the loss), as the backward
+    pass makes them in training: temporaries, not an input kept across steps. A
+    conditional that passes the updates through copies an input that no output
+    can alias; it need not copy a temporary. (The timed step reuses one gradient
+    input, so it cannot be compiled this way.)
+    """
+    tx = group.configs[label]()
+    inner = train_step(tx, group.value)
+
+    def step(params: Any, state: Any, grads: Any, loss: Any) -> Any:
+        return inner(params, state, jax.tree.map(lambda g: g * loss, grads), loss)
+
+    loss = jax.ShapeDtypeStruct((), jnp.float32)
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    compiled = jitted.lower(shapes, jax.eval_shape(tx.init, shapes), shapes, loss).compile()
+    return full_size_copies(compiled.as_text(), shapes)
 
 
 class Runner:

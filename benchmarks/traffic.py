@@ -81,9 +81,11 @@ def section(quick: bool) -> tuple[str, list[tuple[str, str, bool]]]:
         "",
         "### Full-size copies in the compiled step",
         "",
-        "`copy` ops in the compiled, donated step (`jax.jit(step, donate_argnums=(0, 1))"
-        ".lower(...).compile().as_text()`) whose shape is a parameter's, hence a full-size "
-        "optimizer-state or parameter buffer (copies fused into a loop not counted; "
+        "`copy` ops in the compiled step with params and optimizer state donated and the "
+        "gradients made inside the step, as the backward pass makes them "
+        "(`jax.jit(step, donate_argnums=(0, 1)).lower(...).compile().as_text()`), whose shape "
+        "is a parameter's, hence a full-size optimizer-state, parameter or gradient buffer "
+        "(copies fused into a loop not counted; "
         f"{len(jax.tree.leaves(shapes))} leaves).",
         "",
         common.table(["configuration", "full-size copies"], list(counts.items())),

@@ -123,6 +123,14 @@ def test_adam_step_has_no_full_size_copy() -> None:
     assert common.copies(common.ADAM, group, SHAPES) == 0
 
 
+def test_skip_on_spike_steps_have_no_full_size_copy() -> None:
+    skip = [g for g in common.new_groups() if g.title.startswith("skip_on_spike")]
+    labels = [(g, label) for g in skip for label in g.configs if "clipjax.skip_on_spike" in label]
+    assert len(labels) == 2
+    for group, label in labels:
+        assert common.copies(label, group, SHAPES) == 0, label
+
+
 def test_quick_run_writes_every_section(tmp_path: str) -> None:
     pytest.importorskip("smartclip", reason="the smartclip benchmark needs smartclip")
     out = os.path.join(tmp_path, "RESULTS.md")
