@@ -100,34 +100,35 @@ def _share(clipped: np.ndarray, plain: np.ndarray, a: int, b: int) -> float:
     return float(clipped[a:b][plain[a:b]].mean())
 
 
+def row(name: str, seeds: int) -> str:
+    rows = []
+    for seed in range(seeds):
+        norms, level, spikes = stream(seed)
+        out = run(SETTINGS[name](), norms)
+        clipped = out < norms.astype(np.float32) * (1 - 1e-6)
+        plain = np.ones(STEPS, bool)
+        plain[spikes] = False
+        rows.append(
+            (
+                _share(clipped, plain, 100, SHIFT),
+                _share(clipped, plain, SHIFT, SHIFT + 50),
+                _share(clipped, plain, SHIFT + 50, STEPS),
+                clipped[spikes].mean(),
+                np.median(out[spikes] / level[spikes]),
+            )
+        )
+    m = np.mean(rows, axis=0)
+    return f"| `{name}` | {m[0]:.1%} | {m[1]:.1%} | {m[2]:.1%} | {m[3]:.0%} | {m[4]:.2f} |"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
     args = parser.parse_args()
-    header = "| setting | clip 100-299 | clip 300-349 | clip 350-599 | caught | passed |"
-    print(header)
+    print("| setting | clip 100-299 | clip 300-349 | clip 350-599 | caught | passed |")
     print("|" + "---|" * 6)
-    for name, make in SETTINGS.items():
-        # Every setting traces its own scan: no compiled step is shared.
-        jax.clear_caches()
-        rows = []
-        for seed in range(args.seeds):
-            norms, level, spikes = stream(seed)
-            out = run(make(), norms)
-            clipped = out < norms.astype(np.float32) * (1 - 1e-6)
-            plain = np.ones(STEPS, bool)
-            plain[spikes] = False
-            rows.append(
-                (
-                    _share(clipped, plain, 100, SHIFT),
-                    _share(clipped, plain, SHIFT, SHIFT + 50),
-                    _share(clipped, plain, SHIFT + 50, STEPS),
-                    clipped[spikes].mean(),
-                    np.median(out[spikes] / level[spikes]),
-                )
-            )
-        m = np.mean(rows, axis=0)
-        print(f"| `{name}` | {m[0]:.1%} | {m[1]:.1%} | {m[2]:.1%} | {m[3]:.0%} | {m[4]:.2f} |")
+    for name in SETTINGS:
+        print(row(name, args.seeds))
 
 
 if __name__ == "__main__":
