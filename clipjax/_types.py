@@ -16,7 +16,7 @@ Feedback = Literal["observe_first", "raw", "clipped", "skip"]
 SpikeFeedback = Literal["raw", "clipped", "skip"]
 
 AutoClipMode = Literal["auto", "percentile"]
-AutoClipHistory = Literal["window", "ema", "geometric"]
+AutoClipHistory = Literal["all", "window", "ema", "geometric"]
 ZClipMode = Literal["zscore", "percentile"]
 ClipOption = Literal["adaptive_scaling", "mean"]
 PercentileMethod = Literal["auto", "exact", "approx"]
