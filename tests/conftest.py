@@ -177,6 +177,29 @@ SLOW_TESTS = {
             "zscore_clip",
         )
     },
+    # Accumulates over MultiSteps for many steps, compiled per clipper; the
+    # contract tests keep MultiSteps (and every other wrapper) in the fast suite.
+    "test_wrappers.py::test_multi_steps_clips_the_accumulated_gradient_once_per_real_step": (
+        "long accumulation run"
+    ),
+    # inject_hyperparams against the clipper rebuilt per value: the history
+    # clippers compile the longest; the others stay in the fast suite.
+    **{
+        "test_wrappers.py::test_inject_hyperparams_equals_the_clipper_built_with_those_values"
+        f"[{name}]": "compiles per hyperparameter value"
+        for name in ("autoclip", "autoclip_window")
+    },
+    # Hypothesis examples through autoclip's sorted history, one compile per
+    # example shape; the other clippers' properties stay in the fast suite.
+    "test_properties.py::test_dtype_preserved_and_unclipped_leaves_untouched[float32-autoclip]": (
+        "50 hypothesis examples"
+    ),
+    "test_properties.py::test_scale_threshold_identity[autoclip]": "50 hypothesis examples",
+    "test_properties.py::test_scale_threshold_identity[autoclip_window]": "50 hypothesis examples",
+    # Full flax training runs saved and resumed; the orbax standard
+    # checkpointer round trip stays in the fast suite.
+    "test_checkpoint.py::test_flax_serialization_resumes_bit_identically": "train, save, resume",
+    "test_checkpoint.py::test_nnx_optimizer_orbax_resumes_bit_identically": "train, save, resume",
     # A linen TrainState training run per clipper; the nnx.Optimizer run per
     # clipper and the linen per-layer names test stay in the fast suite.
     "test_flax.py::test_linen_train_state_trains_with_every_clipper": "a training run per clipper",
