@@ -23,13 +23,15 @@ BIN_MIN := $(VENV_MIN)/bin
 SPHINXOPTS ?=
 DOCS_OUT ?= build/docs
 
-.PHONY: help test test-min lint typecheck format docs dist test-wheel demo notebooks bench clean distclean
+.PHONY: help test test-all test-min lint typecheck format docs dist test-wheel demo notebooks bench clean distclean
 
 help:
 	@echo "make demo       train a small model with injected gradient spikes (examples/demo.py)"
 	@echo "make notebooks  run notebooks/*.ipynb top to bottom; executed copies in build/notebooks/"
-	@echo "make test       ruff check, then pytest (tests/ and doctests)"
-	@echo "make test-min   the test suite on the oldest declared jax, optax, chex, numpy ($(VENV_MIN))"
+	@echo "make test       ruff check, then pytest -m 'not slow' (tests/ and doctests; ~6 min on 2 cores)"
+	@echo "make test-all   ruff check, then every test: also notebooks, docs site, reference traces,"
+	@echo "                8-device and multi-process runs, long scans, examples, wheel (what CI runs)"
+	@echo "make test-min   the fast suite on the oldest declared jax, optax, chex, numpy ($(VENV_MIN))"
 	@echo "make lint       ruff check, ruff format --check, then make typecheck"
 	@echo "make typecheck  pyright on clipjax/ ([tool.pyright] in pyproject.toml)"
 	@echo "make docs       the documentation site in $(DOCS_OUT)/html (runs the notebooks)"
@@ -85,17 +87,25 @@ $(VENV_MIN)/.installed: pyproject.toml Makefile | $(BIN_MIN)/python
 	$(BIN_MIN)/python -m pip --disable-pip-version-check install -e . $(MIN_DEPS) $(MIN_TEST_DEPS)
 	@touch $@
 
+# The long runs carry the `slow` marker (tests/conftest.py lists them): `make
+# test` leaves them out, `make test-all` (and .ci/run) runs everything.
 test: $(VENV)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -m "not slow"
+
+test-all: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS)
 
-# Tests that need a newer API or a package left out here (flax, orbax, torch and
-# the reference packages) skip, with their reason in the -ra summary.
+# The fast suite (`-m "not slow"`): what it checks is what the oldest versions
+# must pass; the slow runs need flax, torch, the reference packages or Sphinx,
+# which this environment leaves out. Tests that need a newer API skip, with
+# their reason in the -ra summary.
 test-min: $(VENV_MIN)/.installed
 	$(BIN_MIN)/python -m pip --disable-pip-version-check freeze | grep -iE '^(jax|jaxlib|optax|chex|numpy)=='
 	# tests/parallel uses jax.shard_map (newer than jax 0.4.36): the 8-device
-	# tests run under `make test` only.
-	$(BIN_MIN)/python -m pytest -n $(PYTEST_WORKERS) -p no:cacheprovider --ignore=tests/parallel
+	# tests run under `make test-all` only.
+	$(BIN_MIN)/python -m pytest -n $(PYTEST_WORKERS) -p no:cacheprovider -m "not slow" --ignore=tests/parallel
 
 lint: $(VENV)/.installed-lint
 	$(BIN)/ruff check .

@@ -255,9 +255,18 @@ def static_metrics(grad_norm: float, max_norm: float | None) -> dict[str, float]
 
 
 def train(
-    name: str, setting: Setting, data: tuple[np.ndarray, ...], seed: int
+    name: str,
+    setting: Setting,
+    data: tuple[np.ndarray, ...],
+    seed: int,
+    width: int = 0,
+    show_bars: bool = False,
 ) -> list[dict[str, float]]:
-    """Trains one model; returns one row per step: losses, step time and metrics."""
+    """Trains one model; returns one row per step: losses, step time and metrics.
+
+    Progress: a tqdm bar when ``show_bars``, else one line once the run ends;
+    ``width`` pads the setting's name so that the lines align.
+    """
     x_train, y_train, x_eval, y_eval = (jnp.asarray(a) for a in data)
     model = MLP(nnx.Rngs(seed))
     optimizer = nnx.Optimizer(
@@ -267,7 +276,14 @@ def train(
     step_fn = nnx.cached_partial(train_step, model, optimizer)
 
     rows = []
-    progress = tqdm(range(len(x_train)), desc=f"{name:<13}", unit="step", leave=True)
+    # Bars on a terminal only: redirected to a file, each redraw would be a line.
+    progress = tqdm(
+        range(len(x_train)),
+        desc=name.ljust(width),
+        unit="step",
+        leave=True,
+        disable=not show_bars,
+    )
     for step in progress:
         start = time.perf_counter()
         out = jax.device_get(step_fn(x_train[step], y_train[step], x_eval, y_eval))
@@ -287,6 +303,13 @@ def train(
         )
         if step % 25 == 0:
             progress.set_postfix(eval_loss=f"{float(eval_loss):.3g}")
+    if not show_bars:
+        elapsed = sum(r["seconds"] for r in rows)
+        print(
+            f"  {name.ljust(width)}  {len(rows)} steps in {elapsed:.1f} s, "
+            f"eval loss {rows[-1]['eval_loss']:.4f}",
+            flush=True,
+        )
     return rows
 
 
@@ -377,6 +400,90 @@ def write_markdown(path: Path, lines: list[list[str]], command: str, note: str) 
     path.write_text(f"Produced by `{command}`; {note}\n\n{text}\n")
 
 
+# Below this fraction of the panel's smallest gradient norm a threshold is a
+# placeholder (autoclip's 1e-8 before its first norm), not a limit: not drawn.
+THRESHOLD_FLOOR = 1e-6
+# Above this many groups a panel shows one global-equivalent line instead of
+# one line per group (adagc: one group per tensor).
+MAX_GROUP_LINES = 3
+
+
+def setting_styles(names: list[str]) -> dict[str, dict[str, object]]:
+    """A look per setting that no other setting shares: "none" black, the rest
+    twenty distinct colours (tab20, dark shades first), "+clipped" dashed."""
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab20"]
+    colours = [cmap(i) for i in [*range(0, 20, 2), *range(1, 20, 2)]]
+    order = [n for n in SETTINGS if n != "none"]
+    order += [n for n in names if n not in order and n != "none"]
+    styles: dict[str, dict[str, object]] = {}
+    for name in names:
+        if name == "none":
+            styles[name] = {"color": "black", "linewidth": 2, "linestyle": "-"}
+            continue
+        styles[name] = {
+            "color": colours[order.index(name) % len(colours)],
+            "linewidth": 1.3,
+            "linestyle": "--" if name.endswith("+clipped") else "-",
+        }
+    return styles
+
+
+def criterion_group(rows: list[dict[str, float]], group: str, field: str) -> bool:
+    """Whether the group reports a z-statistic and a threshold that is +inf on
+    most steps (hist_clip's criterion, which reports a limit only when it fires)."""
+    keys = (f"{group}/z", f"{group}/mean", f"{group}/std")
+    if not all(k in rows[0] for k in keys):
+        return False
+    return float(np.mean([math.isinf(r[f"{group}/{field}"]) for r in rows])) > 0.5
+
+
+def limit_line(rows: list[dict[str, float]], group: str, field: str) -> np.ndarray:
+    """A group's threshold per step, NaN where it is not a limit to draw.
+
+    Thresholds at or below ``THRESHOLD_FLOOR`` and non-finite ones are masked.
+    hist_clip's ``threshold`` is the clip value on the steps its criterion
+    fires and +inf elsewhere: for it (a group with a z-statistic) the line is
+    the criterion itself, ``mean + thresh * std``, the norm above which it
+    fires, on every step after warm-up (``z`` is 0 during warm-up).
+    """
+    limit = np.array([r[f"{group}/{field}"] for r in rows], dtype=float)
+    if criterion_group(rows, group, field):
+        thresh = clipjax.zstat_criterion().thresh
+        mean = np.array([r[f"{group}/mean"] for r in rows])
+        std = np.array([r[f"{group}/std"] for r in rows])
+        warming = np.array([r[f"{group}/z"] == 0 for r in rows])
+        limit = np.where(warming, np.nan, mean + thresh * std)
+    return np.where(np.isfinite(limit) & (limit > THRESHOLD_FLOOR), limit, np.nan)
+
+
+def global_equivalent(
+    rows: list[dict[str, float]], groups: list[str], field: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
+    """Root sum of squares over groups of the norm, of the norm x scale and of
+    the thresholds (the global norm at which every group sits at its own
+    threshold), and the steps on which any group was clipped."""
+    norm = np.sqrt(sum(np.array([r[f"{g}/grad_norm"] for r in rows]) ** 2 for g in groups))
+    passed = np.sqrt(
+        sum(
+            (np.array([r[f"{g}/grad_norm"] * r.get(f"{g}/scale", 1.0) for r in rows])) ** 2
+            for g in groups
+        )
+    )
+    limit = np.sqrt(sum(limit_line(rows, g, field) ** 2 for g in groups))
+    clipped = [j for j, r in enumerate(rows) if any(r.get(f"{g}/clipped", 0) > 0 for g in groups)]
+    return norm, passed, limit, clipped
+
+
+def y_range(curves: list[np.ndarray]) -> tuple[float, float]:
+    """Log-axis limits around the finite positive values of the curves."""
+    values = np.concatenate([c[np.isfinite(c) & (c > 0)] for c in curves])
+    if values.size == 0:
+        return 1e-3, 1.0
+    return float(values.min()) / 2, float(values.max()) * 2
+
+
 def plot(path: Path, runs: dict[str, list[dict[str, float]]], spike_steps: list[int]) -> None:
     """Eval loss of every run on top; below, one panel per clipper from its metrics."""
     import matplotlib
@@ -387,43 +494,60 @@ def plot(path: Path, runs: dict[str, list[dict[str, float]]], spike_steps: list[
     clippers = [name for name in runs if limit_field(runs[name][0])]
     cols = min(3, max(1, len(clippers)))
     grid_rows = math.ceil(len(clippers) / cols)
-    fig = plt.figure(figsize=(5 * cols, 4 + 3 * grid_rows), layout="constrained")
-    grid = fig.add_gridspec(1 + grid_rows, cols, height_ratios=[1.4] + [1] * grid_rows)
+    fig = plt.figure(figsize=(5 * cols, 4.5 + 3 * grid_rows), layout="constrained")
+    grid = fig.add_gridspec(1 + grid_rows, cols, height_ratios=[1.6] + [1] * grid_rows)
 
     ax = fig.add_subplot(grid[0, :])
+    styles = setting_styles(list(runs))
     for name, rows in runs.items():
-        style = {"color": "black", "linewidth": 2} if name == "none" else {"linewidth": 1.2}
-        ax.plot([r["eval_loss"] for r in rows], label=name, **style)
+        ax.plot([r["eval_loss"] for r in rows], label=name, **styles[name])
     for spike in spike_steps:
         ax.axvline(spike, color="red", linestyle=":", linewidth=1)
     ax.set(yscale="log", xlabel="step", ylabel="eval loss (MSE)")
     ax.set_title("Eval loss; dotted red lines: corrupted batches (gradient spikes)")
-    ax.legend(ncol=4, fontsize="small")
+    ax.legend(ncol=5, fontsize="small")
 
     for i, name in enumerate(clippers):
         ax = fig.add_subplot(grid[1 + i // cols, i % cols])
         rows = runs[name]
         field = limit_field(rows[0])
         groups = list(series(rows[0], field))
-        for k, group in enumerate(groups):
-            label = group.split("/", 1)[-1]
-            norm = np.array([r[f"{group}/grad_norm"] for r in rows])
-            # hist_clip reports an infinite threshold on steps where its
-            # criterion does not fire: those are not drawn, the others as dots.
-            limit = np.array([r[f"{group}/{field}"] for r in rows])
-            dots = {"marker": "o", "markersize": 3} if np.isinf(limit).mean() > 0.5 else {}
+        title = f"{name}: red x = clipped"
+        curves = []
+        if len(groups) == 1 or len(groups) > MAX_GROUP_LINES:
             if len(groups) == 1:
+                group = groups[0]
+                norm = np.array([r[f"{group}/grad_norm"] for r in rows])
                 passed = norm * np.array([r[f"{group}/scale"] for r in rows])
-                ax.plot(norm, color="0.6", linewidth=0.8, label="grad_norm")
-                ax.plot(passed, color="C0", linewidth=1, label="grad_norm x scale")
-                ax.plot(limit, "--", color="C1", linewidth=1, label=field, **dots)
+                limit = limit_line(rows, group, field)
+                clipped = [j for j, r in enumerate(rows) if r.get(f"{group}/clipped", 0) > 0]
+                label = field
+                if criterion_group(rows, group, field):
+                    label = f"mean + {clipjax.zstat_criterion().thresh:g} std (fires above)"
             else:
-                ax.plot(norm, color=f"C{k}", linewidth=0.8, label=f"{label} grad_norm")
-                ax.plot(limit, "--", color=f"C{k}", linewidth=1, label=f"{label} {field}")
-            clipped = [j for j, r in enumerate(rows) if r.get(f"{group}/clipped", 0) > 0]
+                norm, passed, limit, clipped = global_equivalent(rows, groups, field)
+                label = f"{field}, root sum of squares"
+                title = f"{name}: {len(groups)} groups as one; red x = any clipped"
+            ax.plot(norm, color="0.6", linewidth=0.8, label="grad_norm")
+            ax.plot(passed, color="C0", linewidth=1, label="grad_norm x scale")
+            ax.plot(limit, "--", color="C1", linewidth=1.2, label=label)
+            if len(groups) == 1 and criterion_group(rows, groups[0], field):
+                clip_value = np.array([r[f"{groups[0]}/{field}"] for r in rows])
+                ax.plot(clip_value, "o", color="C1", markersize=3, label="clip value")
             ax.plot(clipped, norm[clipped], "x", color="red", markersize=5)
-        ax.set(yscale="log", xlabel="step")
-        ax.set_title(f"{name}: red x = clipped", fontsize="medium")
+            curves += [norm, passed, limit]
+        else:
+            for k, group in enumerate(groups):
+                label = group.split("/", 1)[-1]
+                norm = np.array([r[f"{group}/grad_norm"] for r in rows])
+                limit = limit_line(rows, group, field)
+                ax.plot(norm, color=f"C{k}", linewidth=0.8, label=f"{label} grad_norm")
+                ax.plot(limit, "--", color=f"C{k}", linewidth=1.2, label=f"{label} {field}")
+                clipped = [j for j, r in enumerate(rows) if r.get(f"{group}/clipped", 0) > 0]
+                ax.plot(clipped, norm[clipped], "x", color="red", markersize=5)
+                curves += [norm, limit]
+        ax.set(yscale="log", xlabel="step", ylim=y_range(curves))
+        ax.set_title(title, fontsize="medium")
         ax.legend(fontsize="x-small", loc="upper left")
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -513,13 +637,20 @@ def main() -> None:
         f"MLP, batch {BATCH_SIZE}; the batches at steps {args.spike_steps} are scaled by "
         f"{args.spike_scale:g}."
     )
+    width = max(len(name) for name in [*args.clippers, "spike-free"])
     for name in args.clippers:
-        print(f"  {name:<13} {SETTINGS[name].about}")
+        print(f"  {name.ljust(width)}  {SETTINGS[name].about}")
+    print(flush=True)
 
+    # tqdm draws on stderr: bars when both streams are a terminal, plain lines otherwise.
+    bars = sys.stdout.isatty() and sys.stderr.isatty()
     start = time.perf_counter()
     clean = make_data(args.steps, args.seed, [], args.spike_scale)
-    clean_loss = train("spike-free", SETTINGS["none"], clean, args.seed)[-1]["eval_loss"]
-    runs = {name: train(name, SETTINGS[name], data, args.seed) for name in args.clippers}
+    clean_rows = train("spike-free", SETTINGS["none"], clean, args.seed, width, bars)
+    clean_loss = clean_rows[-1]["eval_loss"]
+    runs = {
+        name: train(name, SETTINGS[name], data, args.seed, width, bars) for name in args.clippers
+    }
     elapsed = time.perf_counter() - start
 
     lines = table(runs, args.spike_steps, clean_loss)

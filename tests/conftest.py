@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -126,3 +127,94 @@ def x64() -> Iterator[None]:
         yield
     finally:
         jax.config.update("jax_enable_x64", previous)
+
+
+# `make test` runs `-m "not slow"` (a few minutes on 2 cores); `make test-all`
+# and .ci/run run everything. Long runs are marked here, in one place, rather
+# than in each file. Measured one file at a time with `--durations`.
+#
+# Whole files, relative to tests/, and why each is slow.
+SLOW_FILES = {
+    # Executes both notebooks top to bottom (training runs, plots).
+    "test_notebooks.py": "runs the notebooks",
+    # Builds the Sphinx site (and its notebooks) before checking it.
+    "test_docs_site.py": "builds the docs site",
+    # Long scans: thousands of steps per clipper.
+    "test_long_run.py": "long scans",
+    # Trains the byte-level transformer of examples/lm_spikes.py.
+    "test_lm_spikes.py": "trains a small language model",
+    # Runs examples/demo.py in a subprocess (13 training runs at full size).
+    "test_demo.py": "runs the demo",
+    # Builds the wheel and installs it into a fresh virtual environment.
+    "test_wheel.py": "builds and installs the wheel",
+    # Runs the benchmark scripts.
+    "test_benchmarks.py": "runs the benchmarks",
+    # Step-by-step traces of smartclip, zclip and drytorch (torch) next to
+    # clipjax, hundreds of steps each; each clipper's own file keeps a short
+    # reference check in the fast suite.
+    "test_references.py": "reference traces against smartclip, zclip, drytorch",
+    # Starts `pytest tests/parallel` in a subprocess with 8 CPU devices.
+    "parallel/test_on_8_devices.py": "8-device subprocess",
+}
+
+# Single tests (node id prefixes, relative to tests/), and why.
+SLOW_TESTS = {
+    # Starts a subprocess with 8 CPU devices.
+    "test_compat.py::test_tree_map_params_derives_sharding_on_8_devices": "8-device subprocess",
+    # Seven wrappers, each compiled twice (update and metrics), per clipper:
+    # the heaviest clippers run here; the fast suite keeps the others
+    # (global, per_param, per_layer, agc, adagc, the element-wise clippers)
+    # and every wrapper.
+    **{
+        f"test_contract.py::test_metrics_found_in_every_wrapper[{name}]": "7 wrappers compiled"
+        for name in (
+            "autoclip",
+            "autoclip_ema_per_param",
+            "autoclip_window",
+            "clip_by_percentile",
+            "hist_clip",
+            "hist_clip_ema_per_layer",
+            "zscore_clip",
+        )
+    },
+    # Accumulates over MultiSteps for many steps, compiled per clipper; the
+    # contract tests keep MultiSteps (and every other wrapper) in the fast suite.
+    "test_wrappers.py::test_multi_steps_clips_the_accumulated_gradient_once_per_real_step": (
+        "long accumulation run"
+    ),
+    # inject_hyperparams against the clipper rebuilt per value: the history
+    # clippers compile the longest; the others stay in the fast suite.
+    **{
+        "test_wrappers.py::test_inject_hyperparams_equals_the_clipper_built_with_those_values"
+        f"[{name}]": "compiles per hyperparameter value"
+        for name in ("autoclip", "autoclip_window")
+    },
+    # Hypothesis examples through autoclip's sorted history, one compile per
+    # example shape; the other clippers' properties stay in the fast suite.
+    "test_properties.py::test_dtype_preserved_and_unclipped_leaves_untouched[float32-autoclip]": (
+        "50 hypothesis examples"
+    ),
+    "test_properties.py::test_scale_threshold_identity[autoclip]": "50 hypothesis examples",
+    "test_properties.py::test_scale_threshold_identity[autoclip_window]": "50 hypothesis examples",
+    # Full flax training runs saved and resumed; the orbax standard
+    # checkpointer round trip stays in the fast suite.
+    "test_checkpoint.py::test_flax_serialization_resumes_bit_identically": "train, save, resume",
+    "test_checkpoint.py::test_nnx_optimizer_orbax_resumes_bit_identically": "train, save, resume",
+    # A linen TrainState training run per clipper; the nnx.Optimizer run per
+    # clipper and the linen per-layer names test stay in the fast suite.
+    "test_flax.py::test_linen_train_state_trains_with_every_clipper": "a training run per clipper",
+}
+
+_TESTS_DIR = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks the long runs listed above ``slow``."""
+    for item in items:
+        try:
+            relative = item.path.relative_to(_TESTS_DIR).as_posix()
+        except ValueError:  # doctests under clipjax/
+            continue
+        node = relative + "::" + item.nodeid.split("::", 1)[-1] if "::" in item.nodeid else relative
+        if relative in SLOW_FILES or any(node.startswith(prefix) for prefix in SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)

@@ -1,9 +1,10 @@
 """One contract, every public transform (SPEC 1): the checks optax users rely on.
 
 For each transform: state structure, shapes and dtypes identical after
-updates; works as a ``lax.scan`` carry; traced once across steps; no host
-transfer inside ``update``; each leaf's dtype preserved; ``metrics()`` finds
-the state inside every optax wrapper; ``inject_hyperparams`` works.
+updates, with and without ``jit`` (``chex.variants``); works as a ``lax.scan``
+carry; traced once across steps; no host transfer inside ``update``; each
+leaf's dtype preserved; ``metrics()`` finds the state inside every optax
+wrapper; ``inject_hyperparams`` works.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from absl.testing import parameterized
 
 import clipjax
 
@@ -43,6 +46,7 @@ TRANSFORMS: dict[str, tuple[Factory, str, str]] = {
     ),
     "agc": (lambda: clipjax.agc(), "agc", "target"),
     "agc_per_layer": (lambda: clipjax.agc(scope="per_layer"), "agc", "weight_norm"),
+    "adagc": (lambda: clipjax.adagc(warmup_steps=2), "adagc", "threshold"),
 }
 
 OPTIONAL = {
@@ -102,43 +106,68 @@ def grads_at(params: Any, step: int) -> Any:
     return jax.tree.map(lambda p: (p * factor + 0.01).astype(p.dtype), params)
 
 
-def signature(tree: Any) -> Any:
-    return jax.tree.structure(tree), [(x.shape, x.dtype) for x in jax.tree.leaves(tree)]
-
-
 @pytest.fixture(params=IDS)
 def case(request: Any) -> tuple[Factory, str, str]:
     return TRANSFORMS[request.param]
 
 
-def test_state_is_stable_and_dtypes_kept(case: Any) -> None:
-    make, _, _ = case
-    tx = make()
-    params = make_params()
-    state = tx.init(params)
-    before = signature(state)
-    update = jax.jit(tx.update)
-    for step in range(8):
-        grads = grads_at(params, step)
-        out, state = update(grads, state, params)
-        assert signature(state) == before
-        assert jax.tree.structure(out) == jax.tree.structure(grads)
-        for g, o in zip(jax.tree.leaves(grads), jax.tree.leaves(out)):
-            assert o.dtype == g.dtype and o.shape == g.shape
-    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(out))
+class TestContractWithAndWithoutJit(chex.TestCase):
+    """init/update of every transform, eagerly and under ``jit`` (chex variants)."""
 
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(*((name, name) for name in IDS))
+    def test_state_is_stable_and_dtypes_kept(self, name: str) -> None:
+        tx = TRANSFORMS[name][0]()
+        params = make_params()
+        first = tx.init(params)
+        state = first
+        update = self.variant(tx.update)
+        for step in range(8):
+            grads = grads_at(params, step)
+            out, state = update(grads, state, params)
+            chex.assert_trees_all_equal_structs(state, first)
+            chex.assert_trees_all_equal_shapes_and_dtypes(state, first)
+            chex.assert_trees_all_equal_shapes_and_dtypes(out, grads)
+        chex.assert_tree_all_finite(out)
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_low_precision_leaves_keep_dtype(case: Any, dtype: Any) -> None:
-    make, _, _ = case
-    tx = make()
-    params = make_params(dtype)
-    state = tx.init(params)
-    out, state = jax.jit(tx.update)(grads_at(params, 1), state, params)
-    for o in jax.tree.leaves(out):
-        assert o.dtype == dtype
-    norms = {k: v for k, v in clipjax.metrics(state).items() if k.endswith("/grad_norm")}
-    assert norms and all(np.isfinite(float(v)) for v in norms.values())
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(
+        *(
+            (f"{name}_{jnp.dtype(dtype).name}", name, dtype)
+            for name in IDS
+            for dtype in (jnp.bfloat16, jnp.float16)
+        )
+    )
+    def test_low_precision_leaves_keep_dtype(self, name: str, dtype: Any) -> None:
+        tx = TRANSFORMS[name][0]()
+        params = make_params(dtype)
+        state = tx.init(params)
+        out, state = self.variant(tx.update)(grads_at(params, 1), state, params)
+        chex.assert_trees_all_equal_dtypes(out, params)
+        norms = {k: v for k, v in clipjax.metrics(state).items() if k.endswith("/grad_norm")}
+        self.assertTrue(norms)
+        chex.assert_tree_all_finite(norms)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(*((name, name) for name in IDS))
+    def test_two_of_a_kind_get_distinct_names(self, name: str) -> None:
+        make, prefix, _ = TRANSFORMS[name]
+        params = make_params()
+        tx = optax.chain(make(), make(), optax.sgd(0.1))
+        state = tx.init(params)
+        _, state = self.variant(tx.update)(grads_at(params, 0), state, params)
+        names = {k.split("/")[0] for k in clipjax.metrics(state)}
+        self.assertLessEqual({prefix, prefix + "_1"}, names)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(*((name, name) for name in IDS))
+    def test_empty_tree(self, name: str) -> None:
+        tx = TRANSFORMS[name][0]()
+        state = tx.init({})
+        out, new_state = self.variant(tx.update)({}, state, {})
+        self.assertEqual(out, {})
+        chex.assert_trees_all_equal_structs(new_state, state)
+        chex.assert_trees_all_equal_shapes_and_dtypes(new_state, state)
 
 
 def test_scan_carry_and_single_trace(case: Any) -> None:
@@ -155,7 +184,8 @@ def test_scan_carry_and_single_trace(case: Any) -> None:
 
     state, _ = jax.lax.scan(step, tx.init(params), jnp.arange(12.0))
     assert len(traces) == 1
-    assert signature(state) == signature(tx.init(params))
+    chex.assert_trees_all_equal_structs(state, tx.init(params))
+    chex.assert_trees_all_equal_shapes_and_dtypes(state, tx.init(params))
 
     jitted = jax.jit(tx.update)
     state = tx.init(params)
@@ -222,16 +252,6 @@ def test_metrics_found_in_every_wrapper(case: Any) -> None:
         assert set(inside) == set(found)
 
 
-def test_two_of_a_kind_get_distinct_names(case: Any) -> None:
-    make, prefix, _ = case
-    params = make_params()
-    tx = optax.chain(make(), make(), optax.sgd(0.1))
-    state = tx.init(params)
-    _, state = tx.update(grads_at(params, 0), state, params)
-    names = {k.split("/")[0] for k in clipjax.metrics(state)}
-    assert {prefix, prefix + "_1"} <= names
-
-
 def test_update_with_another_tree_fails_clearly(case: Any) -> None:
     make, _, _ = case
     tx = make()
@@ -240,12 +260,3 @@ def test_update_with_another_tree_fails_clearly(case: Any) -> None:
     other = {"w": jnp.ones((2, 2))}
     with pytest.raises(ValueError, match="does not match"):
         tx.update(other, state, other)
-
-
-def test_empty_tree(case: Any) -> None:
-    make, _, _ = case
-    tx = make()
-    state = tx.init({})
-    out, new_state = tx.update({}, state, {})
-    assert out == {}
-    assert signature(new_state) == signature(state)

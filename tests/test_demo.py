@@ -18,7 +18,7 @@ DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
 ROOT = DEMO.parents[1]
 
 
-def run_demo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run_demo(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -41,20 +41,36 @@ def load_demo():
 
 
 def test_short_run_prints_table_and_writes_figure(tmp_path: Path) -> None:
-    # One setting without clipjax metrics (optax), one global, one per layer.
-    result = run_demo("--steps", "60", "--clippers", "optax,zclip,agc", "--out", str(tmp_path))
+    # One setting without clipjax metrics (optax), one global, one per layer,
+    # and a name longer than the others' padding used to be.
+    names = ["optax", "zclip", "agc", "autoclip_p95+clipped"]
+    result = run_demo("--steps", "60", "--clippers", ",".join(names), "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     lines = out.splitlines()
+
+    # Captured output is not a terminal: no progress bar frames, one plain
+    # progress line per run (the spike-free reference first).
+    assert "\r" not in out and "\r" not in result.stderr, result.stderr[-500:]
+    assert "it/s" not in result.stderr and "step/s" not in result.stderr
+    progress = [line for line in lines if " steps in " in line]
+    assert [line.split()[0] for line in progress] == ["spike-free", *names], out
+    # The settings' descriptions and the progress figures start in one column.
+    described = lines[1 : 1 + len(names)]
+    assert [line.split()[0] for line in described] == names, out
+    columns = {line.index(line.split()[1], len(line.split()[0]) + 2) for line in described}
+    assert len(columns) == 1, described
+    assert len({line.index(" 60 steps in ") for line in progress}) == 1, progress
+
     start = next(i for i, line in enumerate(lines) if line.startswith("setting"))
     for column in ("final loss", "worst jump", "steps clipped", "ms/step"):
         assert column in lines[start]
-    table = {line.split()[0]: line for line in lines[start + 2 : start + 5]}
-    assert list(table) == ["optax", "zclip", "agc"], out
+    table = {line.split()[0]: line for line in lines[start + 2 : start + 2 + len(names)]}
+    assert list(table) == names, out
     for row in table.values():
         assert "/ 60" in row, out
     assert (tmp_path / "spikes.png").stat().st_size > 10_000
-    for name in ("optax", "zclip", "agc"):
+    for name in names:
         header_line = (tmp_path / f"{name}.csv").read_text().splitlines()[0]
         assert "eval_loss" in header_line
     assert "zclip/global/threshold" in (tmp_path / "zclip.csv").read_text().splitlines()[0]
