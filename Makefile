@@ -105,7 +105,7 @@ test-min: $(VENV_MIN)/.installed
 	$(BIN_MIN)/python -m pip --disable-pip-version-check freeze | grep -iE '^(jax|jaxlib|optax|chex|numpy)=='
 	# tests/parallel uses jax.shard_map (newer than jax 0.4.36): the 8-device
 	# tests run under `make test-all` only.
-	$(BIN_MIN)/python -m pytest -n $(PYTEST_WORKERS) -p no:cacheprovider -m "not slow" --ignore=tests/parallel
+	$(BIN_MIN)/python -m pytest -n $(PYTEST_WORKERS) -p no:cacheprovider -m "not slow" --ignore=tests/parallel --ignore=tests/multiprocess
 
 lint: $(VENV)/.installed-lint
 	$(BIN)/ruff check .
