@@ -163,7 +163,7 @@ def test_clip_transform_is_what_the_clippers_return() -> None:
     ("name", "argument", "choices"),
     [
         ("autoclip", "mode", {"auto", "percentile"}),
-        ("autoclip", "history", {"window", "ema", "geometric"}),
+        ("autoclip", "history", {"all", "window", "ema", "geometric"}),
         ("autoclip", "feedback", {"observe_first", "raw", "clipped", "skip"}),
         ("zscore_clip", "feedback", {"observe_first", "raw", "clipped", "skip"}),
         ("zclip", "mode", {"zscore", "percentile"}),
@@ -183,6 +183,7 @@ def test_string_choices_are_literal_types(name: str, argument: str, choices: set
         v for h in literals if typing.get_origin(h) is typing.Literal for v in typing.get_args(h)
     }
     assert found == choices
-    # The default is one of the choices.
+    # The default is one of the choices, or None where the type allows it (the
+    # choice then depends on another argument, e.g. autoclip's history on its mode).
     default = inspect.signature(getattr(clipjax, name)).parameters[argument].default
-    assert default in choices
+    assert default in choices or (default is None and type(None) in typing.get_args(hint))
