@@ -52,7 +52,7 @@ AUTO_WINDOW = 100
 JUDGE_FIRST_GATE = 10
 
 
-def gate_defaults(feedback: str, warmup_steps: Any, min_history: Any) -> tuple[Any, Any]:
+def gate_defaults(feedback: str, warmup_steps: Any, min_history: Any) -> tuple[int, int]:
     """``warmup_steps`` / ``min_history`` left as None: smartclip's 100 / 50
     under ``"observe_first"``, :data:`JUDGE_FIRST_GATE` each otherwise."""
     first = feedback == "observe_first"
