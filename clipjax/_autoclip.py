@@ -38,15 +38,38 @@ class AutoClipState(NamedTuple):
     leaf_metrics: dict[str, jax.Array]
 
 
+AUTO_HISTORIES = ("all", "window")
+PERCENTILE_HISTORIES = ("window", "ema", "geometric")
+# Auto mode's window: long enough for a stable median and std, short enough to
+# follow a change of level within about 50 steps.
+AUTO_WINDOW = 100
+# The gate under judge-first feedback: the threshold of the first steps comes
+# from few norms, but each is judged before it is observed and a spike feeds
+# back its clipped value, so a short gate costs little and keeps the large
+# norms of early training out of the statistics.
+JUDGE_FIRST_GATE = 10
+
+
+def gate_defaults(feedback: str, warmup_steps: Any, min_history: Any) -> tuple[Any, Any]:
+    """``warmup_steps`` / ``min_history`` left as None: smartclip's 100 / 50
+    under ``"observe_first"``, :data:`JUDGE_FIRST_GATE` each otherwise."""
+    first = feedback == "observe_first"
+    if warmup_steps is None:
+        warmup_steps = 100 if first else JUDGE_FIRST_GATE
+    if min_history is None:
+        min_history = 50 if first else JUDGE_FIRST_GATE
+    return warmup_steps, min_history
+
+
 def autoclip(
     mode: str = "auto",
     percentile: float = 95.0,
-    history: str = "window",
-    window_size: int = 1024,
+    history: str | None = None,
+    window_size: int | None = None,
     ema_decay: float = 0.99,
     scope: Any = "global",
-    warmup_steps: int = 100,
-    min_history: int = 50,
+    warmup_steps: int | None = None,
+    min_history: int | None = None,
     eps: float = 1e-8,
     guard_nans: bool = True,
     *,
@@ -63,9 +86,15 @@ def autoclip(
     ``min(1, T / (g + eps))`` once the group has ``max(warmup_steps,
     min_history)`` finite observations. ``T`` is floored at ``eps``.
 
-    * ``mode="auto"``: ``T = median + 3 * std`` with the P² median (Jain &
-      Chlamtac 1985) and Welford's std (ddof=1, 0 with one sample) over the
-      whole history.
+    * ``mode="auto"``: ``T = median + 3 * std``. With ``history="all"`` (the
+      default in this mode, smartclip's) the median is P² (Jain & Chlamtac
+      1985) and the std Welford's (ddof=1, 0 with one sample), both over the
+      whole history: the large norms of early training keep ``T`` high long
+      after the norm has settled. ``history="window"`` forgets: the exact
+      median and std (ddof=1) of the last ``window_size`` observations
+      (default 100 in this mode), so after a lasting change of level the
+      median is the new level once more than half the window holds it
+      (``window_size // 2 + 1`` steps).
     * ``mode="percentile", history="window"``: ``T`` is the linearly
       interpolated ``percentile`` of the last ``window_size`` finite norms;
       equal to smartclip.
@@ -89,7 +118,7 @@ def autoclip(
     * ``"raw"``: the threshold comes from the statistics *before* the step;
       then the norm is observed. The gate then opens once
       ``max(warmup_steps, min_history, 1)`` norms were observed before the
-      step.
+      step. Before a group's first finite norm the threshold reads ``+inf``.
     * ``"clipped"``: judged first as ``"raw"``; on a clipped step the
       statistics observe ``T`` instead of the norm, so a spike cannot raise
       the threshold by more than the clipped value would. This is the setting
@@ -102,7 +131,15 @@ def autoclip(
       (``ValueError``): a p-quantile fires on ``1 - p`` of the steps by design,
       and never observing them drags it down without bound.
 
-    While the gate is closed every finite norm is observed as it is.
+    While the gate is closed every finite norm is observed as it is. Left as
+    None, ``warmup_steps`` and ``min_history`` are smartclip's 100 and 50 under
+    ``"observe_first"``, and 10 each under the judge-first settings: a clipper
+    that judges a step before observing it, and feeds back the clipped norm,
+    needs few observations, and a long gate lets the large norms of early
+    training through and into the statistics.
+
+    The setting that follows a training run and stops its spikes is
+    ``autoclip(feedback="clipped", history="window")``.
 
     **FIX** (differences from smartclip):
 
@@ -120,13 +157,17 @@ def autoclip(
     Args:
       mode: ``"auto"`` or ``"percentile"``.
       percentile: the percentile in (0, 100] for ``mode="percentile"``.
-      history: ``"window"``, ``"ema"`` or ``"geometric"`` for
-        ``mode="percentile"``.
-      window_size: length of the window (``>= 1``).
+      history: ``mode="auto"``: ``"all"`` (default) or ``"window"``;
+        ``mode="percentile"``: ``"window"`` (default), ``"ema"`` or
+        ``"geometric"``.
+      window_size: length of the window (``>= 1``); default 1024 in
+        percentile mode, 100 in auto mode.
       ema_decay: decay of the streaming quantile, in (0, 1).
       scope: ``"global"``, ``"per_param"``, ``"per_layer"`` or a callable.
-      warmup_steps: finite observations before clipping may start.
-      min_history: idem; the gate opens at the larger of the two.
+      warmup_steps: finite observations before clipping may start; default
+        100 under ``"observe_first"``, 10 otherwise.
+      min_history: idem (default 50 under ``"observe_first"``, 10
+        otherwise); the gate opens at the larger of the two.
       eps: threshold floor and denominator guard (``> 0``).
       guard_nans: keep non-finite norms out of the statistics (default).
       feedback: ``"observe_first"`` (default), ``"raw"``, ``"clipped"`` or
@@ -162,17 +203,27 @@ def autoclip(
       <https://arxiv.org/abs/1905.03871>`_, 2021 (geometric quantile).
     """
     _validation.choice("mode", mode, ("auto", "percentile"))
-    _validation.choice("history", history, ("window", "ema", "geometric"))
+    if mode == "auto":
+        history = "all" if history is None else history
+        _validation.choice("history", history, AUTO_HISTORIES)
+        window_size = AUTO_WINDOW if window_size is None else window_size
+    else:
+        history = "window" if history is None else history
+        _validation.choice("history", history, PERCENTILE_HISTORIES)
+        window_size = 1024 if window_size is None else window_size
     _validation.check("percentile", percentile, lambda x: 0 < x <= 100, "in (0, 100]")
     _validation.integer("window_size", window_size, minimum=1)
     _validation.open_unit("ema_decay", ema_decay)
     _validation.positive("quantile_lr", quantile_lr)
+    _engine.check_feedback(feedback, _engine.FEEDBACKS)
+    warmup_steps, min_history = gate_defaults(feedback, warmup_steps, min_history)
     _validation.integer("warmup_steps", warmup_steps, static=False)
     _validation.integer("min_history", min_history, static=False)
     _validation.positive("eps", eps)
-    _engine.check_feedback(feedback, _engine.FEEDBACKS)
-    if mode == "auto":
-        statistic: _stats.Statistic = _stats.MedianStd(floor=eps)
+    if mode == "auto" and history == "window":
+        statistic: _stats.Statistic = _stats.WindowMedianStd(eps, window_size)
+    elif mode == "auto":
+        statistic = _stats.MedianStd(floor=eps)
     elif history == "window":
         statistic = _stats.WindowQuantile(eps, window_size, percentile)
     elif history == "ema":
@@ -199,8 +250,12 @@ def autoclip(
         else:
             raw = values["quantile"]
         threshold = jnp.maximum(raw, eps)
+        if judge_first:
+            # No statistics yet: nothing to judge by.
+            threshold = jnp.where(count == 0, jnp.inf, threshold)
         return Judgement(threshold, jnp.minimum(1.0, threshold / (g + eps)))
 
+    judge_first = feedback != "observe_first"
     rule = NormRule(
         "autoclip",
         judge,

@@ -88,15 +88,39 @@ def reciprocal_clipping(zt: jax.Array, thresh: Any) -> jax.Array:
     return thresh**2 / zt
 
 
+def _zstat_score(g: jax.Array, mu: jax.Array, var: jax.Array) -> jax.Array:
+    return jnp.abs((g - mu) / (jnp.sqrt(var) + _Z_EPS))
+
+
+def _zstat_clip_value(factor: jax.Array, mu: jax.Array, var: jax.Array) -> jax.Array:
+    return mu + factor * jnp.sqrt(var)
+
+
+def _ratio_score(g: jax.Array, mu: jax.Array, var: jax.Array) -> jax.Array:
+    return g / jnp.where(mu != 0, mu, 1.0)
+
+
+def _ratio_clip_value(factor: jax.Array, mu: jax.Array, var: jax.Array) -> jax.Array:
+    return mu * factor
+
+
 @dataclasses.dataclass(frozen=True)
 class Criterion:
     """A hist_clip criterion: which statistic fires, and how far it clips.
 
     Attributes:
-      kind: ``"zstat"`` or ``"ema"``.
+      kind: ``"zstat"`` or ``"ema"`` (a label; the behaviour is in the fields
+        below).
       alpha: EMA decay of the statistics.
       thresh: ``z_thresh`` (zstat) or ``r_thresh`` (ema).
       clip_fn: ``(statistic, thresh) -> factor``.
+      variance: how the running variance updates: ``"before_mean"`` (with
+        the mean from before the step) or None (no variance is kept).
+      score: ``(g, mu, var) -> statistic`` compared with ``thresh``.
+      clip_value: ``(factor, mu, var) -> clip value``.
+      mean_factor: the factor :func:`mean_clipping` stands for (the one that
+        makes the clip value ``mu``).
+      score_name: the metric that reports the statistic, or None.
 
     Examples:
       >>> import clipjax
@@ -109,6 +133,11 @@ class Criterion:
     alpha: Any
     thresh: Any
     clip_fn: ClipFunction
+    variance: str | None
+    score: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+    clip_value: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+    mean_factor: float
+    score_name: str | None
 
 
 def _check_clip_fn(clip_fn: Any) -> None:
@@ -133,7 +162,17 @@ def zstat_criterion(
     _validation.open_unit("alpha", alpha)
     _validation.positive("z_thresh", z_thresh)
     _check_clip_fn(clip_fn)
-    return Criterion("zstat", alpha, z_thresh, clip_fn)
+    return Criterion(
+        "zstat",
+        alpha,
+        z_thresh,
+        clip_fn,
+        variance="before_mean",
+        score=_zstat_score,
+        clip_value=_zstat_clip_value,
+        mean_factor=0.0,
+        score_name="z",
+    )
 
 
 def ema_criterion(
@@ -151,7 +190,18 @@ def ema_criterion(
     _validation.open_unit("alpha", alpha)
     _validation.positive("r_thresh", r_thresh)
     _check_clip_fn(clip_fn)
-    return Criterion("ema", alpha, r_thresh, clip_fn)
+    # mean_factor 1: clip to the running mean (drytorch's 0 zeroes the gradient).
+    return Criterion(
+        "ema",
+        alpha,
+        r_thresh,
+        clip_fn,
+        variance=None,
+        score=_ratio_score,
+        clip_value=_ratio_clip_value,
+        mean_factor=1.0,
+        score_name=None,
+    )
 
 
 def hist_clip(
@@ -247,40 +297,31 @@ def hist_clip(
             f"warmup_clip must be a GradientTransformation or None, got {warmup_clip!r}"
         )
     _engine.check_feedback(feedback, ("raw", "clipped", "skip"))
-    alpha, thresh, kind = criterion.alpha, criterion.thresh, criterion.kind
+    alpha, thresh = criterion.alpha, criterion.thresh
     # drytorch's StatsCollector: mean and ddof=1 variance of the warm-up
     # sample, the variance kept at its start value 1.0 unless positive.
-    statistic = _stats.WarmupEma(
-        None, alpha, warmup_steps, "before_mean" if kind == "zstat" else None, 1, 1.0
-    )
+    statistic = _stats.WarmupEma(None, alpha, warmup_steps, criterion.variance, 1, 1.0)
+    score_name = criterion.score_name
 
     def judge(stats: Any, g: jax.Array, count: jax.Array, aux: Any) -> Judgement:
         warming = count < warmup_steps
         mu, v = stats.mean, stats.var
         active = (mu != 0) & ~warming
-        if kind == "zstat":
-            sd = jnp.sqrt(v)
-            stat = jnp.abs((g - mu) / (sd + _Z_EPS))
-            fires = active & (stat > thresh)
-            safe = jnp.where(fires, stat, 1.0)
-            clip = mu + criterion.clip_fn(safe, thresh) * sd
+        stat = criterion.score(g, mu, v)
+        fires = active & (stat > thresh)
+        safe = jnp.where(fires, stat, 1.0)
+        if criterion.clip_fn is mean_clipping:
+            factor = jnp.full_like(safe, criterion.mean_factor)
         else:
-            stat = g / jnp.where(mu != 0, mu, 1.0)
-            fires = active & (stat > thresh)
-            safe = jnp.where(fires, stat, 1.0)
-            factor = (
-                jnp.ones_like(safe)
-                if criterion.clip_fn is mean_clipping
-                else criterion.clip_fn(safe, thresh)
-            )
-            clip = mu * factor
+            factor = criterion.clip_fn(safe, thresh)
+        clip = criterion.clip_value(factor, mu, v)
         return Judgement(
             threshold=jnp.where(fires, clip, jnp.inf),
             scale=jnp.where(fires, jnp.minimum(1.0, clip / (g + _DIV_EPS)), 1.0),
             fires=fires & (g > mu),
             clip_to=clip,
             warming=warming,
-            extra={"z": jnp.where(warming, 0.0, stat)} if kind == "zstat" else {},
+            extra={} if score_name is None else {score_name: jnp.where(warming, 0.0, stat)},
         )
 
     rule = NormRule(
@@ -288,7 +329,7 @@ def hist_clip(
         judge,
         statistic,
         feedback=feedback,
-        extra_fields=("z",) if kind == "zstat" else (),
+        extra_fields=() if score_name is None else (score_name,),
     )
     return _engine.transform(
         rule,

@@ -18,7 +18,7 @@ Statistics:
   smartclip's variant for reproduction.
 * EMA mean / variance with the cancellation-free variance recursion.
 * Ring-buffer window with an incrementally sorted copy and numpy's "linear"
-  percentile.
+  percentile (or median and std).
 * A scale-free stochastic-approximation quantile that forgets at a rate
   proportional to ``1 - decay`` (replaces smartclip's ``EmaQuantile``).
 * The geometric quantile of Andrew et al. (2021).
@@ -603,6 +603,38 @@ class MedianStd(Statistic):
 
     def report(self, state: Any) -> dict[str, jax.Array]:
         return {"median": p2_value(state[0]), "std": welford_std(state[1])}
+
+
+def window_mean_std(state: WindowState) -> tuple[jax.Array, jax.Array]:
+    """Mean and sample std (ddof=1; 0 with fewer than 2 values) of the window.
+
+    Two passes over the ``min(count, size)`` valid slots (they are the first
+    ones while the window fills): no float32 cancellation.
+    """
+    values = state.values
+    n = jnp.minimum(state.count, values.shape[1])
+    valid = jnp.arange(values.shape[1]) < n[:, None]
+    nf = jnp.maximum(n, 1).astype(values.dtype)
+    mean = jnp.sum(jnp.where(valid, values, 0), axis=1) / nf
+    dev = jnp.where(valid, values - mean[:, None], 0)
+    var = jnp.sum(dev * dev, axis=1) / jnp.maximum(nf - 1, 1)
+    return mean, jnp.where(n >= 2, jnp.sqrt(var), 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowMedianStd(Statistic):
+    """Exact median and sample std (ddof=1) of the last ``size`` observations."""
+
+    size: int = 100
+
+    def init(self, num_groups: int, dtype: DTypeLike) -> WindowState:
+        return window_init(num_groups, self.size, dtype)
+
+    def observe(self, state: Any, x: jax.Array, count: jax.Array) -> Any:
+        return window_update(state, self._input(x))
+
+    def report(self, state: Any) -> dict[str, jax.Array]:
+        return {"median": window_percentile(state, 50.0), "std": window_mean_std(state)[1]}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from clipjax import _engine, _stats, _validation
+from clipjax._autoclip import gate_defaults
 from clipjax._engine import Judgement, NormRule
 from clipjax._metrics import GroupInfo
 
@@ -40,8 +41,8 @@ def zscore_clip(
     zmax: float = 3.0,
     ema_decay: float = 0.99,
     scope: Any = "global",
-    warmup_steps: int = 100,
-    min_history: int = 50,
+    warmup_steps: int | None = None,
+    min_history: int | None = None,
     eps: float = 1e-8,
     guard_nans: bool = True,
     *,
@@ -68,7 +69,12 @@ def zscore_clip(
     the norm otherwise (``"clipped"``, the setting that stops spikes), or
     nothing on a clipped step, whose ``count`` does not advance (``"skip"``;
     a lasting upward shift of the norm can then hold the threshold at the old
-    level). While the gate is closed every finite norm is observed as it is.
+    level). Under those, before a group's first finite norm the threshold
+    reads ``+inf``. While the gate is closed every finite norm is observed as
+    it is. Left as None, ``warmup_steps`` and ``min_history`` are smartclip's
+    100 and 50 under ``"observe_first"`` and 10 each under the judge-first
+    settings (a long gate lets the large norms of early training into the
+    statistics; judged first, few observations are enough).
 
     The variance uses the recursion ``S <- d S + d (1 - d) (x - m_old)**2``,
     equal to ``m2 - m**2`` in exact arithmetic but free of float32
@@ -83,8 +89,10 @@ def zscore_clip(
       zmax: z-score above which norms are clipped (``> 0``).
       ema_decay: decay of the EMAs, in (0, 1).
       scope: ``"global"``, ``"per_param"``, ``"per_layer"`` or a callable.
-      warmup_steps: finite observations before clipping may start.
-      min_history: idem; the gate opens at the larger of the two.
+      warmup_steps: finite observations before clipping may start; default
+        100 under ``"observe_first"``, 10 otherwise.
+      min_history: idem (default 50 under ``"observe_first"``, 10
+        otherwise); the gate opens at the larger of the two.
       eps: threshold floor and denominator guard (``> 0``).
       guard_nans: keep non-finite norms out of the statistics (default).
       feedback: ``"observe_first"`` (default), ``"raw"``, ``"clipped"`` or
@@ -114,15 +122,20 @@ def zscore_clip(
     """
     _validation.positive("zmax", zmax)
     _validation.open_unit("ema_decay", ema_decay)
+    _engine.check_feedback(feedback, _engine.FEEDBACKS)
+    warmup_steps, min_history = gate_defaults(feedback, warmup_steps, min_history)
     _validation.integer("warmup_steps", warmup_steps, static=False)
     _validation.integer("min_history", min_history, static=False)
     _validation.positive("eps", eps)
-    _engine.check_feedback(feedback, _engine.FEEDBACKS)
+    judge_first = feedback != "observe_first"
     statistic = _stats.EmaMeanStd(eps, ema_decay)
 
     def judge(stats: Any, g: jax.Array, count: jax.Array, aux: Any) -> Judgement:
         values = statistic.report(stats)
         threshold = jnp.maximum(eps, values["mean"] + zmax * values["std"])
+        if judge_first:
+            # No statistics yet: nothing to judge by.
+            threshold = jnp.where(count == 0, jnp.inf, threshold)
         return Judgement(threshold, jnp.minimum(1.0, threshold / (g + eps)))
 
     rule = NormRule(

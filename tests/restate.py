@@ -140,6 +140,27 @@ class _WindowStats:
         return self.report()["quantile"]
 
 
+class _WindowMedianStats:
+    """mode="auto", history="window": numpy median and std (ddof=1, 0 with one
+    value) of the last ``window_size`` observations."""
+
+    def __init__(self, window_size: int) -> None:
+        self.w, self.xs = window_size, []
+
+    def observe(self, x: float) -> None:
+        self.xs = [*self.xs, x][-self.w :]
+
+    def report(self) -> dict[str, float]:
+        if not self.xs:
+            return {"median": NAN, "std": NAN}
+        std = float(np.std(self.xs, ddof=1)) if len(self.xs) > 1 else 0.0
+        return {"median": float(np.median(self.xs)), "std": std}
+
+    def raw_threshold(self) -> float:
+        r = self.report()
+        return r["median"] + 3.0 * r["std"]
+
+
 class _GeometricStats:
     """SPEC 9.4: start at the first value, ``q <- q exp(-lr (1[x <= q] - p))``."""
 
@@ -216,8 +237,9 @@ def _smartclip_family(
             continue
         # Judge first: T from the statistics before this step; the gate counts the
         # observations before it (CONTRACT: >= max(warmup, min_history, 1)).
+        # SPEC 8.1 as amended: no observation yet, no statistics: T = +inf.
         raw = stats.raw_threshold()
-        threshold = max(eps, raw) if not math.isnan(raw) else NAN
+        threshold = max(eps, raw) if not math.isnan(raw) else INF
         open_ = log.count >= max(gate, 1)
         scale = min(1.0, threshold / (g + eps)) if open_ else 1.0
         fires = open_ and scale < 1.0
@@ -237,7 +259,7 @@ def autoclip(
     *,
     mode: str = "auto",
     percentile: float = 95.0,
-    history: str = "window",
+    history: str | None = None,
     window_size: int = 1024,
     quantile_lr: float = 0.2,
     warmup_steps: int = 100,
@@ -245,10 +267,13 @@ def autoclip(
     eps: float = 1e-8,
     feedback: str = "observe_first",
 ) -> dict[str, np.ndarray]:
-    """autoclip, modes auto / percentile window / percentile geometric (not ema)."""
-    if mode == "auto":
-        stats: Any = _AutoStats()
-    elif history == "window":
+    """autoclip, modes auto (history "all" / "window") / percentile window /
+    percentile geometric (not ema)."""
+    if mode == "auto" and history == "window":
+        stats: Any = _WindowMedianStats(window_size)
+    elif mode == "auto":
+        stats = _AutoStats()
+    elif history in (None, "window"):
         stats = _WindowStats(percentile, window_size)
     elif history == "geometric":
         stats = _GeometricStats(percentile, quantile_lr)
