@@ -204,15 +204,14 @@ SETTINGS: dict[str, Setting] = {
     ),
     "skip": skipping("skip_on_spike(adamw) (defaults)", adamw),
     "zclip": Setting(clipped_adamw(clipjax.zclip), "zclip() (defaults), then adamw"),
-    "zscore_clip_fb10": Setting(
-        clipped_adamw(
-            lambda: clipjax.zscore_clip(feedback="clipped", warmup_steps=10, min_history=10)
-        ),
-        'zscore_clip(feedback="clipped", warmup_steps=10, min_history=10), then adamw',
-    ),
     "autoclip_fb": Setting(
         clipped_adamw(lambda: clipjax.autoclip(feedback="clipped")),
         'autoclip(feedback="clipped"), then adamw',
+    ),
+    "autoclip_fb_window": Setting(
+        clipped_adamw(lambda: clipjax.autoclip(feedback="clipped", history="window")),
+        'autoclip(feedback="clipped", history="window") (median and std of the last 100), '
+        "then adamw",
     ),
     "zscore_clip_fb": Setting(
         clipped_adamw(lambda: clipjax.zscore_clip(feedback="clipped")),
