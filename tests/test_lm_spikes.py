@@ -95,8 +95,9 @@ def test_command_and_unavailable_rows() -> None:
     names = list(lm.settings_for(lm.CONFIGS["cpu"]))
     assert names[:5] == ["none", "static_0.25", "static_0.5", "static_1", "static_2"]
     for required in (
-        "autoclip", "autoclip_fb", "autoclip_fb_window", "zscore_clip", "zscore_clip_fb", "zclip", "zclip_fb",
-        "hist_clip", "hist_clip_fb", "adagc", "skip", "skip_recommended", "recommended",
+        "autoclip", "autoclip_fb", "autoclip_fb_window", "zscore_clip", "zscore_clip_fb",
+        "zclip", "zclip_fb", "hist_clip", "hist_clip_fb", "adagc", "low_lr",
+        "skip", "skip_recommended", "recommended",
     ):  # fmt: skip
         assert required in names
     loss_rows, spike_rows = lm.table_rows({}, ["skip_fb_skip"], 3)
