@@ -14,6 +14,7 @@ from clipjax._elementwise import (
     clip_by_percentile,
     clip_by_value,
 )
+from clipjax._engine import ClipTransform
 from clipjax._grouping import path_name
 from clipjax._hist_clip import (
     Criterion,
@@ -49,6 +50,7 @@ __all__ = [
     "ClipByGlobalNormState",
     "ClipByPercentileState",
     "ClipByValueState",
+    "ClipTransform",
     "Criterion",
     "GroupInfo",
     "HistClipState",

@@ -9,7 +9,9 @@ import jax.numpy as jnp
 
 from clipjax import _engine, _stats, _validation
 from clipjax._engine import Judgement, NormRule
+from clipjax._grouping import Scope
 from clipjax._metrics import GroupInfo
+from clipjax._types import SpikeFeedback
 
 
 class AdaGCState(NamedTuple):
@@ -43,9 +45,9 @@ def adagc(
     warmup_steps: int = 100,
     absolute_threshold: float = 1.0,
     eps: float = 1e-6,
-    scope: Any = "per_param",
+    scope: Scope = "per_param",
     *,
-    feedback: str = "clipped",
+    feedback: SpikeFeedback = "clipped",
     axis_name: str | None = None,
     leaf_norms: bool = False,
     name: str | None = None,
@@ -88,7 +90,7 @@ def adagc(
       name: metrics prefix (default ``adagc``).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs``; metrics per group:
+      A :class:`~clipjax.ClipTransform`; metrics per group:
       ``grad_norm``, ``threshold``, ``scale``, ``clipped``, ``mean`` (``gamma``
       after the update) and the counters ``count``, ``step``,
       ``clipped_count``, ``nonfinite_count``.

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from clipjax import _engine, _grouping, _validation
 from clipjax._engine import ElementwiseRule, Judgement, NormRule, Step
-from clipjax._grouping import Grouping
+from clipjax._grouping import AGCScope, Grouping
 from clipjax._metrics import GroupInfo
 
 # optax's guard in unitwise_clip, "distinct from the normal eps".
@@ -71,7 +71,7 @@ def _unit_norm(x: jax.Array, dtype: Any, axis: Axis) -> jax.Array:
 def agc(
     clipping: float = 0.01,
     eps: float = 1e-3,
-    scope: Any = "unitwise",
+    scope: AGCScope = "unitwise",
     exclude_bias_bn: bool = False,
     *,
     axis: Axis = None,
@@ -114,7 +114,7 @@ def agc(
       name: metrics prefix (default ``agc``).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose ``update`` needs
+      A :class:`~clipjax.ClipTransform` whose ``update`` needs
       ``params``. Metrics per group (per leaf when unitwise): ``grad_norm``,
       ``weight_norm``, ``target``, ``scale``, ``clipped`` and the counters;
       unitwise also ``clipped_fraction`` (share of clipped units), with

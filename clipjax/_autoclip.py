@@ -9,7 +9,9 @@ import jax.numpy as jnp
 
 from clipjax import _engine, _stats, _validation
 from clipjax._engine import Judgement, NormRule
+from clipjax._grouping import Scope
 from clipjax._metrics import GroupInfo
+from clipjax._types import AutoClipHistory, AutoClipMode, Feedback
 
 
 class AutoClipState(NamedTuple):
@@ -62,18 +64,18 @@ def gate_defaults(feedback: str, warmup_steps: Any, min_history: Any) -> tuple[A
 
 
 def autoclip(
-    mode: str = "auto",
+    mode: AutoClipMode = "auto",
     percentile: float = 95.0,
-    history: str | None = None,
+    history: AutoClipHistory | None = None,
     window_size: int | None = None,
     ema_decay: float = 0.99,
-    scope: Any = "global",
+    scope: Scope = "global",
     warmup_steps: int | None = None,
     min_history: int | None = None,
     eps: float = 1e-8,
     guard_nans: bool = True,
     *,
-    feedback: str = "observe_first",
+    feedback: Feedback = "observe_first",
     quantile_lr: float = 0.2,
     axis_name: str | None = None,
     leaf_norms: bool = False,
@@ -180,18 +182,22 @@ def autoclip(
       name: metrics prefix (default ``autoclip``).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs``; metrics per group:
+      A :class:`~clipjax.ClipTransform`; metrics per group:
       ``grad_norm``, ``threshold``, ``scale``, ``clipped``, the counters, and
       ``median``, ``std`` (auto) or ``quantile`` (percentile).
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
-      >>> clipper = clipjax.autoclip(feedback="clipped")  # stops spikes
-      >>> tx = optax.chain(clipjax.autoclip(warmup_steps=5, min_history=5), optax.sgd(0.1))
+      >>> # feedback="clipped" stops spikes; the short warm-up keeps the example short.
+      >>> clipper = clipjax.autoclip(feedback="clipped", warmup_steps=5, min_history=5)
+      >>> tx = optax.chain(clipper, optax.sgd(0.1))
       >>> params = {"w": jnp.zeros(2)}
       >>> state = tx.init(params)
-      >>> for x in [1.0, 1.1, 0.9, 1.0, 1.2, 1.05]:
+      >>> for x in [1.0, 1.1, 0.9, 1.0, 1.2, 1.05, 100.0]:  # a spike last
       ...     _, state = tx.update({"w": jnp.array([x, 0.0])}, state, params)
+      >>> m = clipjax.metrics(state)
+      >>> print(f"{m['autoclip/global/grad_norm']:.1f} {m['autoclip/global/threshold']:.3f}")
+      100.0 1.306
       >>> sorted(k for k in clipjax.metrics(state) if "/global/" in k)[:3]
       ['autoclip/global/clipped', 'autoclip/global/clipped_count', 'autoclip/global/count']
 

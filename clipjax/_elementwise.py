@@ -25,6 +25,7 @@ from clipjax import _engine, _grouping, _percentile, _validation
 from clipjax._engine import ElementwiseRule, Step
 from clipjax._grouping import Grouping, Scope
 from clipjax._metrics import GroupInfo
+from clipjax._types import PercentileMethod
 
 Array = jax.Array
 
@@ -167,7 +168,7 @@ def clip_by_value(
       name: metrics prefix (default ``clip_by_value``).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state records per
+      A :class:`~clipjax.ClipTransform` whose state records per
       group ``grad_norm`` (L2, before clipping), ``clipped_fraction`` (share of
       elements with ``|g| > |max_abs|``), ``clipped`` (some element was) and
       the counters ``count``, ``step``, ``clipped_count``, ``nonfinite_count``.
@@ -207,7 +208,7 @@ def clip_by_value(
 def clip_by_percentile(
     percentile: float,
     scope: Scope = "per_param",
-    method: str = "auto",
+    method: PercentileMethod = "auto",
     *,
     leaf_norms: bool = False,
     name: str | None = None,
@@ -244,7 +245,7 @@ def clip_by_percentile(
       name: metrics prefix (default ``clip_by_percentile``).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state records per
+      A :class:`~clipjax.ClipTransform` whose state records per
       group ``grad_norm`` (L2, before clipping), ``bound``,
       ``clipped_fraction``, ``clipped`` and the counters ``count``, ``step``,
       ``clipped_count``, ``nonfinite_count``.

@@ -141,11 +141,30 @@ Rule = NormRule | ElementwiseRule
 
 
 class ClipTransform(optax.GradientTransformationExtraArgs):
-    """A clipjax transform: an optax transform that can be rebuilt for a scope.
+    """The transform every clipjax clipper returns: an optax transform.
 
-    ``configure(scope=..., axis_name=...)`` returns the same transform with
-    other engine settings; hist_clip uses it to run a clipjax ``warmup_clip``
-    on its own groups.
+    A ``ClipTransform`` is an ``optax.GradientTransformationExtraArgs`` (a
+    named tuple of ``init`` and ``update``), so it goes wherever optax takes
+    a transform: ``optax.chain``, ``MultiSteps``, ``inject_hyperparams``, flax
+    optimizers. ``init(params)`` returns the clipper's state, a pytree whose
+    metrics :func:`clipjax.metrics` reads; ``update(updates, state,
+    params=None, **extra_args)`` returns the clipped updates and the new
+    state (the clippers that need ``params``, such as :func:`clipjax.agc`, say
+    so).
+
+    It adds one attribute, ``configure``: ``configure(scope=...,
+    axis_name=...)`` returns the same clipper with other grouping settings.
+    :func:`clipjax.hist_clip` uses it to run a clipjax ``warmup_clip`` on its
+    own groups.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, clipjax
+      >>> tx = clipjax.clip_by_global_norm(1.0)
+      >>> isinstance(tx, clipjax.ClipTransform), isinstance(tx, optax.GradientTransformation)
+      (True, True)
+      >>> updates, state = tx.update({"w": jnp.full(4, 2.0)}, tx.init({"w": jnp.zeros(4)}))
+      >>> float(clipjax.metrics(state)["clip_by_global_norm/global/scale"])
+      0.25
     """
 
     configure: Callable[..., ClipTransform] | None = None
@@ -168,6 +187,43 @@ def own_buffers(state: Any) -> Any:
     donates the state would then donate one buffer twice and fail.
     """
     return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
+
+
+def run_if(
+    pred: Array, tx: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
+) -> tuple[Any, Any]:
+    """``tx.update`` on the steps where ``pred`` holds; elsewhere its state stays as it was.
+
+    The one way clipjax runs a transform on some steps only (skip_on_spike's
+    inner optimizer, hist_clip's warm-up clip). Where ``pred`` is False the
+    returned updates are not ``tx``'s: the caller masks them.
+
+    Two routes, both free of full-size copies in the compiled step:
+
+    * a clipjax transform holds only small ``[groups]`` arrays: it runs on
+      every step and its state is selected. Its norms are the ones the caller
+      computes anyway (XLA merges the identical reductions) and its scaling
+      fuses with the caller's, so it costs no extra pass over the gradients;
+    * any other transform (an optimizer with full-size moments) runs under
+      ``lax.cond`` whose pass-through branch is branch 0 (the false branch)
+      and returns its operands as they are: XLA elides the buffer copies of
+      such a branch only then. Skipping in branch 0, or returning fresh zeros,
+      copies the optimizer state or the updates every step; computing the
+      update unconditionally and selecting the moments afterwards copies them
+      too, because the parameter update then recomputes the new moments from
+      the old ones after they were overwritten in place. The conditional
+      still writes the updates out and reads them back (it cannot fuse with
+      ``apply_updates``): about two passes over the updates.
+    """
+    if isinstance(tx, ClipTransform):
+        out, new_state = tx.update(updates, state, params, **extra_args)
+        return out, jax.tree.map(lambda n, o: jnp.where(pred, n, o), new_state, state)
+    return jax.lax.cond(
+        pred,
+        lambda operands: tx.update(operands[0], operands[1], params, **extra_args),
+        lambda operands: operands,
+        (updates, state),
+    )
 
 
 def select_groups(mask: Array, new: Any, old: Any) -> Any:
@@ -493,18 +549,12 @@ def _run_warmup(
 
         return jax.tree.map(fix, state, is_leaf=_metrics.is_clipjax_state)
 
-    def run(_: Any) -> tuple[list[Array], Any]:
-        out, new_nested = warmup.update(updates, nested, params)
-        out_leaves = jax.tree_util.tree_leaves(out)
-        mask = _grouping.leaf_scales(grouping, warming)
-        # A select on the warm-up path only, inside the cond.
-        leaves = [jnp.where(m, w, s) for m, w, s in zip(mask, out_leaves, scaled)]
-        return leaves, quiet(select_groups_state(warming, new_nested, nested))
-
-    def skip(_: Any) -> tuple[list[Array], Any]:
-        return list(scaled), quiet(nested)
-
-    return jax.lax.cond(jnp.any(warming), run, skip, None)
+    out, new_nested = run_if(jnp.any(warming), warmup, updates, nested, params)
+    out_leaves = jax.tree_util.tree_leaves(out)
+    mask = _grouping.leaf_scales(grouping, warming)
+    # A select with a per-leaf mask that fuses into the scaling multiply.
+    leaves = [jnp.where(m, w, s) for m, w, s in zip(mask, out_leaves, scaled)]
+    return leaves, quiet(select_groups_state(warming, new_nested, nested))
 
 
 def select_groups_state(mask: Array, new: Any, old: Any) -> Any:

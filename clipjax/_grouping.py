@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,11 @@ import numpy as np
 
 KeyPath = tuple[Any, ...]
 ScopeFn = Callable[[KeyPath, Any], str]
-Scope = str | ScopeFn
+# A scope: one of the named groupings, or a function from a leaf's
+# (key path, leaf) to its group name.
+Scope = Literal["global", "per_param", "per_layer"] | ScopeFn
+# agc also groups by output unit.
+AGCScope = Literal["unitwise", "global", "per_param", "per_layer"] | ScopeFn
 
 SCOPES = ("global", "per_param", "per_layer")
 

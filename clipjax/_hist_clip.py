@@ -12,7 +12,9 @@ import optax
 
 from clipjax import _engine, _static, _stats, _validation
 from clipjax._engine import Judgement, NormRule
+from clipjax._grouping import Scope
 from clipjax._metrics import GroupInfo
+from clipjax._types import SpikeFeedback
 
 
 class HistClipState(NamedTuple):
@@ -208,9 +210,9 @@ def hist_clip(
     criterion: Criterion | None = None,
     warmup_steps: int = 20,
     warmup_clip: optax.GradientTransformation | str | None = "default",
-    scope: Any = "global",
+    scope: Scope = "global",
     *,
-    feedback: str = "raw",
+    feedback: SpikeFeedback = "raw",
     axis_name: str | None = None,
     leaf_norms: bool = False,
     name: str | None = None,
@@ -259,7 +261,7 @@ def hist_clip(
       name: metrics prefix (default ``hist_clip``).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs``. Metrics per group:
+      A :class:`~clipjax.ClipTransform`. Metrics per group:
       ``grad_norm``, ``threshold`` (the clip value when the criterion fires,
       +inf otherwise), ``scale`` (1 during warm-up; the warm-up clip reports
       its own metrics under ``hist_clip/<its name>/...``), ``clipped``,

@@ -125,17 +125,44 @@ def _split(values: Any, n: int) -> list[Any]:
     return list(jnp.moveaxis(jnp.asarray(values), -1, 0))
 
 
-def _emit(state: Any, prefix: str, out: dict[str, Any]) -> None:
+# What a transform that did not run this step reports for its per-step fields
+# (skip_on_spike's inner transforms on a skipped step); thresholds, statistics
+# and counters read as they stand.
+IDLE_VALUES = {"grad_norm": 0, "scale": 1, "clipped": False, "clipped_fraction": 0, "z": 0}
+
+
+def _idle_view(values: Any, field: str, idle: Any) -> Any:
+    if idle is None or field not in IDLE_VALUES:
+        return values
+    values = unwrap(values)
+    return jnp.where(idle, jnp.asarray(IDLE_VALUES[field], values.dtype), values)
+
+
+def _emit(state: Any, prefix: str, out: dict[str, Any], idle: Any = None) -> None:
     info: GroupInfo = state.info
     for field, values in state.metrics.items():
+        values = _idle_view(values, field, idle)
         for group, value in zip(info.groups, _split(values, len(info.groups))):
             out[f"{prefix}/{group}/{field}"] = value
     for field, values in (getattr(state, "leaf_metrics", None) or {}).items():
+        values = _idle_view(values, field, idle)
         for leaf, value in zip(info.leaves, _split(values, len(info.leaves))):
             out[f"{prefix}/leaf/{leaf}/{field}"] = value
 
 
-def _walk(tree: Any, prefix: str, out: dict[str, Any], seen: dict[str, int]) -> None:
+def _skipped(node: Any, idle: Any) -> Any:
+    """``idle`` for the inner state of a wrapper that skipped this step."""
+    skipped = node.metrics.get("skipped")
+    if skipped is None:
+        return idle
+    # [..., 1]: broadcasts against the [..., groups] metrics inside.
+    skipped = unwrap(skipped)
+    return skipped if idle is None else idle | skipped
+
+
+def _walk(
+    tree: Any, prefix: str, out: dict[str, Any], seen: dict[str, int], idle: Any = None
+) -> None:
     for node in jax.tree_util.tree_leaves(tree, is_leaf=is_clipjax_state):
         if not is_clipjax_state(node):
             continue
@@ -146,12 +173,14 @@ def _walk(tree: Any, prefix: str, out: dict[str, Any], seen: dict[str, int]) -> 
             k = seen.get(info.algo, 0)
             seen[info.algo] = k + 1
             label = info.algo if k == 0 else f"{info.algo}_{k}"
-        _emit(node, prefix + label, out)
+        _emit(node, prefix + label, out, idle)
         for field in node._fields:
             if field == "nested":
-                _walk(node.nested, f"{prefix}{label}/", out, {})
+                _walk(node.nested, f"{prefix}{label}/", out, {}, idle)
+            elif field == "inner_state":
+                _walk(node.inner_state, prefix, out, seen, _skipped(node, idle))
             elif field not in ("metrics", "info", "leaf_metrics"):
-                _walk(getattr(node, field), prefix, out, seen)
+                _walk(getattr(node, field), prefix, out, seen, idle)
 
 
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:

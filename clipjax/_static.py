@@ -128,7 +128,7 @@ def clip_by_global_norm(
       name: metrics prefix (default ``clip_by_global_norm``).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state records
+      A :class:`~clipjax.ClipTransform` whose state records
       ``grad_norm``, ``scale``, ``clipped`` and the counters.
 
     Examples:
@@ -185,7 +185,7 @@ def normalize_per_param(eps: float = 1e-8, *, name: str | None = None) -> _engin
       name: metrics prefix (default ``normalize_per_param``).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state records per
+      A :class:`~clipjax.ClipTransform` whose state records per
       leaf ``grad_norm`` (before normalisation) and the counters ``count``,
       ``step``, ``nonfinite_count``.
 
@@ -235,7 +235,7 @@ def zscore_normalize(eps: float = 1e-8, *, name: str | None = None) -> _engine.C
       name: metrics prefix (default ``zscore_normalize``).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state records per
+      A :class:`~clipjax.ClipTransform` whose state records per
       leaf ``grad_norm`` (L2, before normalisation) and the counters ``count``,
       ``step``, ``nonfinite_count``.
 

@@ -10,7 +10,9 @@ import jax.numpy as jnp
 
 from clipjax import _engine, _stats, _validation
 from clipjax._engine import Judgement, NormRule
+from clipjax._grouping import Scope
 from clipjax._metrics import GroupInfo
+from clipjax._types import ClipOption, SpikeFeedback, ZClipMode
 
 # zclip's fixed guard in the applied multiplier, T / (g + 1e-6).
 _DIV_EPS = 1e-6
@@ -47,13 +49,13 @@ def zclip(
     max_grad_norm: float | None = 1.0,
     eps: float = 1e-6,
     warmup_steps: int = 25,
-    mode: str = "zscore",
-    clip_option: str = "adaptive_scaling",
+    mode: ZClipMode = "zscore",
+    clip_option: ClipOption = "adaptive_scaling",
     clip_factor: float = 1.0,
     skip_update_on_spike: bool = False,
-    scope: Any = "global",
+    scope: Scope = "global",
     *,
-    feedback: str = "clipped",
+    feedback: SpikeFeedback = "clipped",
     axis_name: str | None = None,
     leaf_norms: bool = False,
     name: str | None = None,
@@ -115,7 +117,7 @@ def zclip(
       name: metrics prefix (default ``zclip``).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs``. Metrics per group:
+      A :class:`~clipjax.ClipTransform`. Metrics per group:
       ``grad_norm``, ``threshold`` (``max_grad_norm``, or inf, during warm-up),
       ``scale``, ``clipped``, ``mean``, ``std``, ``z`` and the counters.
 

@@ -10,7 +10,9 @@ import jax.numpy as jnp
 from clipjax import _engine, _stats, _validation
 from clipjax._autoclip import gate_defaults
 from clipjax._engine import Judgement, NormRule
+from clipjax._grouping import Scope
 from clipjax._metrics import GroupInfo
+from clipjax._types import Feedback
 
 
 class ZScoreClipState(NamedTuple):
@@ -40,13 +42,13 @@ class ZScoreClipState(NamedTuple):
 def zscore_clip(
     zmax: float = 3.0,
     ema_decay: float = 0.99,
-    scope: Any = "global",
+    scope: Scope = "global",
     warmup_steps: int | None = None,
     min_history: int | None = None,
     eps: float = 1e-8,
     guard_nans: bool = True,
     *,
-    feedback: str = "observe_first",
+    feedback: Feedback = "observe_first",
     axis_name: str | None = None,
     leaf_norms: bool = False,
     name: str | None = None,
@@ -103,7 +105,7 @@ def zscore_clip(
       name: metrics prefix (default ``zscore_clip``).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs``; metrics per group:
+      A :class:`~clipjax.ClipTransform`; metrics per group:
       ``grad_norm``, ``threshold``, ``scale``, ``clipped``, ``mean``, ``std``
       and the counters.
 

@@ -2,9 +2,10 @@
 
 Before Sphinx reads the sources, this file generates what is not committed:
 
-* ``api.rst``: the API reference, one entry per name in ``clipjax.__all__``
-  (so a new public name appears without editing the docs), grouped into
-  transforms, other functions and classes;
+* ``api.rst`` and ``api/*.rst``: the API reference, every name of
+  ``clipjax.__all__`` on one of a few pages (clippers, wrappers, static
+  transforms, metrics, states and types); a new public name lands on a page by
+  its kind without editing the docs;
 * ``notebooks/*.ipynb``: copies of the repository's notebooks, which myst-nb
   executes during the build (they are committed without outputs), or copies
   already executed by the tests when ``CLIPJAX_EXECUTED_NOTEBOOKS`` names them;
@@ -46,6 +47,8 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
     "sphinx.ext.viewcode",
+    "sphinx.ext.intersphinx",
+    "sphinx_copybutton",
 ]
 
 exclude_patterns = [
@@ -54,6 +57,7 @@ exclude_patterns = [
     "generated/*",  # included by the guides, not pages of their own
     "ecosystem.md",  # included section by section (see data_parallel.md, ...)
     "README.md",
+    "api/.gitignore",
 ]
 suppress_warnings = [
     "myst.header",  # included sections start at ### under a page's # title
@@ -87,9 +91,27 @@ napoleon_numpy_docstring = False
 napoleon_use_ivar = True  # NamedTuple "Attributes:" as fields, not duplicate attributes
 napoleon_use_rtype = False
 
-# Nitpicky (-n) for clipjax's own names. Without network access there is no
-# intersphinx: names from jax, optax, numpy, typing and private clipjax modules
-# in signatures are not linked.
+# -- Links to optax, jax, numpy, flax (intersphinx) ----------------------------
+# Their inventories are fetched from the web, and a fetch that fails is a
+# warning, which -W turns into an error: the build machine and CI have no
+# internet access beyond the package index, and the packages do not ship their
+# objects.inv. So the links are opt-in: CLIPJAX_INTERSPHINX=1 make docs on a
+# machine with network access links optax, jax, numpy and flax names; without
+# it, those names are shown unlinked (nitpick_ignore_regex below).
+intersphinx_mapping = {}
+if os.environ.get("CLIPJAX_INTERSPHINX") == "1":
+    intersphinx_mapping = {
+        "python": ("https://docs.python.org/3", None),
+        "numpy": ("https://numpy.org/doc/stable", None),
+        "jax": ("https://docs.jax.dev/en/latest", None),
+        "optax": ("https://optax.readthedocs.io/en/latest", None),
+        "flax": ("https://flax.readthedocs.io/en/latest", None),
+    }
+intersphinx_timeout = 30
+
+# Nitpicky (-n) for clipjax's own names. Names from jax, optax, numpy, typing
+# and private clipjax modules that intersphinx (off by default, above) does not
+# resolve stay unlinked without a warning.
 nitpick_ignore_regex = [
     (r"py:.*", r"(jax|jnp|jaxlib|optax|chex|numpy|np|typing|collections|types|flax)(\..*)?"),
     (r"py:.*", r"(clipjax\.)?_[a-z_]+\..*"),
@@ -103,59 +125,153 @@ nitpick_ignore_regex = [
 html_theme = "sphinx_book_theme"
 html_title = f"clipjax {release}"
 html_theme_options = {
-    "repository_url": "https://github.com/clipjax/clipjax",
-    "repository_branch": "main",
-    "path_to_docs": "docs",
-    "use_repository_button": True,
+    # No repository, issue or edit buttons: there is no public repository yet.
     "show_toc_level": 2,
+    # One search box (the sidebar's): no second one in the header.
+    "navbar_persistent": [],
+}
+html_static_path = ["_static"]
+html_css_files = ["clipjax.css"]  # wrap long code lines; hide the header search button
+
+# Copy buttons copy the code only: no ">>> ", "... " or "$ " prompts, no output.
+copybutton_prompt_text = r">>> |\.\.\. |\$ "
+copybutton_prompt_is_regexp = True
+copybutton_only_copy_prompt_lines = False
+
+
+# The reference pages and the public names on each, in reading order. A public
+# name not listed here lands on a page by its kind (_page_of), so a new name
+# always appears.
+API_PAGES = {
+    "clippers": (
+        "Clippers",
+        "The adaptive clippers and AGC: each learns or computes its threshold "
+        "from the gradients, and records its metrics in its state.",
+        [
+            ("Adaptive clippers", ["autoclip", "zscore_clip", "zclip", "hist_clip", "adagc"]),
+            ("Adaptive gradient clipping", ["agc"]),
+            (
+                "hist_clip criteria and clip functions",
+                [
+                    "zstat_criterion",
+                    "ema_criterion",
+                    "Criterion",
+                    "max_clipping",
+                    "mean_clipping",
+                    "reciprocal_clipping",
+                ],
+            ),
+        ],
+    ),
+    "wrappers": (
+        "Wrappers",
+        "Transforms that wrap a whole optimizer.",
+        [("Skipping steps", ["skip_on_spike"])],
+    ),
+    "static": (
+        "Static transforms",
+        "Fixed-threshold clipping and normalisation, with the same metrics in state "
+        "as the adaptive clippers.",
+        [
+            ("Norm clipping", ["clip_by_global_norm"]),
+            ("Element-wise clipping", ["clip_by_value", "clip_by_percentile"]),
+            ("Normalisation", ["normalize_per_param", "zscore_normalize"]),
+        ],
+    ),
+    "metrics": (
+        "Metrics and helpers",
+        "Reading the metrics, and the functions the clippers are built from.",
+        [
+            ("Metrics", ["metrics", "GroupInfo"]),
+            ("Norms and group names", ["global_norm", "path_name"]),
+            ("Percentiles", ["exact_percentile", "approx_percentile", "approx_relative_error"]),
+        ],
+    ),
+    "states": (
+        "States and types",
+        "The transform type every clipper returns, and the state of each transform. "
+        "States are NamedTuples of arrays with a fixed structure; read their metrics "
+        "with :func:`clipjax.metrics`.",
+        [("Transform type", ["ClipTransform"]), ("States", [])],
+    ),
 }
 
 
-def _api_page() -> str:
-    """The reST source of the API reference: every name of ``clipjax.__all__``."""
-    transforms, functions, classes, other = [], [], [], []
-    for name in sorted(clipjax.__all__, key=str.lower):
-        obj = getattr(clipjax, name)
-        if inspect.isclass(obj):
-            classes.append(name)
-        elif callable(obj):
-            try:
-                returns = str(inspect.signature(obj).return_annotation)
-            except (TypeError, ValueError):
-                returns = ""
-            (transforms if "Transform" in returns else functions).append(name)
-        else:
-            other.append(name)
-    lines = [
+def _page_of(name: str) -> tuple[str, int]:
+    """The (page, section index) of a public name not listed in ``API_PAGES``."""
+    obj = getattr(clipjax, name)
+    if inspect.isclass(obj):
+        return ("states", 1) if name.endswith("State") else ("metrics", 0)
+    try:
+        returns = str(inspect.signature(obj).return_annotation)
+    except (TypeError, ValueError):
+        returns = ""
+    return ("clippers", 0) if "Transform" in returns else ("metrics", 1)
+
+
+def _api_layout() -> dict[str, tuple[str, str, list[tuple[str, list[str]]]]]:
+    """``API_PAGES`` completed with every public name it does not list."""
+    layout = {
+        page: (title, about, [(heading, list(names)) for heading, names in sections])
+        for page, (title, about, sections) in API_PAGES.items()
+    }
+    listed = {name for _, _, sections in layout.values() for _, names in sections for name in names}
+    for name in sorted(set(clipjax.__all__) - listed, key=str.lower):
+        page, section = _page_of(name)
+        layout[page][2][section][1].append(name)
+    return layout
+
+
+def _directive(name: str) -> list[str]:
+    if inspect.isclass(getattr(clipjax, name)):
+        return [f".. autoclass:: {name}", "   :members:", ""]
+    if callable(getattr(clipjax, name)):
+        return [f".. autofunction:: {name}", ""]
+    return [f".. autodata:: {name}", ""]
+
+
+def _api_sources() -> dict[str, str]:
+    """reST sources of the API reference: ``api`` (the index) and ``api/<page>``."""
+    layout = _api_layout()
+    index = [
         "API reference",
         "=============",
         "",
         ".. currentmodule:: clipjax",
         "",
         "Every public name of ``clipjax`` (``clipjax.__all__``), generated from the",
-        "docstrings. Each transform returns an ``optax.GradientTransformation``; its",
-        "metrics are read with :func:`clipjax.metrics`.",
+        "docstrings. Every clipper returns a :class:`clipjax.ClipTransform`, an optax",
+        "gradient transformation; its metrics are read with :func:`clipjax.metrics`.",
+        "",
+        ".. toctree::",
+        "   :maxdepth: 1",
+        "",
+        *(f"   api/{page}" for page in layout),
         "",
     ]
-    sections = [
-        ("Transforms", "Factories of optax gradient transformations.", transforms, "autofunction"),
-        ("Functions", "Metrics, norms, criteria and helpers.", functions, "autofunction"),
-        ("Classes", "State and configuration types.", classes, "autoclass"),
-        ("Other names", "", other, "autodata"),
-    ]
-    for title, about, names, directive in sections:
-        if not names:
-            continue
-        lines += [title, "-" * len(title), "", about, ""]
-        lines += [".. autosummary::", "   :nosignatures:", ""]
-        lines += [f"   {name}" for name in names]
-        lines.append("")
-        for name in names:
-            lines.append(f".. {directive}:: {name}")
-            if directive == "autoclass":
-                lines.append("   :members:")
-            lines.append("")
-    return "\n".join(lines)
+    pages = {}
+    for page, (title, about, sections) in layout.items():
+        index += [
+            title,
+            "-" * len(title),
+            "",
+            about,
+            "",
+            ".. autosummary::",
+            "   :nosignatures:",
+            "",
+        ]
+        index += [f"   {name}" for _, names in sections for name in names]
+        index.append("")
+        lines = [title, "=" * len(title), "", ".. currentmodule:: clipjax", "", about, ""]
+        for heading, names in sections:
+            if not names:
+                continue
+            lines += [heading, "-" * len(heading), ""]
+            for name in names:
+                lines += _directive(name)
+        pages[f"api/{page}.rst"] = "\n".join(lines)
+    return {"api.rst": "\n".join(index), **pages}
 
 
 def _write_if_changed(path: Path, text: str) -> None:
@@ -180,7 +296,10 @@ PLACEHOLDERS = {
 
 
 def _generate_sources() -> None:
-    _write_if_changed(DOCS / "api.rst", _api_page())
+    (DOCS / "api").mkdir(exist_ok=True)
+    _write_if_changed(DOCS / "api" / ".gitignore", "# Generated by docs/conf.py.\n*\n")
+    for relative, text in _api_sources().items():
+        _write_if_changed(DOCS / relative, text)
     notebooks = DOCS / "notebooks"
     notebooks.mkdir(exist_ok=True)
     for source in sorted((ROOT / "notebooks").glob("*.ipynb")):

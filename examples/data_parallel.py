@@ -13,7 +13,9 @@ with ``--xla_force_host_platform_device_count=8`` before JAX starts):
    optimizer moments split over the mesh too.
 
 All three print the same losses and clipper metrics as one device would, read
-with ``clipjax.metrics``.
+with ``clipjax.metrics``. For several processes (one per host), see the
+"Multiple hosts" guide (``docs/multi_host.md``): the same sharded ``jit`` step,
+with ``jax.distributed.initialize`` first.
 
 Usage::
 

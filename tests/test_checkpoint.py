@@ -7,11 +7,14 @@ array leaves: checkpoints do not store it and a restore takes it from the
 target state, so the target must come from ``tx.init`` on the same model.
 A state restored into another model's target fails clearly (at restore, or at
 the first ``update`` when only the clipper's ``[groups]`` arrays differ).
+The recipes of docs/checkpointing.md run as written, and a jitted step
+compiles once across a save and a restore.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -161,6 +164,75 @@ def test_nnx_optimizer_orbax_resumes_bit_identically(tmp_path: Path) -> None:
         nnx_step(new_model, new_opt, batch)
     assert_trees_equal(nnx.state((new_model, new_opt)), expected, "resumed nnx run")
     assert int(clipjax.metrics(new_opt.opt_state)["hist_clip/global/step"]) == TOTAL
+
+
+# --- no second compilation after a restore ------------------------------------
+
+
+def test_orbax_restore_of_a_placed_state_does_not_recompile_the_step(tmp_path: Path) -> None:
+    # orbax restores committed arrays; a state placed with device_put before the
+    # first step presents the same arguments to jit before and after the restore.
+    tx = optax.chain(all_clippers(NNX_CLIPPERS), optax.adam(1e-2))
+    step = jax.jit(train_step(tx))
+    data = list(batches(TOTAL))
+    device = jax.devices()[0]
+    params, opt_state = jax.device_put((mlp_params(), tx.init(mlp_params())), device)
+    for batch in data[:SPLIT]:
+        params, opt_state, _ = step(params, opt_state, batch)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", (params, opt_state))
+        checkpointer.wait_until_finished()
+        target_state = (params, tx.init(params))
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target_state)
+        params, opt_state = checkpointer.restore(tmp_path / "ckpt", abstract)
+    for batch in data[SPLIT : SPLIT + 5]:
+        params, opt_state, _ = step(params, opt_state, batch)
+    assert step._cache_size() == 1
+
+
+@pytest.mark.slow
+def test_unplaced_state_recompiles_after_an_orbax_restore(tmp_path: Path) -> None:
+    # The cause the docs name: without the placement, the restored (committed)
+    # arguments differ from tx.init's (uncommitted) ones and jit compiles again.
+    tx = optax.chain(clipjax.zclip(warmup_steps=2), optax.adam(1e-2))
+    step = jax.jit(train_step(tx))
+    data = list(batches(SPLIT + 5))
+    params, opt_state = mlp_params(), tx.init(mlp_params())
+    for batch in data[:SPLIT]:
+        params, opt_state, _ = step(params, opt_state, batch)
+    assert not any(leaf.committed for leaf in jax.tree.leaves(opt_state))
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", (params, opt_state))
+        checkpointer.wait_until_finished()
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, (params, opt_state))
+        params, opt_state = checkpointer.restore(tmp_path / "ckpt", abstract)
+    assert all(leaf.committed for leaf in jax.tree.leaves(opt_state))
+    for batch in data[SPLIT:]:
+        params, opt_state, _ = step(params, opt_state, batch)
+    assert step._cache_size() == 2
+
+
+def python_blocks(page: Path) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M)
+
+
+@pytest.mark.slow
+def test_checkpointing_page_runs_and_compiles_each_step_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    page = Path(__file__).resolve().parents[1] / "docs" / "checkpointing.md"
+    blocks = python_blocks(page)
+    assert len(blocks) == 2
+    monkeypatch.chdir(tmp_path)  # the page saves under ./checkpoints
+    plain: dict[str, Any] = {}
+    exec(compile(blocks[0], f"{page}:plain", "exec"), plain)  # asserts _cache_size() == 1
+    assert plain["train_step"]._cache_size() == 1
+    assert int(clipjax.metrics(plain["opt_state"])["zclip/hidden/step"]) == 15
+    nnx_page: dict[str, Any] = {}
+    exec(compile(blocks[1], f"{page}:nnx", "exec"), nnx_page)
+    assert nnx_page["train_step"].jitted_fn._cache_size() == 1
+    assert int(clipjax.metrics(nnx_page["optimizer"].opt_state)["zclip/hidden/step"]) == 15
+    assert os.path.isdir(tmp_path / "checkpoints" / "nnx_step_10")
 
 
 # --- a state that does not belong to the model --------------------------------

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,8 @@ def make_stream(case: str, seed: int = 0) -> tuple[list[dict[str, np.ndarray]], 
         losses[[25, 40]] = [10.0, 2.6]
     elif case == "norm_spike":
         norms[[4, 25, 41]] = [30.0, 20.0, 2.0]  # step 4: gate still closed, taken
+    elif case == "burst":
+        norms[25:29] = 20.0
     elif case == "both":
         norms[[25, 30]] = [20.0, 10.0]
         losses[[25, 35]] = [10.0, 8.0]
@@ -105,12 +108,27 @@ def reference(
     sigma: float = SIGMA,
     min_history: int = MIN_HISTORY,
     max_consecutive_skips: int | None = None,
+    feedback: str = "clipped",
 ) -> list[dict[str, Any]]:
-    """The rule in float64 NumPy, step by step: decision, thresholds, buffers after."""
+    """The rule in float64 NumPy, step by step: decision, thresholds, buffers after.
+
+    ``feedback``: what enters a buffer, for a finite value x with threshold
+    T: ``"clipped"`` min(x, T) on every step (x itself on a forced step);
+    ``"skip"`` x on taken steps only; ``"raw"`` x on every step.
+    """
     grad_buffer: list[float] = []
     value_buffer: list[float] = []
+    seen = {"grad": 0, "value": 0}
     consecutive = 0
     out = []
+
+    def observe(buffer: list[float], key: str, x: float, th: float, skip: bool, forced: bool):
+        if not np.isfinite(x) or (feedback == "skip" and skip):
+            return buffer
+        if feedback == "clipped" and not forced:
+            x = min(x, th)
+        seen[key] += 1
+        return [*buffer, x][-window:]
 
     def threshold(buffer: list[float]) -> float:
         if len(buffer) < min_history:
@@ -123,19 +141,20 @@ def reference(
         value_threshold = np.inf if v is None else threshold(value_buffer)
         finite = np.isfinite(g) and (v is None or np.isfinite(v))
         spike = g > grad_threshold or (v is not None and v > value_threshold)
+        forced = False
         if max_consecutive_skips is not None and consecutive >= max_consecutive_skips:
+            forced = finite and spike
             spike = False
         skip = not finite or spike
-        if skip:
-            consecutive += 1
-        else:
-            consecutive = 0
-            grad_buffer = [*grad_buffer, g][-window:]
-            if v is not None:
-                value_buffer = [*value_buffer, v][-window:]
+        consecutive = consecutive + 1 if skip else 0
+        grad_buffer = observe(grad_buffer, "grad", g, grad_threshold, skip, forced)
+        if v is not None:
+            value_buffer = observe(value_buffer, "value", v, value_threshold, skip, forced)
         out.append(
             {
                 "skipped": skip,
+                "grad_seen": seen["grad"],
+                "value_seen": seen["value"],
                 "grad_threshold": grad_threshold,
                 "value_threshold": value_threshold,
                 "consecutive_skips": consecutive,
@@ -202,6 +221,7 @@ CASES = [
     ("norm_spike", True, None),
     ("norm_spike", False, None),
     ("both", True, None),
+    ("burst", False, None),
     ("nan_loss", True, None),
     ("nan_grad", True, None),
     ("nan_grad", False, None),
@@ -211,17 +231,20 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("feedback", ["clipped", "skip", "raw"])
 @pytest.mark.parametrize(
     ("case", "with_value", "max_skips"),
     CASES,
     ids=[f"{c}-{'value' if v else 'novalue'}-{k}" for c, v, k in CASES],
 )
 def test_decisions_match_the_float64_restatement(
-    case: str, with_value: bool, max_skips: int | None
+    case: str, with_value: bool, max_skips: int | None, feedback: str
 ) -> None:
     grads, losses = make_stream(case)
     values = losses if with_value else None
-    ref = reference([norm64(g) for g in grads], values, max_consecutive_skips=max_skips)
+    ref = reference(
+        [norm64(g) for g in grads], values, max_consecutive_skips=max_skips, feedback=feedback
+    )
     assert min(r["margin"] for r in ref) > 1e-4, "a step too close to its threshold"
     tx = clipjax.skip_on_spike(
         optax.sgd(1.0),
@@ -229,6 +252,7 @@ def test_decisions_match_the_float64_restatement(
         sigma=SIGMA,
         min_history=MIN_HISTORY,
         max_consecutive_skips=max_skips,
+        feedback=feedback,
     )
     skips = []
     for t, ((updates, state), r) in enumerate(zip(run(tx, grads, values), ref)):
@@ -246,16 +270,19 @@ def test_decisions_match_the_float64_restatement(
         assert m["step"] == t + 1
         assert m["skipped_count"] == sum(skips)
         assert m["count"] == t + 1 - sum(skips)
-        assert state.grad_norm_seen == m["count"]
+        assert state.grad_norm_seen == r["grad_seen"]
+        if feedback == "skip":
+            assert state.grad_norm_seen == m["count"]
         np.testing.assert_allclose(
-            held(state.grad_norm_window, int(state.grad_norm_seen)), r["grad_buffer"], rtol=1e-6
+            held(state.grad_norm_window, int(state.grad_norm_seen)), r["grad_buffer"], rtol=1e-5
         )
         assert np.all(np.isfinite(state.grad_norm_window))
         if with_value:
             np.testing.assert_allclose(
-                held(state.value_window, int(state.value_seen)), r["value_buffer"], rtol=1e-7
+                held(state.value_window, int(state.value_seen)), r["value_buffer"], rtol=1e-5
             )
             assert np.all(np.isfinite(state.value_window))
+            assert state.value_seen == r["value_seen"]
         else:
             assert state.value_seen == 0 and not np.any(state.value_window)
         if r["skipped"]:
@@ -264,12 +291,19 @@ def test_decisions_match_the_float64_restatement(
         else:
             for k in SHAPES:
                 np.testing.assert_array_equal(updates[k], -grads[t][k])
+    if feedback != "skip":
+        # A lasting shift is learnt: training goes on under "clipped" and "raw".
+        if case == "shift":
+            assert not any(skips[-10:]), skips
+        assert sum(skips) <= {"shift": 20}.get(case, 4), skips
+        return
     # Each scenario actually exercises what it is named after.
     expected_skips = {
         "clean": 0,
         "loss_spike": 2 if with_value else 0,
         "norm_spike": 2,
         "both": 2 + with_value,
+        "burst": 4,
         "nan_loss": 4 if with_value else 0,
         "nan_grad": 3,
         "shift": STEPS - 30 if max_skips is None else None,
@@ -619,24 +653,120 @@ def test_orbax_checkpoint_continues_bit_identically(tmp_path: Path) -> None:
     assert tree_equal(jax.device_get(train(*restored, range(28, STEPS))), jax.device_get(final))
 
 
+def full_size_copies(hlo: str, shapes: set[tuple[int, ...]]) -> int:
+    """The ``copy`` instructions of compiled HLO text whose shape is one of ``shapes``."""
+    count = 0
+    for line in hlo.splitlines():
+        match = re.search(r"= [a-z0-9]+\[([\d,]*)\][^ ]* copy\(", line)
+        if match and tuple(int(x) for x in match.group(1).split(",") if x) in shapes:
+            count += 1
+    return count
+
+
+def compiled_train_step(tx: optax.GradientTransformation) -> Any:
+    """A donated training step: gradients of a small regression, update, apply."""
+    params = {f"layer{i}": {"w": jnp.full((64, 64), 0.01), "b": jnp.zeros(64)} for i in range(4)}
+    x = jnp.ones((8, 64))
+
+    def loss_fn(p: Any) -> jax.Array:
+        h = x
+        for layer in p.values():
+            h = jnp.tanh(h @ layer["w"] + layer["b"])
+        return jnp.mean(h**2)
+
+    def step(p: Any, state: Any) -> tuple[Any, Any]:
+        loss, grads = jax.value_and_grad(loss_fn)(p)
+        updates, state = tx.update(grads, state, p, value=loss)
+        return optax.apply_updates(p, updates), state
+
+    traced = jax.jit(step, donate_argnums=(0, 1)).lower(params, tx.init(params))
+    return traced.compile(), 4 * sum(v.size for v in jax.tree.leaves(params))
+
+
+def bytes_accessed(compiled: Any) -> float:
+    analysis = compiled.cost_analysis()
+    return (analysis[0] if isinstance(analysis, list) else analysis)["bytes accessed"]
+
+
+@pytest.mark.parametrize(
+    "inner",
+    [optax.adam(1e-3), optax.chain(clipjax.zclip(), optax.adamw(1e-3))],
+    ids=["adam", "chain_zclip_adamw"],
+)
+def test_the_donated_step_copies_no_optimizer_state(inner: optax.GradientTransformation) -> None:
+    compiled, _ = compiled_train_step(clipjax.skip_on_spike(inner))
+    assert full_size_copies(compiled.as_text(), {(64, 64), (64,)}) == 0
+
+
 @pytest.mark.skipif(
     version_of(jax) < (0, 5),
     reason="bytes accessed are calibrated on jaxlib >= 0.5's cost analysis",
 )
-def test_a_taken_step_costs_the_inner_update_plus_one_read_of_the_gradients() -> None:
-    params = {"w": jnp.zeros((256, 256), jnp.float32), "b": jnp.zeros((256,), jnp.float32)}
-    grads = jax.tree.map(jnp.ones_like, params)
-    grad_bytes = sum(x.nbytes for x in jax.tree.leaves(grads))
+def test_a_taken_step_costs_the_norm_and_one_round_trip_of_the_updates() -> None:
+    """Over adam: the norm (as any global clipper), plus the conditional's boundary.
 
-    def bytes_accessed(tx: optax.GradientTransformation, **kwargs: Any) -> float:
-        step = jax.jit(lambda g, s: tx.update(g, s, params, **kwargs))
-        compiled = step.lower(grads, tx.init(params)).compile()
-        return compiled.cost_analysis()["bytes accessed"]
+    The inner update runs under ``lax.cond``, so its updates are written out and
+    read back instead of fusing into ``apply_updates``: one write and one read.
+    """
+    adam, grad_bytes = compiled_train_step(optax.chain(optax.adam(1e-3)))
+    skip, _ = compiled_train_step(clipjax.skip_on_spike(optax.adam(1e-3)))
+    extra = (bytes_accessed(skip) - bytes_accessed(adam)) / grad_bytes
+    # 1.8 measured on jax 0.10.2 (XLA:CPU); 0.2's skipped-branch-first cond: 7.
+    assert 0.5 < extra <= 2.5, extra
 
-    adam = bytes_accessed(optax.adam(1e-3))
-    for kwargs in ({}, {"value": jnp.float32(1.0)}):
-        skip = bytes_accessed(clipjax.skip_on_spike(optax.adam(1e-3)), **kwargs)
-        assert 0.9 * grad_bytes < skip - adam < 1.2 * grad_bytes, (skip - adam) / grad_bytes
+
+# --------------------------------------------------------------------------- feedback
+
+
+def lognormal_shift(factor: float, steps: int = 400, at: int = 200, seed: int = 0) -> list[float]:
+    rng = np.random.default_rng(seed)
+    norms = np.exp(0.1 * rng.standard_normal(steps))
+    norms[at:] *= factor
+    return [float(np.float32(x)) for x in norms]
+
+
+@pytest.mark.parametrize(("factor", "most_skips"), [(10.0, 40), (50.0, 60)])
+def test_a_lasting_shift_is_learnt_within_the_steps_the_restatement_predicts(
+    factor: float, most_skips: int
+) -> None:
+    """Window 128, sigma 6, lognormal noise: "clipped" learns a x10 / x50 shift."""
+    norms = lognormal_shift(factor)
+    ref = reference(norms, None, window=128, sigma=6.0, min_history=64, feedback="clipped")
+    expected = [r["skipped"] for r in ref]
+    tx = clipjax.skip_on_spike(optax.sgd(1.0))
+    directions_ = directions(len(norms))
+    grads = [{k: v * np.float32(n) for k, v in d.items()} for d, n in zip(directions_, norms)]
+    got = [bool(s.metrics["skipped"][0]) for _, s in run(tx, grads, None)]
+    assert got == expected
+    assert not any(got[:200])  # nothing before the shift
+    skipped = sum(got)
+    assert 5 < skipped <= most_skips and not any(got[200 + most_skips :]), skipped
+    # Under "skip" the same shift stalls training for good.
+    stalled = reference(norms, None, window=128, sigma=6.0, min_history=64, feedback="skip")
+    assert all(r["skipped"] for r in stalled[200:])
+
+
+def test_a_skipped_step_reports_the_inner_clippers_as_idle() -> None:
+    inner = optax.chain(clipjax.zclip(warmup_steps=3, max_grad_norm=None), optax.adam(1e-3))
+    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
+    steps = spike_run(inner, params)
+    (_, before), (_, at) = steps[11], steps[12]
+    assert bool(at.metrics["skipped"][0])
+    found = clipjax.metrics(at)
+    assert float(found["zclip/global/grad_norm"]) == 0.0
+    assert float(found["zclip/global/scale"]) == 1.0
+    assert not bool(found["zclip/global/clipped"])
+    # Thresholds, statistics and counters as they stand; the state is untouched.
+    zclip_state = at.inner_state[0]
+    assert tree_equal(zclip_state, before.inner_state[0])
+    for field in ("threshold", "mean", "std", "step", "count"):
+        np.testing.assert_array_equal(found[f"zclip/global/{field}"], zclip_state.metrics[field][0])
+    # A taken step reports what the clipper did.
+    taken = clipjax.metrics(steps[13][1])
+    assert float(taken["zclip/global/grad_norm"]) > 0.0
+    # Inside jit too.
+    jitted = jax.jit(clipjax.metrics)(at)
+    assert float(jitted["zclip/global/grad_norm"]) == 0.0
 
 
 # --------------------------------------------------------------------------- arguments
@@ -660,6 +790,8 @@ def test_a_taken_step_costs_the_inner_update_plus_one_read_of_the_gradients() ->
         ({"name": ""}, "name"),
         ({"name": 3}, "name"),
         ({"axis_name": 3}, "axis_name"),
+        ({"feedback": "observe_first"}, "feedback"),
+        ({"feedback": None}, "feedback"),
     ],
 )
 def test_invalid_arguments_name_the_argument(kwargs: dict[str, Any], argument: str) -> None:
@@ -683,3 +815,18 @@ def test_default_min_history_is_half_the_window() -> None:
         states = [s for _, s in run(tx, grads[: gate + 1], losses[: gate + 1])]
         thresholds = [float(s.metrics["grad_threshold"][0]) for s in states]
         assert all(th == np.inf for th in thresholds[:gate]) and np.isfinite(thresholds[gate])
+
+
+@pytest.mark.parametrize("inner", [optax.adam, None, "adam"], ids=["factory", "none", "str"])
+def test_inner_must_be_a_transform(inner: Any) -> None:
+    with pytest.raises(TypeError, match="inner") as raised:
+        clipjax.skip_on_spike(inner)
+    if inner is optax.adam:
+        assert "call it" in str(raised.value)
+
+
+def test_integer_gradients_name_the_leaf() -> None:
+    tx = clipjax.skip_on_spike(optax.adam(1e-3))
+    params = {"w": jnp.ones(3), "steps": jnp.ones(2, jnp.int32)}
+    with pytest.raises(TypeError, match="steps"):
+        tx.update(params, tx.init(params), params)
