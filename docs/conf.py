@@ -285,10 +285,13 @@ PLACEHOLDERS = {
         "*The effectiveness table is generated: run `make demo` "
         "(`python examples/demo.py`) to produce it.*\n"
     ),
-    "lm_spikes.md": (
-        "*The language-model spike table is generated: run "
-        "`python examples/lm_spikes.py` to produce it.*\n"
-    ),
+    **{
+        f"lm_spikes_{config}.md": (
+            "*The language-model spike table is generated: run "
+            f"`python examples/lm_spikes.py --config {config}` to produce it.*\n"
+        )
+        for config in ("cpu", "gpu")
+    },
 }
 
 

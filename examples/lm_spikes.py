@@ -1,7 +1,7 @@
 """Natural loss spikes in a small language model, and what each clipper does about them.
 
-A byte-level transformer (plain JAX: 4 pre-LayerNorm blocks, d_model 256,
-learned positions, no QK norm) learns to predict the Python standard library's
+A byte-level transformer (plain JAX: pre-LayerNorm blocks, learned positions,
+no QK norm) learns to predict the Python standard library's
 own sources -- the ``*.py`` files directly under
 ``sysconfig.get_paths()["stdlib"]``, sorted by name; every tenth file is held
 out -- with ``optax.adamw`` (b2 = 0.999) at a learning rate high enough that,
@@ -11,31 +11,36 @@ comment above ``Config`` gives the evidence). Each setting is one optax
 transform; every setting trains the same seeds (a seed sets the initial
 weights and the batches), all seeds at once under ``jax.vmap``.
 
+Two sizes: ``--config gpu`` (the default; the configuration the comment above
+``Config`` describes, about five minutes for the table on one H200) and
+``--config cpu`` (2 layers, d_model 64, 400 steps, lr 1e-1, for two CPU cores).
+
 The model's loss and gradient are one jitted function compiled once for all
 settings; each setting adds one small jitted update that also reads, from
 ``clipjax.metrics(opt_state)``, whether the clipper clipped this step. The
-table gives the final held-out loss, loss set-backs and gradient spikes per
-run, steps clipped / skipped (skip_on_spike's ``skipped_count``), diverged
-runs and wall time. Under ``--out``: ``lm_spikes.md`` (the table, headed by the
-machine and the versions), ``lm_spikes.png`` (loss curves) and
-``lm_spikes.npz`` (per-step loss, gradient norm and clip flags of every run).
-
-On one H200 the whole table (17 settings x 3 seeds x 2000 steps) takes about
-five minutes: ~30 s for the first setting (compilation of the model), ~15 s
-for each next one. On a CPU, use ``--quick``.
+tables give, per seed, the final held-out loss and its ratio to the best
+static clip of the sweep, loss set-backs, the largest loss jump, gradient
+spikes, steps clipped and skipped (skip_on_spike's ``skipped_count``), and
+diverged runs. The script writes ``lm_spikes_<config>.md`` (the tables, headed
+by the command, machine, versions and date; rewritten after each setting) and
+``lm_spikes_<config>.png`` (loss curves) under ``--out`` (default
+``docs/generated``); ``--npz`` adds the per-step loss, gradient norm and clip
+flags of every run. Settings the installed clipjax does not offer are listed
+as unavailable.
 
 Usage::
 
-    python examples/lm_spikes.py                      # every setting, 3 seeds
-    python examples/lm_spikes.py --only none,zclip,adagc --seeds 2
-    python examples/lm_spikes.py --quick              # tiny model, a smoke test
-    python examples/lm_spikes.py --only none --static-sweep 0.25,0.5,1,2
-    python examples/lm_spikes.py --only none,low_lr --lr 3e-2 --set b2=0.99
+    python examples/lm_spikes.py --config gpu         # every setting, 3 seeds, one GPU
+    python examples/lm_spikes.py --config cpu         # the smaller model, two CPU cores
+    python examples/lm_spikes.py --config cpu --quick # 40 steps: a smoke test
+    python examples/lm_spikes.py --only none,zclip,adagc --seeds 2 --out /tmp/lm
+    python examples/lm_spikes.py --config cpu --only none --static-sweep 0.1,0.3,1
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import math
 import os
 import platform
@@ -96,11 +101,35 @@ class Config:
     b2: float = 0.999
     weight_decay: float = 0.1
     eps: float = 1e-8
+    static_sweep: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0)  # clip_by_global_norm max_norms
+    diverged_loss: float = 1.6  # a run ending above this held-out loss counts as diverged
 
 
-QUICK = Config(
-    d_model=32, n_layers=1, n_heads=2, context=32, batch=8, steps=40, eval_every=20, eval_windows=32
-)
+# --config gpu: the configuration above (one GPU, about five minutes for the table).
+# --config cpu: a model small enough for two CPU cores, at a learning rate ten
+# times the GPU one after a 5-step warm-up, so that its unclipped runs spike by
+# themselves too: unclipped (3 seeds, 400 steps) they end at 2.98 ± 0.10 with
+# 0.7 set-backs and 1.0 gradient spikes above 10x per run (largest set-back 0.26
+# nats); the same model at lr 3e-2 (d_model 32) never spiked, and d_model 32 at
+# lr 1e-1 stayed on a 3.0 plateau.
+CONFIGS = {
+    "gpu": Config(),
+    "cpu": Config(
+        d_model=64,
+        n_layers=2,
+        n_heads=2,
+        context=32,
+        batch=16,
+        steps=400,
+        eval_every=50,
+        eval_windows=64,
+        lr=1e-1,
+        warmup=5,
+        diverged_loss=4.0,
+    ),
+}
+# --quick: the same model as --config cpu, 40 steps: a smoke test, numbers mean nothing.
+QUICK_STEPS = 40
 
 # A gradient spike: a step whose global gradient norm exceeds GRAD_SPIKE times
 # the median of the SPIKE_WINDOW norms before it.
@@ -113,18 +142,11 @@ GRAD_SPIKE = 10.0
 SMOOTH = 20
 LOSS_SPIKE = 0.15
 # A diverged run: final held-out loss not finite, or above this many nats per
-# byte. Healthy runs end at 1.2-1.45; the plateau of a model that has learnt
-# only byte n-gram statistics is ~2.5.
-DIVERGED_LOSS = 1.6
-
-# clip_by_global_norm's max_norm for "static_tuned", the best of the sweep
-#   python examples/lm_spikes.py --only none --static-sweep 0.25,0.5,1,2
-# (H200, defaults above, final held-out loss mean ± std over 3 seeds):
-#   0.25: 1.311 ± 0.015   0.5: 1.310 ± 0.003   1: 1.271 ± 0.028   2: 1.275 ± 0.026
-# (unclipped: 1.823 ± 0.283; lr x 0.3 unclipped: 1.186 ± 0.012). The best is
-# optax's customary 1.0, so "static_tuned" and "static_1" coincide here; both
-# rows are kept so that the table reads the same for another configuration.
-STATIC_TUNED = 1.0
+# byte: Config.diverged_loss (GPU configuration: healthy runs end at 1.2-1.45,
+# the plateau of a model that has learnt only byte n-gram statistics is ~2.5).
+# A loss jump: a batch loss divided by the median of the JUMP_WINDOW batch
+# losses before it; the table gives the largest over a setting's runs.
+JUMP_WINDOW = 50
 
 
 class Setting(NamedTuple):
@@ -165,47 +187,78 @@ def static(max_norm: float) -> Setting:
     )
 
 
+def recommended() -> optax.GradientTransformation:
+    """The clipper the documentation recommends (the "recommended" row)."""
+    return clipjax.zclip(max_grad_norm=None, warmup_steps=10)
+
+
+RECOMMENDED = "zclip(max_grad_norm=None, warmup_steps=10)"
+
+
+def skipping(about: str, inner: Callable[[Config], Any], **kwargs: Any) -> Setting:
+    return Setting(lambda cfg: clipjax.skip_on_spike(inner(cfg), **kwargs), about, needs_value=True)
+
+
 SETTINGS: dict[str, Setting] = {
     "none": Setting(adamw, "adamw alone"),
-    "low_lr": Setting(
-        lambda cfg: adamw(cfg, cfg.lr * cfg.low_lr_factor), "adamw alone at lr x low_lr_factor"
+    "recommended": Setting(clipped_adamw(recommended), f"{RECOMMENDED}, then adamw"),
+    "skip_recommended": skipping(
+        f"skip_on_spike(chain({RECOMMENDED}, adamw)) (defaults)",
+        lambda cfg: optax.chain(recommended(), adamw(cfg)),
     ),
-    "static_1": static(1.0),
-    "static_tuned": static(STATIC_TUNED),
-    "autoclip": Setting(clipped_adamw(clipjax.autoclip), "autoclip() (defaults), then adamw"),
-    "zscore_clip": Setting(
-        clipped_adamw(clipjax.zscore_clip), "zscore_clip() (defaults), then adamw"
-    ),
+    "skip": skipping("skip_on_spike(adamw) (defaults)", adamw),
     "zclip": Setting(clipped_adamw(clipjax.zclip), "zclip() (defaults), then adamw"),
-    "hist_clip": Setting(clipped_adamw(clipjax.hist_clip), "hist_clip() (defaults), then adamw"),
     "autoclip_fb": Setting(
         clipped_adamw(lambda: clipjax.autoclip(feedback="clipped")),
         'autoclip(feedback="clipped"), then adamw',
     ),
+    "autoclip_fb_window": Setting(
+        clipped_adamw(lambda: clipjax.autoclip(feedback="clipped", history="window")),
+        'autoclip(feedback="clipped", history="window") (median and std of the last 100), '
+        "then adamw",
+    ),
     "zscore_clip_fb": Setting(
         clipped_adamw(lambda: clipjax.zscore_clip(feedback="clipped")),
         'zscore_clip(feedback="clipped"), then adamw',
-    ),
-    "zclip_fb": Setting(
-        clipped_adamw(lambda: clipjax.zclip(feedback="clipped")),
-        'zclip(feedback="clipped") (= its default), then adamw',
     ),
     "hist_clip_fb": Setting(
         clipped_adamw(lambda: clipjax.hist_clip(feedback="clipped")),
         'hist_clip(feedback="clipped"), then adamw',
     ),
     "adagc": Setting(clipped_adamw(lambda: clipjax.adagc()), "adagc() (defaults), then adamw"),
-    "skip": Setting(
-        lambda cfg: clipjax.skip_on_spike(adamw(cfg)),
-        "skip_on_spike(adamw) (defaults)",
-        needs_value=True,
+    "low_lr": Setting(
+        lambda cfg: adamw(cfg, cfg.lr * cfg.low_lr_factor), "adamw alone at lr x low_lr_factor"
     ),
-    "skip_zclip": Setting(
-        lambda cfg: clipjax.skip_on_spike(optax.chain(clipjax.zclip(), adamw(cfg))),
+    "zclip_fb": Setting(
+        clipped_adamw(lambda: clipjax.zclip(feedback="clipped")),
+        'zclip(feedback="clipped") (= its default), then adamw',
+    ),
+    "autoclip": Setting(clipped_adamw(clipjax.autoclip), "autoclip() (defaults), then adamw"),
+    "zscore_clip": Setting(
+        clipped_adamw(clipjax.zscore_clip), "zscore_clip() (defaults), then adamw"
+    ),
+    "hist_clip": Setting(clipped_adamw(clipjax.hist_clip), "hist_clip() (defaults), then adamw"),
+    "skip_zclip": skipping(
         "skip_on_spike(chain(zclip(), adamw)) (defaults)",
-        needs_value=True,
+        lambda cfg: optax.chain(clipjax.zclip(), adamw(cfg)),
+    ),
+    "skip_fb_skip": skipping(
+        'skip_on_spike(adamw, feedback="skip") (0.2\'s behaviour)', adamw, feedback="skip"
     ),
 }
+
+
+def static_name(max_norm: float) -> str:
+    return f"static_{max_norm:g}"
+
+
+def settings_for(cfg: Config) -> dict[str, Setting]:
+    """Every setting of the table, in the order they run: adamw alone, the static
+    clip sweep (the reference of the "x best static" column), then the rest."""
+    out = dict(list(SETTINGS.items())[:1])
+    out.update({static_name(v): static(v) for v in cfg.static_sweep})
+    out.update(list(SETTINGS.items())[1:])
+    return out
 
 
 # ----------------------------------------------------------------------------- data
@@ -419,10 +472,20 @@ def spike_events(loss: np.ndarray, grad_norm: np.ndarray) -> tuple[int, float, i
     return events, largest, grad_spikes
 
 
+def largest_jump(loss: np.ndarray) -> float:
+    """The largest batch loss over the median of the JUMP_WINDOW batch losses before it
+    (inf once the loss is not finite)."""
+    if not np.isfinite(loss).all():
+        return math.inf
+    ratios = [loss[t] / np.median(loss[t - JUMP_WINDOW : t]) for t in range(JUMP_WINDOW, len(loss))]
+    return float(max(ratios, default=1.0))
+
+
 class Summary(NamedTuple):
     final: np.ndarray  # [seeds] final held-out loss
     events: np.ndarray  # [seeds] loss spikes
     largest: np.ndarray  # [seeds] largest set-back (nats)
+    jump: np.ndarray  # [seeds] largest loss jump (ratio)
     grad_spikes: np.ndarray  # [seeds]
     clipped: np.ndarray  # [seeds] steps on which the clipper clipped
     skipped: np.ndarray | None  # [seeds] skip_on_spike's skipped_count
@@ -430,7 +493,7 @@ class Summary(NamedTuple):
     seconds: float
 
 
-def summarize(run: Run) -> Summary:
+def summarize(run: Run, cfg: Config) -> Summary:
     final = run.eval_loss[:, -1]
     spikes = [spike_events(loss, norm) for loss, norm in zip(run.loss, run.grad_norm)]
     skipped = run.metrics.get("skip_on_spike/global/skipped_count")
@@ -438,10 +501,11 @@ def summarize(run: Run) -> Summary:
         final=final,
         events=np.array([e for e, _, _ in spikes]),
         largest=np.array([j for _, j, _ in spikes]),
+        jump=np.array([largest_jump(loss) for loss in run.loss]),
         grad_spikes=np.array([g for _, _, g in spikes]),
         clipped=run.clipped.sum(axis=1),
         skipped=None if skipped is None else skipped.reshape(len(final), -1)[:, 0],
-        diverged=int(np.sum(~np.isfinite(final) | (final > DIVERGED_LOSS))),
+        diverged=int(np.sum(~np.isfinite(final) | (final > cfg.diverged_loss))),
         seconds=run.seconds,
     )
 
@@ -456,139 +520,226 @@ def mean_spread(x: np.ndarray, fmt: str = ".3f") -> str:
     return f"{np.mean(x):{fmt}} ± {np.std(x):{fmt}}"
 
 
-HEADER = [
+def per_seed(x: np.ndarray, fmt: str) -> str:
+    return " / ".join(f"{v:{fmt}}" for v in x)
+
+
+# Two tables, so that each fits a documentation column.
+LOSS_HEADER = ["setting", "final held-out loss", "x best static", "per seed", "diverged"]
+SPIKE_HEADER = [
     "setting",
-    "final held-out loss",
-    "loss spikes / run",
+    "loss spikes",
     "largest set-back",
-    "grad spikes / run",
+    "largest jump",
+    "grad spikes",
     "steps clipped",
     "steps skipped",
-    "diverged",
     "wall s",
 ]
 
 
-def table_rows(runs: dict[str, Run], seeds: int) -> list[list[str]]:
-    rows = []
-    for name, run in runs.items():
-        s = summarize(run)
-        rows.append(
+def best_static(summaries: dict[str, Summary]) -> tuple[str, float] | None:
+    """The static_<max_norm> row with the lowest mean final held-out loss."""
+    means = {
+        name: float(np.mean(s.final))
+        for name, s in summaries.items()
+        if name.startswith("static_") and np.all(np.isfinite(s.final))
+    }
+    if not means:
+        return None
+    name = min(means, key=means.get)
+    return name, means[name]
+
+
+def table_rows(
+    summaries: dict[str, Summary], missing: list[str], seeds: int
+) -> tuple[list[list[str]], list[list[str]]]:
+    best = best_static(summaries)
+    loss_rows, spike_rows = [], []
+    for name, s in summaries.items():
+        ratio = "-" if best is None else f"{np.mean(s.final) / best[1]:.3f}"
+        loss_rows.append(
+            [name, mean_spread(s.final), ratio, per_seed(s.final, ".3f"), f"{s.diverged} / {seeds}"]
+        )
+        spike_rows.append(
             [
                 name,
-                mean_spread(s.final),
-                mean_spread(s.events.astype(float), ".1f"),
+                per_seed(s.events, "d"),
                 f"{np.max(s.largest):.2f}",
-                mean_spread(s.grad_spikes.astype(float), ".1f"),
-                mean_spread(s.clipped.astype(float), ".0f"),
-                "-" if s.skipped is None else mean_spread(s.skipped.astype(float), ".0f"),
-                f"{s.diverged} / {seeds}",
+                f"x{np.max(s.jump):.2f}",
+                per_seed(s.grad_spikes, "d"),
+                per_seed(s.clipped, "d"),
+                "-" if s.skipped is None else per_seed(s.skipped.astype(int), "d"),
                 f"{s.seconds:.0f}",
             ]
         )
-    return rows
+    for name in missing:
+        loss_rows.append([name, "unavailable", *["-"] * (len(LOSS_HEADER) - 2)])
+        spike_rows.append([name, "unavailable", *["-"] * (len(SPIKE_HEADER) - 2)])
+    return loss_rows, spike_rows
 
 
-def print_table(rows: list[list[str]]) -> None:
-    lines = [HEADER, *rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER))]
+def print_table(header: list[str], rows: list[list[str]]) -> None:
+    lines = [header, *rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     lines.insert(1, ["-" * w for w in widths])
     for line in lines:
         cells = [line[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(line[1:], widths[1:])]
         print("  ".join(cells))
 
 
-def environment() -> str:
+def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
+
+
+def machine() -> str:
+    """The CPU model (or accelerator kind) and core count; no host name."""
     device = jax.devices()[0]
-    kind = getattr(device, "device_kind", device.platform)
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    text = f"{cpu}, {os.cpu_count()} cores"
+    if device.platform != "cpu":
+        kind = getattr(device, "device_kind", device.platform)
+        text = f"{jax.device_count()} x {kind} ({device.platform}); host: {text}"
+    return text
+
+
+def versions() -> str:
+    def version(package: str) -> str:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
     return (
-        f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs); "
-        f"device: {device.platform} {kind} x{jax.device_count()}; "
-        f"Python {platform.python_version()}, jax {jax.__version__}, optax {optax.__version__}, "
+        f"Python {platform.python_version()}, jax {jax.__version__}, "
+        f"jaxlib {version('jaxlib')}, optax {optax.__version__}, flax {version('flax')}, "
         f"clipjax {clipjax.__version__}, numpy {np.__version__}"
     )
 
 
+def command(argv: list[str]) -> str:
+    """The command line, without --out (where the page goes does not change it)."""
+    shown, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--out":
+            skip = True
+        elif not arg.startswith("--out="):
+            shown.append(arg)
+    return " ".join(["python examples/lm_spikes.py", *shown])
+
+
+def table_notes(cfg: Config) -> str:
+    return f"""\
+*final held-out loss*: mean ± std over seeds of the next-byte cross-entropy (nats) on the
+held-out files after the last step; *x best static*: that mean over the best mean of the
+static_<max_norm> rows (the static clip sweep); *diverged*: final held-out loss NaN or above
+{cfg.diverged_loss:g}. *loss spikes*: the batch loss averaged over {SMOOTH} steps rises more
+than {LOSS_SPIKE} nats above its lowest value so far (a set-back; it ends once back within
+{LOSS_SPIKE / 3:.2f}); *largest set-back*: the largest such rise over all seeds, in nats;
+*largest jump*: the largest batch loss over the median of the {JUMP_WINDOW} batch losses
+before it, over all seeds. *grad spikes*: steps whose raw gradient norm exceeds
+{GRAD_SPIKE:g}x the median of the {SPIKE_WINDOW} before it. *steps clipped*: steps on which
+the clipper scaled a gradient down, read every step from `clipjax.metrics(opt_state)` (for
+optax.clip_by_global_norm: global norm above max_norm). *steps skipped*:
+`skip_on_spike/global/skipped_count` of the final state. Figures separated by `/` are per
+seed. *wall s*: all seeds (vmapped), compilation included. *unavailable*: a setting the
+installed clipjax does not offer."""
+
+
 def markdown(
-    runs: dict[str, Run], rows: list[list[str]], cfg: Config, seeds: list[int], text_info: str
+    config: str,
+    summaries: dict[str, Summary],
+    missing: dict[str, str],
+    settings: dict[str, Setting],
+    cfg: Config,
+    seeds: list[int],
+    text_info: str,
+    argv: list[str],
+    figure: str | None,
 ) -> str:
-    names = [row[0] for row in rows]
-    per_seed = []
-    for name, run in runs.items():
-        s = summarize(run)
-        cells = [
-            f"{f:.3f} / {e} / {j:.2f} / {g} / {c}"
-            for f, e, j, g, c in zip(s.final, s.events, s.largest, s.grad_spikes, s.clipped)
-        ]
-        per_seed.append(f"- `{name}`: " + "; ".join(cells))
+    loss_rows, spike_rows = table_rows(summaries, list(missing), len(seeds))
+    best = best_static(summaries)
+    names = [*summaries, *missing]
     lines = [
-        "# Natural loss spikes in a byte-level transformer",
+        f"# Natural loss spikes, {config.upper()} configuration",
         "",
-        f"Machine: {environment()}",
+        f"Command: `{command(argv)}`",
         "",
-        f"Command: `{' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}`",
+        f"Machine: {machine()}",
         "",
-        f"Model: {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads, context "
-        f"{cfg.context}, batch {cfg.batch}; adamw(lr {cfg.lr:g}, b1 {cfg.b1:g}, b2 {cfg.b2:g}, "
-        f"weight decay {cfg.weight_decay:g}), {cfg.warmup} warm-up steps then constant; "
-        f"{cfg.steps} steps; seeds {seeds}. Data: {text_info}.",
+        f"Versions: {versions()}",
         "",
-        "| " + " | ".join(HEADER) + " |",
-        "|" + "|".join(["---"] + ["---:"] * (len(HEADER) - 1)) + "|",
-        *("| " + " | ".join(row) + " |" for row in rows),
+        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
-        TABLE_NOTES,
+        f"Model: byte-level transformer, {cfg.n_layers} layers, d_model {cfg.d_model}, "
+        f"{cfg.n_heads} heads, context {cfg.context}, batch {cfg.batch}; adamw(lr {cfg.lr:g}, "
+        f"b1 {cfg.b1:g}, b2 {cfg.b2:g}, weight decay {cfg.weight_decay:g}), {cfg.warmup} "
+        f"warm-up steps then constant; {cfg.steps} steps; seeds {seeds}. Data: {text_info}.",
         "",
-        "Settings:",
+        f"## Final held-out loss, {config.upper()} configuration",
         "",
-        *(f"- `{name}`: {SETTINGS[name].about}" for name in names),
+        *markdown_table(LOSS_HEADER, loss_rows),
         "",
-        "Per seed (final held-out loss / loss spikes / largest set-back / grad spikes / "
-        "steps clipped):",
+        *([] if best is None else [f"Best static clip: `{best[0]}` ({best[1]:.3f}).", ""]),
+        f"## Spikes, clipping and skipping, {config.upper()} configuration",
         "",
-        *per_seed,
+        *markdown_table(SPIKE_HEADER, spike_rows),
+        "",
+        table_notes(cfg),
+        "",
+        f"## Settings, {config.upper()} configuration",
+        "",
+        *(f"- `{name}`: {settings[name].about}" for name in names),
         "",
     ]
+    if figure:
+        lines += [
+            f"![held-out loss and batch loss of every setting, {config} configuration]({figure})",
+            "",
+        ]
     return "\n".join(lines)
 
 
-TABLE_NOTES = f"""\
-final held-out loss: mean ± std over seeds of the next-byte cross-entropy (nats) on the held-out
-files after the last step. loss spike: the batch loss averaged over {SMOOTH} steps rises more
-than {LOSS_SPIKE} nats above its lowest value so far (a set-back; it ends once back within
-{LOSS_SPIKE / 3:.2f}); largest set-back: the largest such rise over all seeds, in nats. grad spike:
-a step whose gradient norm exceeds {GRAD_SPIKE:g}x the median of the {SPIKE_WINDOW} before it
-(the raw gradient, before any clipping). steps clipped: steps on which the clipper scaled a
-gradient down, read every step from `clipjax.metrics(opt_state)` (for optax.clip_by_global_norm:
-global norm above max_norm). steps skipped: `skip_on_spike/global/skipped_count` of the final
-state. diverged: final held-out loss NaN or above {DIVERGED_LOSS}. wall s: all seeds (vmapped),
-compilation included."""
-
-
 def plot(path: Path, runs: dict[str, Run], cfg: Config) -> None:
-    """Top: held-out loss of every setting (mean over seeds). Below: one panel per
-    setting with each seed's batch loss."""
+    """Top: held-out loss of every setting (mean over seeds), one colour and line
+    style per setting. Below: one panel per setting with each seed's batch loss."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(runs)
-    cols = min(4, len(names))
+    cols = min(5, len(names))
     grid_rows = math.ceil(len(names) / cols)
-    fig = plt.figure(figsize=(4.2 * cols, 4.5 + 2.6 * grid_rows), layout="constrained")
-    grid = fig.add_gridspec(1 + grid_rows, cols, height_ratios=[1.6] + [1] * grid_rows)
+    fig = plt.figure(figsize=(3.6 * cols, 5.0 + 2.3 * grid_rows), layout="constrained")
+    grid = fig.add_gridspec(1 + grid_rows, cols, height_ratios=[2.2] + [1] * grid_rows)
     finite = np.concatenate([r.loss[np.isfinite(r.loss)] for r in runs.values()])
     floor = float(np.min(finite)) if len(finite) else 1.0
+    colours = plt.get_cmap("tab20").colors
 
     ax = fig.add_subplot(grid[0, :])
-    for name, run in runs.items():
-        style = {"color": "black", "linewidth": 2} if name == "none" else {"linewidth": 1.2}
+    for i, (name, run) in enumerate(runs.items()):
+        style = {"color": colours[i % 20], "linestyle": ["-", "--", ":"][i // 20 % 3]}
+        if name == "none":
+            style = {"color": "black", "linewidth": 2}
         ax.plot(run.eval_steps, np.nanmean(run.eval_loss, axis=0), label=name, **style)
     ax.set(yscale="log", xlabel="step", ylabel="held-out loss (nats/byte)")
     ax.set_ylim(0.9 * floor, 6.0)
     ax.set_title("Held-out loss, mean over seeds")
-    ax.legend(ncol=6, fontsize="small")
+    ax.legend(ncol=5, fontsize="small")
 
     steps = np.arange(cfg.steps)
     for i, (name, run) in enumerate(runs.items()):
@@ -599,7 +750,7 @@ def plot(path: Path, runs: dict[str, Run], cfg: Config) -> None:
         ax.set_title(name, fontsize="medium")
         if i % cols == 0:
             ax.set_ylabel("batch loss")
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
@@ -613,20 +764,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "Settings: " + "; ".join(f"{n}: {s.about}" for n, s in SETTINGS.items()),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    parser.add_argument(
+        "--config",
+        choices=sorted(CONFIGS),
+        default="gpu",
+        help="gpu: 4 layers, d_model 256, 2000 steps (one GPU); cpu: 2 layers, d_model 64, "
+        "400 steps (two CPU cores)",
+    )
     parser.add_argument("--seeds", type=int, default=3, help="seeds per setting (0, 1, ...)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per run (default 2000)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (config's)")
     parser.add_argument("--only", default=None, help="comma-separated settings (default: all)")
-    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-2)")
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (config's)")
     parser.add_argument(
         "--static-sweep",
         default=None,
-        help="comma-separated max_norm values: adds one optax.clip_by_global_norm setting "
-        "(static_<value>) per value, to tune STATIC_TUNED",
+        help="comma-separated max_norm values of the static clip sweep (static_<value> rows; "
+        "default: the config's, 0.25,0.5,1,2); with --only, adds these rows to the named ones",
     )
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="tiny model, 60 steps: a smoke test, numbers mean nothing",
+        help=f"{QUICK_STEPS} steps, small eval: a smoke test, numbers mean nothing",
     )
     parser.add_argument(
         "--set",
@@ -635,10 +793,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="FIELD=VALUE",
         help="override a model/optimizer field of Config (e.g. --set n_layers=2 --set b2=0.99)",
     )
-    parser.add_argument("--out", type=Path, default=Path("lm_out"), help="output folder")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).resolve().parents[1] / "docs" / "generated",
+        help="folder of lm_spikes_<config>.md and .png",
+    )
+    parser.add_argument(
+        "--npz", action="store_true", help="also write lm_spikes_<config>.npz (per-step curves)"
+    )
     args = parser.parse_args(argv)
 
-    cfg = QUICK if args.quick else Config()
+    cfg = CONFIGS[args.config]
+    if args.quick:
+        cfg = replace(cfg, steps=QUICK_STEPS, eval_every=QUICK_STEPS // 2, eval_windows=32)
     if args.steps is not None:
         if args.steps < 1:
             parser.error("--steps must be positive")
@@ -650,85 +818,126 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         cfg = replace(cfg, lr=args.lr)
     for item in args.set:
         field, _, value = item.partition("=")
-        if field not in Config.__dataclass_fields__ or not value:
+        if field not in Config.__dataclass_fields__ or field == "static_sweep" or not value:
             parser.error(f"--set takes FIELD=VALUE with FIELD in {', '.join(vars(cfg))}")
         cfg = replace(cfg, **{field: type(getattr(cfg, field))(float(value))})
     cfg = replace(cfg, warmup=min(cfg.warmup, cfg.steps // 4))
     if args.seeds < 1:
         parser.error("--seeds must be positive")
-    args.cfg = cfg
 
-    sweep = []
+    sweep = None
     if args.static_sweep:
         try:
-            sweep = [float(v) for v in args.static_sweep.split(",") if v.strip()]
+            sweep = tuple(float(v) for v in args.static_sweep.split(",") if v.strip())
         except ValueError:
             parser.error(f"--static-sweep takes comma-separated numbers, not {args.static_sweep!r}")
-        for value in sweep:
-            SETTINGS[f"static_{value:g}"] = static(value)
+        if not sweep or min(sweep) <= 0:
+            parser.error("--static-sweep takes positive numbers")
+        cfg = replace(cfg, static_sweep=sweep)
+    args.cfg = cfg
+    args.settings = settings_for(cfg)
     if args.only is None:
-        names = [n for n in SETTINGS if not sweep or n.startswith("static_")]
-        if sweep:
-            names = [f"static_{v:g}" for v in sweep]
+        names = list(args.settings)
     else:
         names = [n.strip() for n in args.only.split(",") if n.strip()]
-        names += [f"static_{v:g}" for v in sweep]
-    unknown = [n for n in names if n not in SETTINGS]
+        names += [static_name(v) for v in sweep or ()]
+    unknown = [n for n in names if n not in args.settings]
     if unknown or not names:
-        parser.error(f"unknown setting {', '.join(unknown)!r}; choose from {', '.join(SETTINGS)}")
+        parser.error(
+            f"unknown setting {', '.join(unknown)!r}; choose from {', '.join(args.settings)}"
+        )
     args.names = list(dict.fromkeys(names))
     return args
 
 
-def main(argv: list[str] | None = None) -> dict[str, Run]:
-    args = parse_args(argv)
+def write_page(
+    args: argparse.Namespace,
+    runs: dict[str, Run],
+    missing: dict[str, str],
+    text_info: str,
+    argv: list[str],
+    figure: bool = False,
+) -> None:
+    """lm_spikes_<config>.md with the settings run so far (rewritten after each, so
+    that the rows already measured survive an interrupted run); at the end, also
+    the figure and, with --npz, the curves."""
     cfg, seeds = args.cfg, list(range(args.seeds))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"lm_spikes_{args.config}"
+    if figure and runs:
+        plot(args.out / f"{stem}.png", runs, cfg)
+    summaries = {name: summarize(run, cfg) for name, run in runs.items()}
+    page = markdown(
+        args.config,
+        summaries,
+        missing,
+        args.settings,
+        cfg,
+        seeds,
+        text_info,
+        argv,
+        f"{stem}.png" if figure and runs else None,
+    )
+    (args.out / f"{stem}.md").write_text(page)
+    if figure and args.npz:
+        np.savez_compressed(
+            args.out / f"{stem}.npz",
+            **{
+                f"{name}/{field}": getattr(run, field)
+                for name, run in runs.items()
+                for field in ("loss", "grad_norm", "clipped", "eval_steps", "eval_loss")
+            },
+        )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Run]:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    cfg, seeds, settings = args.cfg, list(range(args.seeds)), args.settings
     train_text, held_out, files = load_text()
     text_info = (
         f"{len(files)} top-level .py files of the Python {platform.python_version()} standard "
         f"library, {len(train_text):,} bytes to train on, {len(held_out):,} held out"
     )
-    print(environment())
+    print(f"{machine()}; {versions()}")
     print(f"{text_info}; {len(args.names)} settings x {len(seeds)} seeds x {cfg.steps} steps.")
     model = build_model(cfg, jnp.asarray(train_text), jnp.asarray(held_out_windows(held_out, cfg)))
 
     runs: dict[str, Run] = {}
     missing: dict[str, str] = {}
     total = len(args.names) * cfg.steps
-    with tqdm(total=total, unit="step", desc="training", dynamic_ncols=True) as progress:
+    # Progress bars only on a terminal: a log gets one line per setting.
+    bar = sys.stderr.isatty()
+    with tqdm(
+        total=total, unit="step", desc="training", dynamic_ncols=True, disable=not bar
+    ) as progress:
         for name in args.names:
             try:
-                SETTINGS[name].make(cfg)
+                settings[name].make(cfg)
             except (AttributeError, TypeError, ValueError) as error:
-                # An API this clipjax does not have yet (feedback=, adagc, skip_on_spike).
+                # An API this clipjax does not have (feedback=, adagc, skip_on_spike).
                 missing[name] = f"{type(error).__name__}: {error}"
-                tqdm.write(f"skipping {name}: {missing[name]}")
+                tqdm.write(f"unavailable {name}: {missing[name]}")
                 progress.update(cfg.steps)
                 continue
-            runs[name] = train(name, SETTINGS[name], cfg, seeds, model, progress)
-    rows = table_rows(runs, len(seeds))
-    rows += [[name, "unavailable", *["-"] * (len(HEADER) - 2)] for name in missing]
+            runs[name] = train(name, settings[name], cfg, seeds, model, progress)
+            if not bar:
+                final = np.asarray(runs[name].eval_loss[:, -1])
+                print(f"{name}: final held-out {per_seed(final, '.3f')}", flush=True)
+            write_page(args, runs, missing, text_info, argv)
+    write_page(args, runs, missing, text_info, argv, figure=True)
+    summaries = {name: summarize(run, cfg) for name, run in runs.items()}
+    loss_rows, spike_rows = table_rows(summaries, list(missing), len(seeds))
     print()
-    print_table(rows)
+    print_table(LOSS_HEADER, loss_rows)
     print()
-    print(TABLE_NOTES)
+    print_table(SPIKE_HEADER, spike_rows)
+    print()
+    print(table_notes(cfg))
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "lm_spikes.md").write_text(markdown(runs, rows, cfg, seeds, text_info))
-    if runs:
-        plot(args.out / "lm_spikes.png", runs, cfg)
-    np.savez_compressed(
-        args.out / "lm_spikes.npz",
-        **{
-            f"{name}/{field}": getattr(run, field)
-            for name, run in runs.items()
-            for field in ("loss", "grad_norm", "clipped", "eval_steps", "eval_loss")
-        },
-    )
     total_s = sum(r.seconds for r in runs.values())
-    print(
-        f"\nWrote lm_spikes.md, .png and .npz (per-step curves) under {args.out} ({total_s:.0f} s)."
-    )
+    stem = f"lm_spikes_{args.config}"
+    print(f"\nWrote {stem}.md and .png under {args.out} ({total_s:.0f} s).")
     return runs
 
 

@@ -1,9 +1,10 @@
-"""examples/lm_spikes.py: a --quick run writes the table and the figure for every setting."""
+"""examples/lm_spikes.py: the CPU configuration's --quick run writes its page and figure."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,30 +42,69 @@ def load_script():
     return module
 
 
-def test_quick_run_writes_table_and_figure(tmp_path: Path) -> None:
-    # One setting without clipjax metrics (optax's static clip), one with.
-    names = ["static_1", "zclip"]
+@pytest.mark.slow
+def test_cpu_quick_run_writes_the_page(tmp_path: Path) -> None:
+    # One setting without clipjax metrics (optax's static clip, from the sweep), one
+    # with, one inside skip_on_spike; --npz adds the per-step curves.
+    names = ["none", "recommended", "skip"]
     result = run_script(
-        "--quick", "--seeds", "2", "--only", ",".join(names), "--out", str(tmp_path)
-    )
+        "--config", "cpu", "--quick", "--seeds", "2", "--only", ",".join(names),
+        "--static-sweep", "1", "--npz", "--out", str(tmp_path),
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    table = (tmp_path / "lm_spikes.md").read_text()
-    assert "Machine:" in table and "jax " in table
-    rows = {
-        line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")
-    }
-    assert "setting" in rows
-    for name in names:
-        assert name in rows, table
-        assert "unavailable" not in rows[name]
-        assert rows[name].count("|") == rows["setting"].count("|")
+    page = (tmp_path / "lm_spikes_cpu.md").read_text()
+    # What produced it, and nothing about where: no machine paths, no output folder.
+    command = "python examples/lm_spikes.py --config cpu --quick --seeds 2"
+    assert f"Command: `{command}" in page
+    assert "--out" not in page and str(tmp_path) not in page
+    # An absolute or home path starts a word with "/" or "~/" followed by a name
+    # (per-seed figures are separated by " / ", metric names hold "a/b").
+    assert not re.search(r"(?<![\w.])(~?/)[A-Za-z_]", page), page
+    assert "Machine:" in page and "Date: 20" in page
+    for package in ("jax ", "jaxlib ", "optax ", "flax ", "clipjax "):
+        assert package in page.split("Versions:")[1].splitlines()[0], package
+    headings = [line for line in page.splitlines() if line.startswith("#")]
+    assert len(headings) == len(set(headings)) >= 3
+    tables = [line for line in page.splitlines() if line.startswith("| ")]
+    rows = {}
+    for line in tables:
+        rows.setdefault(line.split("|")[1].strip(), []).append(line)
+    for name in [*names, "static_1"]:
+        assert len(rows[name]) == 2, page  # one row in each table
+        assert "unavailable" not in rows[name][0]
         assert name in result.stdout
-    assert (tmp_path / "lm_spikes.png").stat().st_size > 10_000
-    curves = np.load(tmp_path / "lm_spikes.npz")
-    assert curves["zclip/loss"].shape == (2, 40)
-    assert np.isfinite(curves["zclip/eval_loss"]).all()
+    # Per-seed figures: the final loss of both seeds in the loss table.
+    assert rows["recommended"][0].split("|")[4].count(" / ") == 1
+    assert "Best static clip: `static_1`" in page
+    assert "(lm_spikes_cpu.png)" in page
+    assert (tmp_path / "lm_spikes_cpu.png").stat().st_size > 10_000
+    curves = np.load(tmp_path / "lm_spikes_cpu.npz")
+    assert curves["recommended/loss"].shape == (2, 40)
+    assert np.isfinite(curves["recommended/eval_loss"]).all()
     # Read from the optimizer state every step: at most one per step and seed.
-    assert 0 <= curves["zclip/clipped"].sum() <= 2 * 40
+    assert 0 <= curves["recommended/clipped"].sum() <= 2 * 40
+    # static_1 clips exactly the steps whose raw norm exceeds 1.
+    np.testing.assert_array_equal(curves["static_1/clipped"], curves["static_1/grad_norm"] > 1.0)
+
+
+def test_command_and_unavailable_rows() -> None:
+    lm = load_script()
+    assert lm.command(["--config", "cpu", "--out", "/x/y", "--seeds", "3"]) == (
+        "python examples/lm_spikes.py --config cpu --seeds 3"
+    )
+    assert lm.command(["--out=/x"]) == "python examples/lm_spikes.py"
+    names = list(lm.settings_for(lm.CONFIGS["cpu"]))
+    assert names[:5] == ["none", "static_0.25", "static_0.5", "static_1", "static_2"]
+    for required in (
+        "autoclip", "autoclip_fb", "autoclip_fb_window", "zscore_clip", "zscore_clip_fb",
+        "zclip", "zclip_fb", "hist_clip", "hist_clip_fb", "adagc", "low_lr",
+        "skip", "skip_recommended", "recommended",
+    ):  # fmt: skip
+        assert required in names
+    loss_rows, spike_rows = lm.table_rows({}, ["skip_fb_skip"], 3)
+    assert loss_rows[0][:2] == ["skip_fb_skip", "unavailable"]
+    assert len(loss_rows[0]) == len(lm.LOSS_HEADER)
+    assert len(spike_rows[0]) == len(lm.SPIKE_HEADER)
 
 
 def test_help_and_bad_setting() -> None:
@@ -93,3 +133,14 @@ def test_spike_measures_on_synthetic_curves() -> None:
     # A NaN ends the measures at the first non-finite loss.
     loss[300:] = np.nan
     assert lm.spike_events(loss, norm)[0] == 1
+    assert lm.largest_jump(loss) == np.inf
+
+
+def test_largest_jump_against_a_direct_computation() -> None:
+    lm = load_script()
+    rng = np.random.default_rng(0)
+    loss = 2.0 + 0.05 * rng.standard_normal(300)
+    loss[150] = 3.1
+    expected = max(loss[t] / np.median(loss[t - 50 : t]) for t in range(50, 300))
+    assert lm.largest_jump(loss) == pytest.approx(expected)
+    assert lm.largest_jump(loss) == pytest.approx(3.1 / np.median(loss[100:150]))
