@@ -47,6 +47,7 @@ import platform
 import sys
 import sysconfig
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -164,6 +165,13 @@ class Setting(NamedTuple):
     about: str
     needs_value: bool = False
     static_max_norm: float | None = None
+
+
+def clipjax_metrics(opt_state: Any) -> dict[str, Any]:
+    """``clipjax.metrics``; ``{}`` without a warning for the baselines (no clipjax state)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return clipjax.metrics(opt_state)
 
 
 def adamw(cfg: Config, lr: float | None = None) -> optax.GradientTransformation:
@@ -399,7 +407,7 @@ def train(
         params = optax.apply_updates(params, updates)
         grad_norm = optax.global_norm(grads)
         # The clipper's decisions of this step, read from the optimizer state.
-        metrics = clipjax.metrics(opt_state)
+        metrics = clipjax_metrics(opt_state)
         skipped = metrics.get("skip_on_spike/global/skipped", jnp.zeros((), bool)) > 0
         if setting.static_max_norm is not None:
             clipped = grad_norm > setting.static_max_norm
@@ -434,7 +442,7 @@ def train(
             progress.set_postfix_str(f"{name}: held-out {np.nanmean(np.asarray(evals[-1])):.3f}")
             progress.update(cfg.eval_every)
     loss, grad_norm, clipped = np.moveaxis(np.stack(jax.device_get(records), axis=-1), 1, 0)
-    metrics = {k: np.asarray(v) for k, v in clipjax.metrics(opt_state).items()}
+    metrics = {k: np.asarray(v) for k, v in clipjax_metrics(opt_state).items()}
     seconds = time.perf_counter() - start_time
     return Run(
         loss=loss,
