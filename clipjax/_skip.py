@@ -201,9 +201,9 @@ def skip_on_spike(
 
     Raises:
       TypeError: ``inner`` is not a transform (e.g. the factory
-        ``optax.adam`` itself, or None), or, at ``update``, a gradient leaf is
-        not a float array.
-      ValueError: a hyperparameter is out of range.
+        ``optax.adam`` itself, or None).
+      ValueError: a hyperparameter is out of range, or, at ``update``, a
+        gradient leaf is not a float array (the error names the leaf).
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -273,7 +273,8 @@ def skip_on_spike(
         value: Any = None,
         **extra_args: Any,
     ) -> tuple[Any, Any]:
-        _check_float_leaves(updates, name or ALGO)
+        leaves, _, _ = _grouping.leaves_with_names(updates)
+        _grouping.check_inexact(leaves, _grouping.make_grouping(updates, "global"), name or ALGO)
         norm = global_norm(updates).astype(jnp.float32)
         has_value = value is not None
         loss = jnp.full((), jnp.nan, jnp.float32)
@@ -372,15 +373,3 @@ def _check_inner(inner: Any) -> None:
         "skip_on_spike: inner must be an optax GradientTransformation, an object with "
         f"init and update, got {inner!r}{hint}"
     )
-
-
-def _check_float_leaves(updates: Any, who: str) -> None:
-    leaves, paths, _ = _grouping.leaves_with_names(updates)
-    for leaf, path in zip(leaves, paths):
-        dtype = jnp.result_type(leaf)
-        if not jnp.issubdtype(dtype, jnp.inexact):
-            raise TypeError(
-                f"{who}: gradient leaf {_grouping.path_name(path)} has dtype {dtype}; "
-                "integer and boolean gradients are not supported (cast them to a float "
-                "dtype, or leave them out of the tree with optax.masked)."
-            )
