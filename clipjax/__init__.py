@@ -15,6 +15,7 @@ from clipjax._elementwise import (
     clip_by_value,
 )
 from clipjax._engine import ClipTransform
+from clipjax._fold import SkippableTransform, adam, adamw, chain
 from clipjax._grouping import path_name
 from clipjax._hist_clip import (
     Criterion,
@@ -56,14 +57,18 @@ __all__ = [
     "HistClipState",
     "NormalizePerParamState",
     "SkipOnSpikeState",
+    "SkippableTransform",
     "ZClipState",
     "ZScoreClipState",
     "ZScoreNormalizeState",
     "adagc",
+    "adam",
+    "adamw",
     "agc",
     "approx_percentile",
     "approx_relative_error",
     "autoclip",
+    "chain",
     "clip_by_global_norm",
     "clip_by_percentile",
     "clip_by_value",

@@ -198,8 +198,16 @@ def run_if(
     inner optimizer, hist_clip's warm-up clip). Where ``pred`` is False the
     returned updates are not ``tx``'s: the caller masks them.
 
-    Two routes, both free of full-size copies in the compiled step:
+    Three routes, all free of full-size copies in the compiled step:
 
+    * a transform with its own ``update_if`` (a
+      :class:`clipjax.SkippableTransform`: :func:`clipjax.adam`,
+      :func:`clipjax.adamw`, :func:`clipjax.chain`) folds ``pred`` into its
+      arithmetic: each moment is selected element-wise in the loop that
+      computes the update from it, and the updates come back zero where
+      ``pred`` is False. No conditional: the whole step fuses with
+      ``apply_updates`` and costs no pass over the updates beyond the
+      optimizer's own;
     * a clipjax transform holds only small ``[groups]`` arrays: it runs on
       every step and its state is selected. Its norms are the ones the caller
       computes anyway (XLA merges the identical reductions) and its scaling
@@ -215,6 +223,9 @@ def run_if(
       still writes the updates out and reads them back (it cannot fuse with
       ``apply_updates``): about two passes over the updates.
     """
+    update_if = getattr(tx, "update_if", None)
+    if update_if is not None:
+        return update_if(pred, updates, state, params, **extra_args)
     if isinstance(tx, ClipTransform):
         out, new_state = tx.update(updates, state, params, **extra_args)
         return out, jax.tree.map(lambda n, o: jnp.where(pred, n, o), new_state, state)

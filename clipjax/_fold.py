@@ -1,0 +1,300 @@
+"""Optimizers that can skip a step without a conditional.
+
+``clipjax.adam``, ``clipjax.adamw`` and ``clipjax.chain`` are optax's own
+(same state, same updates bit for bit) plus an ``update_if(pred, ...)`` that
+folds a skip into the update itself: every moment is selected element-wise
+(``where(pred, new, old)``) in the same fused loop that computes the update
+from the selected moments. :func:`clipjax.skip_on_spike` uses it instead of
+``lax.cond``, whose boundary costs about two extra passes over the updates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from clipjax import _engine
+
+Array = jax.Array
+
+
+class SkippableTransform(optax.GradientTransformationExtraArgs):
+    """An optax transform that can also skip a step: ``update_if``.
+
+    A ``SkippableTransform`` is an ``optax.GradientTransformationExtraArgs`` (a
+    named tuple of ``init`` and ``update``) and goes wherever optax takes a
+    transform. It adds one attribute, ``update_if(pred, updates, state,
+    params=None, **extra_args)``, where ``pred`` is a scalar bool:
+
+    * where ``pred`` is True it returns exactly what ``update`` returns;
+    * where ``pred`` is False it returns zero updates (each leaf in its
+      dtype) and the state as it was, bit for bit, even when the updates hold
+      NaN or infinite values.
+
+    The choice is made element-wise inside the update's own arithmetic, so
+    :func:`clipjax.skip_on_spike` around a ``SkippableTransform`` compiles to
+    one fused loop per leaf: no conditional, no extra pass over the updates.
+    :func:`clipjax.adam`, :func:`clipjax.adamw` and :func:`clipjax.chain`
+    return one.
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> tx = clipjax.adam(0.1)
+      >>> state = tx.init({"w": jnp.zeros(2)})
+      >>> updates, new = tx.update_if(False, {"w": jnp.array([jnp.nan, 1.0])}, state)
+      >>> updates["w"].tolist(), int(new[0].count)
+      ([0.0, 0.0], 0)
+    """
+
+    update_if: Callable[..., tuple[Any, Any]] | None = None
+
+
+def _skippable(
+    init: Callable[..., Any],
+    update: Callable[..., Any],
+    update_if: Callable[..., tuple[Any, Any]],
+) -> SkippableTransform:
+    tx = SkippableTransform(init, update)
+    tx.update_if = update_if
+    return tx
+
+
+def _zero_unless(pred: Array, tree: Any) -> Any:
+    return jax.tree.map(lambda x: jnp.where(pred, x, jnp.zeros((), x.dtype)), tree)
+
+
+def _selecting(tx: optax.GradientTransformation) -> SkippableTransform:
+    """A transform whose state is scalars: it runs every step, its state is selected.
+
+    For optax's stateless or count-only members (``scale``,
+    ``scale_by_schedule``, ``add_decayed_weights``): nothing full-size is
+    selected, and the update fuses with its neighbours.
+    """
+    tx = optax.with_extra_args_support(tx)
+
+    def update_if(
+        pred: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, Any]:
+        pred = jnp.asarray(pred, bool)
+        out, new_state = tx.update(updates, state, params, **extra_args)
+        new_state = jax.tree.map(lambda n, o: jnp.where(pred, n, o), new_state, state)
+        return _zero_unless(pred, out), new_state
+
+    return _skippable(tx.init, tx.update, update_if)
+
+
+def _scale_by_adam(
+    b1: Any, b2: Any, eps: Any, eps_root: Any, mu_dtype: Any, nesterov: bool
+) -> SkippableTransform:
+    """``optax.scale_by_adam`` with a folded ``update_if``.
+
+    The arithmetic is optax's own, in its order and through its public tree
+    helpers, so that a taken step is bit-identical to ``update``. What
+    differs: the moments and the count are selected before the update is
+    computed from them, so the new moments are written once and read by the
+    same loop (computing the update from the unselected moments makes XLA
+    copy them).
+    """
+    base = optax.with_extra_args_support(
+        optax.scale_by_adam(
+            b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov
+        )
+    )
+
+    def update_if(
+        pred: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, Any]:
+        del extra_args
+        pred = jnp.asarray(pred, bool)
+        # The state's dtypes after optax's own update (optax >= 0.2.6 casts nu
+        # back to its dtype; 0.2.5 does not).
+        out_state = jax.eval_shape(base.update, updates, state, params)[1]
+        grads = _zero_unless(pred, updates)
+        select = lambda n, o: jnp.where(pred, n, o)
+        mu = jax.tree.map(select, optax.tree.update_moment(grads, state.mu, b1, 1), state.mu)
+        nu = jax.tree.map(
+            select,
+            optax.tree.update_moment_per_elem_norm(grads, state.nu, b2, 2),
+            state.nu,
+        )
+        count = jnp.where(pred, optax.safe_increment(state.count), state.count)
+        if nesterov:
+            mu_hat = jax.tree.map(
+                lambda m, g: b1 * m + (1 - b1) * g,
+                optax.tree.bias_correction(mu, b1, optax.safe_increment(count)),
+                optax.tree.bias_correction(grads, b1, count),
+            )
+        else:
+            mu_hat = optax.tree.bias_correction(mu, b1, count)
+        nu_hat = optax.tree.bias_correction(nu, b2, count)
+        out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v + eps_root) + eps), mu_hat, nu_hat)
+        new_state = optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+        new_state = jax.tree.map(lambda x, like: x.astype(like.dtype), new_state, out_state)
+        return _zero_unless(pred, out), new_state
+
+    return _skippable(base.init, base.update, update_if)
+
+
+def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
+    """``optax.chain`` that can skip a step: see :class:`SkippableTransform`.
+
+    ``init`` and ``update`` are ``optax.chain(*transforms)``'s: the state is
+    the tuple of the members' states, and the updates are the same bit for
+    bit. ``update_if(pred, ...)`` passes ``pred`` to each member: a member
+    with its own ``update_if`` (:func:`clipjax.adamw`, a nested
+    ``clipjax.chain``) folds it in; a clipjax clipper runs and has its small
+    state selected; any other transform runs under ``lax.cond``. So
+    ``clipjax.chain(clipjax.zclip(), clipjax.adamw(1e-3))`` skips a step
+    without a conditional, while a chain holding ``optax.adam`` still works at
+    the cost of the conditional.
+
+    Args:
+      *transforms: the transforms to apply in order.
+
+    Returns:
+      A :class:`SkippableTransform`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, clipjax
+      >>> tx = clipjax.chain(clipjax.zclip(), clipjax.adamw(1e-3))
+      >>> params = {"w": jnp.ones(3)}
+      >>> state = tx.init(params)
+      >>> optax_state = optax.chain(clipjax.zclip(), optax.adamw(1e-3)).init(params)
+      >>> jax.tree.structure(state) == jax.tree.structure(optax_state)
+      True
+      >>> updates, state = tx.update_if(False, {"w": jnp.ones(3)}, state, params)
+      >>> updates["w"].tolist()
+      [0.0, 0.0, 0.0]
+    """
+    members = [optax.with_extra_args_support(t) for t in transforms]
+    base = optax.chain(*members)
+
+    def update_if(
+        pred: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, Any]:
+        pred = jnp.asarray(pred, bool)
+        if len(state) != len(members):
+            raise ValueError(
+                f"clipjax.chain has {len(members)} transforms but the state has {len(state)} "
+                "members: was it made by this chain's init?"
+            )
+        new_state = []
+        for member, member_state in zip(members, state):
+            updates, member_state = _engine.run_if(
+                pred, member, updates, member_state, params, **extra_args
+            )
+            new_state.append(member_state)
+        return _zero_unless(pred, updates), tuple(new_state)
+
+    return _skippable(base.init, base.update, update_if)
+
+
+def adam(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: Any = 0.9,
+    b2: Any = 0.999,
+    eps: Any = 1e-8,
+    eps_root: Any = 0.0,
+    mu_dtype: Any = None,
+    *,
+    nesterov: bool = False,
+) -> SkippableTransform:
+    """``optax.adam`` that can skip a step without a conditional.
+
+    The same optimizer as ``optax.adam`` with the same arguments: ``init``
+    returns optax's state (checkpoints interchange) and ``update`` gives the
+    same updates and state bit for bit. It adds ``update_if`` (see
+    :class:`SkippableTransform`), which :func:`clipjax.skip_on_spike` uses:
+    ``skip_on_spike(clipjax.adam(...))`` costs the gradient norm and nothing
+    more over Adam, where ``skip_on_spike(optax.adam(...))`` pays about two
+    extra passes over the updates for its ``lax.cond``.
+
+    Args:
+      learning_rate: a float or a schedule (``step -> float``).
+      b1: decay rate of the first moment.
+      b2: decay rate of the second moment.
+      eps: added to the denominator, outside the square root.
+      eps_root: added inside the square root.
+      mu_dtype: the first moment's dtype (None: that of the params).
+      nesterov: use Nesterov momentum (NAdam).
+
+    Returns:
+      A :class:`SkippableTransform`.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, clipjax
+      >>> params, grads = {"w": jnp.ones(2)}, {"w": jnp.array([0.5, -1.0])}
+      >>> ours, theirs = clipjax.adam(0.1), optax.adam(0.1)
+      >>> a, _ = ours.update(grads, ours.init(params))
+      >>> b, _ = theirs.update(grads, theirs.init(params))
+      >>> bool((a["w"] == b["w"]).all())
+      True
+      >>> tx = clipjax.skip_on_spike(clipjax.adam(0.1), window_size=4, min_history=2)
+
+    References:
+      Kingma and Ba, `Adam: A Method for Stochastic Optimization
+      <https://arxiv.org/abs/1412.6980>`_, 2014.
+    """
+    return chain(
+        _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov),
+        _selecting(optax.scale_by_learning_rate(learning_rate)),
+    )
+
+
+def adamw(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: Any = 0.9,
+    b2: Any = 0.999,
+    eps: Any = 1e-8,
+    eps_root: Any = 0.0,
+    mu_dtype: Any = None,
+    weight_decay: Any = 1e-4,
+    mask: Any = None,
+    *,
+    nesterov: bool = False,
+) -> SkippableTransform:
+    """``optax.adamw`` that can skip a step without a conditional.
+
+    The same optimizer as ``optax.adamw`` with the same arguments: ``init``
+    returns optax's state (checkpoints interchange) and ``update`` gives the
+    same updates and state bit for bit. It adds ``update_if`` (see
+    :class:`SkippableTransform`), which :func:`clipjax.skip_on_spike` uses:
+    ``skip_on_spike(clipjax.adamw(...))`` and
+    ``skip_on_spike(clipjax.chain(clipjax.zclip(), clipjax.adamw(...)))``
+    cost the gradient norm and nothing more over AdamW.
+
+    Args:
+      learning_rate: a float or a schedule (``step -> float``).
+      b1: decay rate of the first moment.
+      b2: decay rate of the second moment.
+      eps: added to the denominator, outside the square root.
+      eps_root: added inside the square root.
+      mu_dtype: the first moment's dtype (None: that of the params).
+      weight_decay: the decoupled weight decay rate (a schedule too, where the
+        installed optax takes one).
+      mask: a tree of bools (or a function of the params returning one): the
+        leaves to decay; None decays all.
+      nesterov: use Nesterov momentum (NAdamW).
+
+    Returns:
+      A :class:`SkippableTransform`.
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> tx = clipjax.adamw(1e-3, weight_decay=0.1)
+      >>> params = {"w": jnp.ones(2)}
+      >>> updates, state = tx.update({"w": jnp.ones(2)}, tx.init(params), params)
+
+    References:
+      Loshchilov and Hutter, `Decoupled Weight Decay Regularization
+      <https://arxiv.org/abs/1711.05101>`_, 2019.
+    """
+    return chain(
+        _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov),
+        _selecting(optax.add_decayed_weights(weight_decay, mask)),
+        _selecting(optax.scale_by_learning_rate(learning_rate)),
+    )
