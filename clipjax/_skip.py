@@ -145,10 +145,22 @@ def skip_on_spike(
     statistics and counters as they stand (the state itself is untouched).
     ``skip_on_spike/global/skipped`` says the step was skipped.
 
-    The decision is made on device: the inner update runs under
-    ``jax.lax.cond`` only on taken steps, and a skipped step passes the
-    gradients through and zeroes them with a select that fuses into the
-    parameter update. The compiled step copies no optimizer state.
+    The decision is made on device, and how the inner transform skips
+    depends on what it is:
+
+    * :func:`clipjax.adam`, :func:`clipjax.adamw` and :func:`clipjax.chain`
+      (optax's optimizers and chain, bit for bit, with the same state) fold
+      the decision into their moments element-wise (their ``update_if``).
+      ``skip_on_spike(clipjax.adamw(...))`` or
+      ``skip_on_spike(clipjax.chain(clipjax.zclip(...), clipjax.adamw(...)))``
+      then costs the gradient norm and nothing more: no conditional, no
+      copy, one fused loop per leaf with ``apply_updates``;
+    * clipjax clippers run every step and have their small state selected;
+    * any other transform (``optax.adamw(...)`` itself) runs under
+      ``jax.lax.cond`` only on taken steps, and a skipped step passes the
+      gradients through and zeroes them with a select that fuses into the
+      parameter update. The compiled step copies no optimizer state, but the
+      conditional's boundary costs about two extra passes over the updates.
 
     Differences from ``optax.apply_if_finite``: a non-finite step is skipped
     even after ``max_consecutive_skips`` (``apply_if_finite`` applies it after
@@ -171,7 +183,8 @@ def skip_on_spike(
 
     Args:
       inner: the transform to run on taken steps (an
-        ``optax.GradientTransformation``, e.g. ``optax.adamw(1e-3)``).
+        ``optax.GradientTransformation``, e.g. ``clipjax.adamw(1e-3)`` or
+        ``optax.adamw(1e-3)``).
       window_size: how many observed steps the buffers remember (an int >= 1).
       sigma: how many standard deviations above the mean is a spike (> 0).
       min_history: the number of buffered values before spikes are judged, an

@@ -166,7 +166,10 @@ API_PAGES = {
     "wrappers": (
         "Wrappers",
         "Transforms that wrap a whole optimizer.",
-        [("Skipping steps", ["skip_on_spike"])],
+        [
+            ("Skipping steps", ["skip_on_spike"]),
+            ("Optimizers that skip without a conditional", ["adam", "adamw", "chain"]),
+        ],
     ),
     "static": (
         "Static transforms",
@@ -189,10 +192,10 @@ API_PAGES = {
     ),
     "states": (
         "States and types",
-        "The transform type every clipper returns, and the state of each transform. "
+        "The transform types clipjax returns, and the state of each transform. "
         "States are NamedTuples of arrays with a fixed structure; read their metrics "
         "with :func:`clipjax.metrics`.",
-        [("Transform type", ["ClipTransform"]), ("States", [])],
+        [("Transform types", ["ClipTransform", "SkippableTransform"]), ("States", [])],
     ),
 }
 
