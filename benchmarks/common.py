@@ -191,6 +191,23 @@ def new_groups() -> list[Group]:
             f"clipjax.skip_on_spike({inner})": lambda m=make: clipjax.skip_on_spike(m()),
         }
         out.append(Group(f"skip_on_spike({inner})", configs, inner, inner, value=True))
+    # clipjax.adam / clipjax.chain: optax's, bit for bit, with the skip folded into the
+    # moments (update_if) instead of a lax.cond.
+    fold_adam = lambda: clipjax.adam(LR)
+    fold_chain = lambda: clipjax.chain(clipjax.zclip(warmup_steps=WARM), clipjax.adam(LR))
+    inner = "clipjax.adam"
+    configs = {
+        ADAM: adam,
+        inner: fold_adam,
+        f"clipjax.skip_on_spike({inner})": lambda: clipjax.skip_on_spike(fold_adam()),
+    }
+    out.append(Group(f"skip_on_spike({inner})", configs, inner, inner, value=True))
+    inner = "clipjax.chain(zclip, clipjax.adam)"
+    configs = {
+        inner: fold_chain,
+        f"clipjax.skip_on_spike({inner})": lambda: clipjax.skip_on_spike(fold_chain()),
+    }
+    out.append(Group(f"skip_on_spike({inner})", configs, inner, inner, value=True))
     return out
 
 
