@@ -4,13 +4,20 @@
 * ``update_if(False, ...)`` leaves the state bit-identical (also with NaN and
   infinite gradients) and returns zeros; ``update_if(True, ...)`` is ``update``.
 * ``skip_on_spike`` around them decides, updates and reports exactly as around
-  optax's own, and its compiled donated step has no conditional, no full-size
+  optax's own (op by op, and compiled without FMA; compiled with FMA, XLA
+  contracts multiply-adds differently in the two programs: the last bits
+  differ), and its compiled donated step has no conditional, no full-size
   copy, and reads no more bytes than the optimizer alone.
 """
 
 from __future__ import annotations
 
+import os
+import platform
 import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import chex
@@ -35,6 +42,7 @@ from test_skip_on_spike import (
 
 import clipjax
 
+ROOT = Path(__file__).resolve().parent.parent
 PARAMS = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(4, 3), "b": jnp.full((3,), 0.5)}
 SCHEDULE = optax.linear_schedule(1e-2, 1e-3, transition_steps=6)
 OPTIONS = [
@@ -179,7 +187,9 @@ def test_skip_on_spike_is_the_same_as_around_optax(ours: Any, theirs: Any) -> No
 
     Compiled, the conditional and the fold are different programs whose fused
     multiply-adds round differently (see
-    test_under_jit_a_taken_step_differs_from_update_by_fma_rounding_at_most).
+    test_under_jit_a_taken_step_differs_from_update_by_fma_rounding_at_most);
+    without FMA they agree bit for bit
+    (test_compiled_without_fma_skip_on_spike_is_optax_bit_for_bit).
     """
     grads, losses = spiky_stream()
     params = {k: jnp.full(s, 0.3, jnp.float32) for k, s in SHAPES.items()}
@@ -266,3 +276,44 @@ def test_lax_scan_traces_once_and_equals_the_loop() -> None:
     loop = run(tx, grads, losses, params)  # one compile: `run` asserts it
     assert list(np.asarray(skipped)) == [bool(s.metrics["skipped"][0]) for _, s in loop]
     assert tree_equal(jax.device_get(state.inner_state), loop[-1][1].inner_state)
+
+
+COMPILED_WITHOUT_FMA = """
+import jax.numpy as jnp, optax, clipjax
+from test_fold import SCHEDULE, SHAPES, skipping, spiky_stream
+from test_skip_on_spike import run, tree_equal
+grads, losses = spiky_stream()
+params = {k: jnp.full(s, 0.3, jnp.float32) for k, s in SHAPES.items()}
+ours = clipjax.chain(clipjax.zclip(warmup_steps=5), clipjax.adamw(SCHEDULE, weight_decay=0.1))
+theirs = optax.chain(clipjax.zclip(warmup_steps=5), optax.adamw(SCHEDULE, weight_decay=0.1))
+got, expected = (run(skipping(tx), grads, losses, params) for tx in (ours, theirs))
+print([t for t, (a, b) in enumerate(zip(got, expected)) if not tree_equal(a, b)])
+"""
+
+
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or version_of(jax) < (0, 5),
+    reason="--xla_cpu_max_isa names x86 instruction sets (jaxlib >= 0.5)",
+)
+def test_compiled_without_fma_skip_on_spike_is_optax_bit_for_bit() -> None:
+    """With XLA:CPU kept off FMA instructions, the compiled steps agree bit for bit.
+
+    So the compiled differences of test_skip_on_spike_is_the_same_as_around_optax
+    are the contraction of multiply-adds alone, not a different formula.
+    """
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_cpu_max_isa=SSE4_2",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", COMPILED_WITHOUT_FMA],
+        env=env,
+        cwd=ROOT / "tests",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
