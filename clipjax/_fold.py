@@ -64,7 +64,9 @@ def _skippable(
 
 
 def _zero_unless(pred: Array, tree: Any) -> Any:
-    return jax.tree.map(lambda x: jnp.where(pred, x, jnp.zeros((), x.dtype)), tree)
+    # zeros_like keeps a weakly typed leaf weak, so that the moments it feeds
+    # promote as they do in optax's own update.
+    return jax.tree.map(lambda x: jnp.where(pred, x, jnp.zeros_like(x)), tree)
 
 
 def _selecting(tx: optax.GradientTransformation) -> SkippableTransform:

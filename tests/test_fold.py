@@ -317,3 +317,29 @@ def test_compiled_without_fma_skip_on_spike_is_optax_bit_for_bit() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
+
+
+def test_composes_with_inject_hyperparams_multisteps_and_low_precision_params() -> None:
+    params = {"w": jnp.ones((3,), jnp.bfloat16), "v": jnp.ones((2, 2))}
+    g = {"w": jnp.full((3,), 0.5, jnp.float32), "v": jnp.full((2, 2), 0.5)}
+    pairs = [
+        (
+            optax.inject_hyperparams(clipjax.adamw)(learning_rate=0.1, weight_decay=0.01),
+            optax.inject_hyperparams(optax.adamw)(learning_rate=0.1, weight_decay=0.01),
+        ),
+        (optax.MultiSteps(clipjax.adam(0.1), 2), optax.MultiSteps(optax.adam(0.1), 2)),
+    ]
+    for ours, theirs in pairs:
+        chex.assert_trees_all_equal(
+            ours.update(g, ours.init(params), params), theirs.update(g, theirs.init(params), params)
+        )
+    # float32 gradients of bfloat16 params, and a weakly typed leaf (jnp.full of a Python
+    # float): the moments promote as in optax's update, the state keeps its dtypes.
+    tx = clipjax.adamw(0.1, mu_dtype=jnp.bfloat16)
+    state = tx.init(params)
+    with jax.disable_jit():
+        taken = tx.update_if(True, g, state, params)
+        chex.assert_trees_all_equal(taken, tx.update(g, state, params), strict=True)
+    skipped, kept = jax.jit(tx.update_if)(False, g, state, params)
+    chex.assert_trees_all_equal(kept, state, strict=True)
+    chex.assert_trees_all_equal(skipped, jax.tree.map(jnp.zeros_like, g), strict=True)
