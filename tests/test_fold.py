@@ -57,6 +57,9 @@ OPTIONS = [
     ("adamw", {"learning_rate": 1e-2, "mask": lambda p: jax.tree.map(lambda x: x.ndim > 1, p)}),
     ("adamw", {"learning_rate": SCHEDULE, "nesterov": True, "mu_dtype": jnp.bfloat16}),
 ]
+# A weight-decay schedule (its own count in the state), where the installed optax takes one.
+if jax.tree.leaves(optax.add_decayed_weights(SCHEDULE).init(PARAMS)):
+    OPTIONS.append(("adamw", {"learning_rate": 1e-2, "weight_decay": SCHEDULE}))
 IDS = [f"{name}-{i}" for i, (name, _) in enumerate(OPTIONS)]
 
 
