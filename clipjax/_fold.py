@@ -30,7 +30,10 @@ class SkippableTransform(optax.GradientTransformationExtraArgs):
     transform. It adds one attribute, ``update_if(pred, updates, state,
     params=None, **extra_args)``, where ``pred`` is a scalar bool:
 
-    * where ``pred`` is True it returns exactly what ``update`` returns;
+    * where ``pred`` is True it computes what ``update`` computes, in the
+      same order (compiled, XLA may fuse a multiply and an add into one
+      instruction differently in the two programs, so the last bit of a
+      value can differ);
     * where ``pred`` is False it returns zero updates (each leaf in its
       dtype) and the state as it was, bit for bit, even when the updates hold
       NaN or infinite values.

@@ -149,8 +149,10 @@ def skip_on_spike(
     depends on what it is:
 
     * :func:`clipjax.adam`, :func:`clipjax.adamw` and :func:`clipjax.chain`
-      (optax's optimizers and chain, bit for bit, with the same state) fold
-      the decision into their moments element-wise (their ``update_if``).
+      (optax's optimizers and chain, with the same state) fold the decision
+      into their moments element-wise (their ``update_if``); a taken step
+      computes what optax computes, in the same order, and equals it up to
+      the last bit of a fused multiply-add.
       ``skip_on_spike(clipjax.adamw(...))`` or
       ``skip_on_spike(clipjax.chain(clipjax.zclip(...), clipjax.adamw(...)))``
       then costs the gradient norm and nothing more: no conditional, no
