@@ -28,7 +28,7 @@ DOCS_OUT ?= build/docs
 help:
 	@echo "make demo       train a small model with injected gradient spikes (examples/demo.py)"
 	@echo "make notebooks  run notebooks/*.ipynb top to bottom; executed copies in build/notebooks/"
-	@echo "make test       ruff check, then pytest -m 'not slow' (tests/ and doctests; ~6 min on 2 cores)"
+	@echo "make test       ruff check, then pytest -m 'not slow' (tests/ and doctests; ~5 min on 2 cores)"
 	@echo "make test-all   ruff check, then every test: also notebooks, docs site, reference traces,"
 	@echo "                8-device and multi-process runs, long scans, examples, wheel (what CI runs)"
 	@echo "make test-min   the fast suite on the oldest declared jax, optax, chex, numpy ($(VENV_MIN))"
@@ -91,11 +91,11 @@ $(VENV_MIN)/.installed: pyproject.toml Makefile | $(BIN_MIN)/python
 # test` leaves them out, `make test-all` (and .ci/run) runs everything.
 test: $(VENV)/.installed
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -m "not slow"
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist worksteal -m "not slow"
 
 test-all: $(VENV)/.installed
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist worksteal
 
 # The fast suite (`-m "not slow"`): what it checks is what the oldest versions
 # must pass; the slow runs need flax, torch, the reference packages or Sphinx,
@@ -105,7 +105,7 @@ test-min: $(VENV_MIN)/.installed
 	$(BIN_MIN)/python -m pip --disable-pip-version-check freeze | grep -iE '^(jax|jaxlib|optax|chex|numpy)=='
 	# tests/parallel uses jax.shard_map (newer than jax 0.4.36): the 8-device
 	# tests run under `make test-all` only.
-	$(BIN_MIN)/python -m pytest -n $(PYTEST_WORKERS) -p no:cacheprovider -m "not slow" --ignore=tests/parallel --ignore=tests/multiprocess
+	$(BIN_MIN)/python -m pytest -n $(PYTEST_WORKERS) --dist worksteal -p no:cacheprovider -m "not slow" --ignore=tests/parallel --ignore=tests/multiprocess
 
 lint: $(VENV)/.installed-lint
 	$(BIN)/ruff check .

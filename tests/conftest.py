@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -205,6 +206,214 @@ SLOW_TESTS = {
     "test_flax.py::test_linen_train_state_trains_with_every_clipper": "a training run per clipper",
 }
 
+
+def _cases(test: str, ids: str, reason: str) -> dict[str, str]:
+    """SLOW_TESTS entries for some parametrizations of one test (ids space-separated)."""
+    return {f"{test}[{case}]": reason for case in ids.split()}
+
+
+# Parametrized tests whose other cases stay in the fast suite: every clipper
+# and wrapper keeps at least one case there (`make test` measured 9 min on 2
+# idle cores before these moved; `--durations=0` picked them). A case that
+# shares its compiled functions with another saves little: the compile moves
+# to whichever case runs first.
+SLOW_TESTS.update(
+    {
+        **_cases(
+            "test_contract.py::test_metrics_found_in_every_wrapper",
+            "zscore_normalize agc_per_layer agc zclip_per_param clip_by_value "
+            "clip_by_global_norm_inf",
+            "7 wrappers compiled",
+        ),
+        **_cases(
+            "test_bad_input.py::test_tree_map_params_keeps_names_and_metrics",
+            "agc_unitwise autoclip_per_layer adagc clip_by_percentile hist_clip_nested "
+            "zscore_normalize",
+            "a chain mapped and compiled per kind",
+        ),
+        **_cases(
+            "test_flax.py::test_nnx_optimizer_trains_with_every_clipper",
+            "hist_clip_ema_per_layer clip_by_percentile autoclip_window_per_layer agc_per_layer "
+            "zscore_clip zclip_per_layer autoclip_ema clip_by_value",
+            "a training run per clipper",
+        ),
+        **_cases(
+            "test_leaf_norms.py::test_leaf_norms_cost_no_second_pass",
+            "autoclip_window_per_layer hist_clip_ema_per_layer adagc autoclip hist_clip "
+            "clip_by_percentile agc_per_layer autoclip_ema zclip zscore_clip clip_by_value",
+            "XLA cost analysis per clipper",
+        ),
+        **_cases(
+            "test_leaf_norms.py::test_leaf_norms_are_the_pre_clip_leaf_norms",
+            "adagc autoclip_window_per_layer clip_by_percentile hist_clip_ema_per_layer "
+            "autoclip agc_per_layer autoclip_ema zscore_clip clip_by_value",
+            "compiled per clipper",
+        ),
+        **_cases(
+            "test_wrappers.py::test_inject_hyperparams_equals_the_clipper_built_with_those_values",
+            "hist_clip zscore_normalize autoclip_ema zscore_clip clip_by_value "
+            "clip_by_percentile agc_per_layer normalize_per_param",
+            "compiles per hyperparameter value",
+        ),
+        # Reference traces (torch and smartclip): each keeps two cases here.
+        **_cases(
+            "test_zclip.py::test_matches_zclip_step_by_step",
+            "default-constant default-regime_shift "
+            "clip_option=mean,max_grad_norm=5.0-regime_shift "
+            "clip_option=mean,max_grad_norm=5.0-spikes "
+            "clip_option=mean,max_grad_norm=5.0-constant "
+            "skip_update_on_spike=True,max_grad_norm=None-spikes "
+            "skip_update_on_spike=True,max_grad_norm=None-constant "
+            "max_grad_norm=None-spikes max_grad_norm=None-constant "
+            "mode=percentile,max_grad_norm=None-spikes mode=percentile,max_grad_norm=None-constant "
+            "alpha=0.9,z_thresh=2.0,clip_factor=0.7,warmup_steps=5,max_grad_norm=None-regime_shift "
+            "alpha=0.9,z_thresh=2.0,clip_factor=0.7,warmup_steps=5,max_grad_norm=None-constant",
+            "reference trace",
+        ),
+        **_cases(
+            "test_hist_clip.py::test_matches_drytorch_step_by_step",
+            "zstat-max-constant ema-max-spikes ema-max-regime_shift zstat-max-regime_shift "
+            "zstat-reciprocal-spikes ema-max-constant ema-reciprocal-constant "
+            "zstat-mean-regime_shift ema-reciprocal-spikes zstat-mean-constant "
+            "zstat-reciprocal-constant",
+            "reference trace",
+        ),
+        **_cases(
+            "test_autoclip.py::test_window_percentile_matches_smartclip",
+            "50-95.0-constant 1024-99.0-constant 1024-99.0-regime_shift 50-95.0-regime_shift "
+            "7-50.0-constant 1-100.0-spikes 1-100.0-regime_shift 7-50.0-regime_shift",
+            "reference trace",
+        ),
+        # float64 restatements: the fast suite keeps one case per behaviour.
+        **_cases(
+            "test_feedback.py::test_scopes_match_per_group_restatement",
+            "feedback-per_layer defaults-per_param feedback-per_param",
+            "per-group restatement, many groups",
+        ),
+        **_cases(
+            "test_skip_on_spike.py::test_decisions_match_the_float64_restatement",
+            "shift-novalue-3-raw shift-value-3-skip nan_grad-novalue-None-skip "
+            "shift-value-3-raw norm_spike-value-None-skip shift-novalue-3-skip "
+            "nan_loss-value-None-skip clean-value-None-skip clean-value-None-raw "
+            "nan_grad-novalue-None-raw nan_grad-value-None-raw both-value-None-raw "
+            "burst-novalue-None-raw loss_spike-value-None-raw norm_spike-novalue-None-raw "
+            "norm_spike-novalue-None-skip",
+            "restatement step by step",
+        ),
+        **_cases(
+            "test_forgetting.py::test_auto_window_matches_restatement",
+            "2-skip 16-skip 16-raw 2-clipped 16-clipped 2-observe_first 2-raw 16-observe_first",
+            "restatement step by step",
+        ),
+        **_cases(
+            "test_forgetting.py::test_judge_first_gate_defaults_to_ten",
+            "skip-autoclip raw-autoclip raw-zscore_clip skip-zscore_clip",
+            "restatement step by step",
+        ),
+        **_cases(
+            "test_geometric_quantile.py::test_converges_to_the_true_quantile",
+            "abs_normal-0.2 uniform-0.2 uniform-0.05 abs_normal-0.05 pareto-0.05 lognormal-0.2",
+            "thousands of steps",
+        ),
+        # Per-clipper contract checks: the scoped variants of a clipper that
+        # the fast suite runs at another scope.
+        **{
+            f"test_contract.py::{test}[{case}]": "a scoped variant, compiled"
+            for test in (
+                "test_no_host_transfer_inside_update",
+                "test_state_can_be_donated",
+                "test_scan_carry_and_single_trace",
+            )
+            for case in (
+                "hist_clip_ema_per_layer",
+                "autoclip_window",
+                "clip_by_global_norm_inf",
+                "autoclip_ema_per_param",
+                "agc_per_layer",
+                "normalize_per_param",
+                "zclip_per_param",
+            )
+        },
+        **_cases(
+            "test_feedback.py::test_feedback_matches_restatement",
+            "autoclip_geometric hist_ema zclip_cap zclip_mean zclip_percentile",
+            "restatement step by step (a variant of a clipper kept here)",
+        ),
+        **_cases(
+            "test_feedback.py::test_spike_moves_threshold_no_more_than_its_clip_value",
+            "hist_zstat zscore_clip",
+            "restatement step by step",
+        ),
+        **_cases(
+            "test_forgetting.py::test_judge_first_threshold_is_inf_before_first_observation",
+            "autoclip_all-raw autoclip_all-skip autoclip_ema-raw autoclip_ema-skip "
+            "autoclip_geometric-raw autoclip_geometric-skip autoclip_percentile-raw "
+            "autoclip_percentile-skip autoclip_window-raw autoclip_window-skip "
+            "zscore_clip-raw zscore_clip-skip",
+            "one case per statistic kept (clipped)",
+        ),
+        **_cases(
+            "test_elementwise.py::test_clip_by_percentile_exact_matches_numpy",
+            "global-5.0 per_param-10.0 per_param-100.0 per_param-95.0",
+            "a percentile per case",
+        ),
+        **_cases(
+            "test_stats.py::test_state_structure_never_changes",
+            "float64-ema float64-p2 float64-p2_smartclip float64-squantile float64-welford "
+            "float64-window",
+            "float64 variant of a float32 case",
+        ),
+        **_cases(
+            "test_bad_input.py::test_scope_callables_of_two_arguments_are_accepted",
+            "adagc agc clip_by_percentile clip_by_value hist_clip zscore_clip",
+            "compiled per clipper",
+        ),
+        **_cases(
+            "test_compat.py::test_zclip_nonfinite_step_reports_spike_boundary",
+            "inf-1.05-percentile inf-1.05-zscore inf-100.0-percentile nan-100.0-zscore "
+            "nan-1.05-percentile nan-100.0-percentile",
+            "compiled per case",
+        ),
+        **{
+            f"test_compat.py::test_every_clipper_runs_on_every_leaf_kind[{name}-": (
+                "a scoped variant, compiled per leaf kind"
+            )
+            for name in (
+                "agc_per_layer",
+                "autoclip_ema_per_param",
+                "autoclip_window",
+                "clip_by_global_norm_inf",
+                "hist_clip_ema_per_layer",
+                "normalize_per_param",
+                "zclip_per_param",
+            )
+        },
+        # Starts a subprocess with XLA:CPU kept off FMA instructions.
+        "test_fold.py::test_compiled_without_fma_skip_on_spike_is_optax_bit_for_bit": (
+            "subprocess"
+        ),
+        **_cases("test_compat.py::test_agc_axis_matches_optax", "None", "a large unitwise tree"),
+        **_cases("test_agc.py::test_unitwise_equals_optax", "0.001", "a long run against optax"),
+        **_cases(
+            "test_grouping.py::test_many_groups_compile_like_one", "per_param", "compiles twice"
+        ),
+    }
+)
+
+# Every contract test runs with and without jit (chex.variants). The fast
+# suite keeps both for `state_is_stable_and_dtypes_kept` (every clipper,
+# eagerly) and the jitted variant of the others; bfloat16 stands for the
+# low-precision dtypes.
+SLOW_PATTERNS = {
+    # float16 as well as bfloat16: bfloat16 stays for every clipper.
+    r"test_contract\.py::TestContractWithAndWithoutJit::test_low_precision_leaves_keep_dtype_"
+    r"(?!clip_by_global_norm_float16|zclip_float16|agc_float16).*_float16__with_jit$": (
+        "float16 variant"
+    ),
+    r"test_contract\.py::TestContractWithAndWithoutJit::"
+    r"test_(?!state_is_stable_and_dtypes_kept_).*__without_jit$": "eager variant",
+}
+
 _TESTS_DIR = Path(__file__).parent
 
 
@@ -216,5 +425,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         except ValueError:  # doctests under clipjax/
             continue
         node = relative + "::" + item.nodeid.split("::", 1)[-1] if "::" in item.nodeid else relative
-        if relative in SLOW_FILES or any(node.startswith(prefix) for prefix in SLOW_TESTS):
+        if (
+            relative in SLOW_FILES
+            or any(node.startswith(prefix) for prefix in SLOW_TESTS)
+            or any(re.match(pattern, node) for pattern in SLOW_PATTERNS)
+        ):
             item.add_marker(pytest.mark.slow)
