@@ -227,14 +227,24 @@ def run_if(
     if update_if is not None:
         return update_if(pred, updates, state, params, **extra_args)
     if isinstance(tx, ClipTransform):
-        out, new_state = tx.update(updates, state, params, **extra_args)
-        return out, jax.tree.map(lambda n, o: jnp.where(pred, n, o), new_state, state)
+        return run_and_select(pred, tx, updates, state, params, **extra_args)
     return jax.lax.cond(
         pred,
         lambda operands: tx.update(operands[0], operands[1], params, **extra_args),
         lambda operands: operands,
         (updates, state),
     )
+
+
+def run_and_select(
+    pred: Array, tx: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
+) -> tuple[Any, Any]:
+    """``tx.update`` on every step; its new state only where ``pred`` holds.
+
+    For transforms whose state is small (no full-size buffer to select).
+    """
+    out, new_state = tx.update(updates, state, params, **extra_args)
+    return out, jax.tree.map(lambda n, o: jnp.where(pred, n, o), new_state, state)
 
 
 def select_groups(mask: Array, new: Any, old: Any) -> Any:

@@ -85,8 +85,7 @@ def _selecting(tx: optax.GradientTransformation) -> SkippableTransform:
         pred: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
     ) -> tuple[Any, Any]:
         pred = jnp.asarray(pred, bool)
-        out, new_state = tx.update(updates, state, params, **extra_args)
-        new_state = jax.tree.map(lambda n, o: jnp.where(pred, n, o), new_state, state)
+        out, new_state = _engine.run_and_select(pred, tx, updates, state, params, **extra_args)
         return _zero_unless(pred, out), new_state
 
     return _skippable(tx.init, tx.update, update_if)

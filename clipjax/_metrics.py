@@ -106,8 +106,8 @@ class StateMismatchError(ValueError):
     """A checkpointed clipjax state does not fit the restore target's tree."""
 
 
-def _count(n: int, what: str) -> str:
-    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+def _count(n: int, what: str, plural: str | None = None) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {plural or what + 's'}"
 
 
 def _saved_sizes(state_dict: Any) -> str:
@@ -121,17 +121,17 @@ def _saved_sizes(state_dict: Any) -> str:
     index = state_dict.get("leaf_index") if isinstance(state_dict, dict) else None
     leaf_metrics = state_dict.get("leaf_metrics") if isinstance(state_dict, dict) else None
     if isinstance(index, dict) and index:
-        parts.append(_count(len(index), "leaf").replace("leafs", "leaves"))
+        parts.append(_count(len(index), "leaf", "leaves"))
     elif isinstance(leaf_metrics, dict) and leaf_metrics:
         shape = jnp.shape(next(iter(leaf_metrics.values())))
         if shape:
-            parts.append(_count(shape[-1], "leaf").replace("leafs", "leaves"))
+            parts.append(_count(shape[-1], "leaf", "leaves"))
     return " and ".join(parts) or "another tree"
 
 
 def _target_sizes(info: GroupInfo) -> str:
     groups = ", ".join(info.groups[:4]) + (", ..." if len(info.groups) > 4 else "")
-    leaves = _count(len(info.leaves), "leaf").replace("leafs", "leaves")
+    leaves = _count(len(info.leaves), "leaf", "leaves")
     return f"{_count(len(info.groups), 'group')} ({groups}) and {leaves}"
 
 

@@ -11,6 +11,7 @@ import optax
 from clipjax import _engine, _grouping, _validation
 from clipjax._metrics import GroupInfo
 from clipjax._static import global_norm
+from clipjax._stats import ring_mean_std
 
 ALGO = "skip_on_spike"
 FEEDBACKS = ("clipped", "skip", "raw")
@@ -51,21 +52,10 @@ class SkipOnSpikeState(NamedTuple):
     info: GroupInfo
 
 
-def _window_stats(window: jax.Array, seen: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Mean, population std and size of the values held in a ring buffer."""
-    size = window.shape[0]
-    held = jnp.minimum(seen, size)
-    # The ring fills slots 0, 1, ... first, so the held values are the first `held`.
-    mask = jnp.arange(size) < held
-    n = jnp.maximum(held, 1).astype(window.dtype)
-    mean = jnp.sum(jnp.where(mask, window, 0.0)) / n
-    var = jnp.sum(jnp.where(mask, jnp.square(window - mean), 0.0)) / n
-    return mean, jnp.sqrt(var), held
-
-
 def _threshold(window: jax.Array, seen: jax.Array, sigma: Any, min_history: int) -> jax.Array:
-    """``mean + sigma * std`` of the window, or ``+inf`` below ``min_history`` values."""
-    mean, std, held = _window_stats(window, seen)
+    """``mean + sigma * std`` (population std) of the window, or ``+inf`` below
+    ``min_history`` values."""
+    mean, std, held = ring_mean_std(window, seen, ddof=0)
     threshold = mean + jnp.asarray(sigma, window.dtype) * std
     return jnp.where(held >= min_history, threshold, jnp.inf).astype(window.dtype)
 

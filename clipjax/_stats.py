@@ -605,20 +605,30 @@ class MedianStd(Statistic):
         return {"median": p2_value(state[0]), "std": welford_std(state[1])}
 
 
-def window_mean_std(state: WindowState) -> tuple[jax.Array, jax.Array]:
-    """Mean and sample std (ddof=1; 0 with fewer than 2 values) of the window.
+def ring_mean_std(
+    values: jax.Array, seen: jax.Array, ddof: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Mean, std and size of the values a ring buffer holds (along the last axis).
 
-    Two passes over the ``min(count, size)`` valid slots (they are the first
-    ones while the window fills): no float32 cancellation.
+    A ring of ``size`` slots that has seen ``seen`` values holds ``n =
+    min(seen, size)`` of them, in its first ``n`` slots while it fills. Two
+    passes over them (no float32 cancellation); the std divides by ``n -
+    ddof`` and is 0 with ``n <= ddof``.
     """
-    values = state.values
-    n = jnp.minimum(state.count, values.shape[1])
-    valid = jnp.arange(values.shape[1]) < n[:, None]
+    size = values.shape[-1]
+    n = jnp.minimum(seen, size)
+    valid = jnp.arange(size) < n[..., None]
     nf = jnp.maximum(n, 1).astype(values.dtype)
-    mean = jnp.sum(jnp.where(valid, values, 0), axis=1) / nf
-    dev = jnp.where(valid, values - mean[:, None], 0)
-    var = jnp.sum(dev * dev, axis=1) / jnp.maximum(nf - 1, 1)
-    return mean, jnp.where(n >= 2, jnp.sqrt(var), 0)
+    mean = jnp.sum(jnp.where(valid, values, 0), axis=-1) / nf
+    dev = jnp.where(valid, values - mean[..., None], 0)
+    var = jnp.sum(dev * dev, axis=-1) / jnp.maximum(nf - ddof, 1)
+    return mean, jnp.where(n > ddof, jnp.sqrt(var), 0), n
+
+
+def window_mean_std(state: WindowState) -> tuple[jax.Array, jax.Array]:
+    """Mean and sample std (ddof=1; 0 with fewer than 2 values) of the window."""
+    mean, std, _ = ring_mean_std(state.values, state.count, ddof=1)
+    return mean, std
 
 
 @dataclasses.dataclass(frozen=True)
