@@ -132,7 +132,7 @@ def adagc(
             threshold=jnp.where(warming, jnp.asarray(absolute_threshold, g.dtype), threshold),
             scale=scale,
             fires=~warming & (relative_scale < 1),
-            clip_to=relative_scale * g,
+            boundary=relative_scale * g,
             observation=jnp.where(warming, global_scale * g, g),
         )
 

@@ -63,6 +63,26 @@ def gate_defaults(feedback: str, warmup_steps: Any, min_history: Any) -> tuple[i
     return warmup_steps, min_history
 
 
+def _no_effect(
+    mode: str, history: str, percentile: Any, window_size: Any, ema_decay: Any, quantile_lr: Any
+) -> None:
+    """A ValueError for an argument the chosen mode and history never read."""
+    unused = []
+    if mode == "auto" and _validation.differs(percentile, 95.0):
+        unused.append(("percentile", percentile))
+    if history != "window" and window_size is not None:
+        unused.append(("window_size", window_size))
+    if history != "ema" and _validation.differs(ema_decay, 0.99):
+        unused.append(("ema_decay", ema_decay))
+    if history != "geometric" and _validation.differs(quantile_lr, 0.2):
+        unused.append(("quantile_lr", quantile_lr))
+    for arg, value in unused:
+        raise ValueError(
+            f"{arg}={value!r} has no effect with mode={mode!r}, history={history!r}; "
+            "leave it out, or choose the mode and history that use it"
+        )
+
+
 def autoclip(
     mode: AutoClipMode = "auto",
     percentile: float = 95.0,
@@ -89,10 +109,13 @@ def autoclip(
     min_history)`` finite observations. ``T`` is floored at ``eps``.
 
     * ``mode="auto"``: ``T = median + 3 * std``. With ``history="all"`` (the
-      default in this mode, smartclip's) the median is P² (Jain & Chlamtac
-      1985) and the std Welford's (ddof=1, 0 with one sample), both over the
-      whole history: the large norms of early training keep ``T`` high long
-      after the norm has settled. ``history="window"`` forgets: the exact
+      default in this mode under ``feedback="observe_first"``, smartclip's)
+      the median is P² (Jain & Chlamtac 1985) and the std Welford's (ddof=1,
+      0 with one sample), both over the whole history: the large norms of
+      early training keep ``T`` high long after the norm has settled, and
+      after a lasting drop of the norm spikes pass at many times the new
+      level. ``history="window"`` (the default under the judge-first
+      feedbacks) forgets: the exact
       median and std (ddof=1) of the last ``window_size`` observations
       (default 100 in this mode), so after a lasting change of level the
       median is the new level once more than half the window holds it
@@ -121,10 +144,11 @@ def autoclip(
       then the norm is observed. The gate then opens once
       ``max(warmup_steps, min_history, 1)`` norms were observed before the
       step. Before a group's first finite norm the threshold reads ``+inf``.
-    * ``"clipped"``: judged first as ``"raw"``; on a clipped step the
-      statistics observe ``T`` instead of the norm, so a spike cannot raise
-      the threshold by more than the clipped value would. This is the setting
-      that saves a run from spikes. In percentile mode the norm itself is
+    * ``"clipped"``: judged first as ``"raw"``; every step is observed as
+      ``min(g, T)``, so a spike cannot raise the threshold by more than a norm
+      at the threshold would, while a lasting rise of the norm is learnt. With
+      the window history (its default) this setting stops spikes and follows a
+      training run. In percentile mode the norm itself is
       observed (a quantile is a rank statistic: a spike moves it by one rank
       at most, while feeding it ``T`` would only drag it down).
     * ``"skip"``: judged first; a clipped step is not observed at all (its
@@ -139,9 +163,6 @@ def autoclip(
     that judges a step before observing it, and feeds back the clipped norm,
     needs few observations, and a long gate lets the large norms of early
     training through and into the statistics.
-
-    The setting that follows a training run and stops its spikes is
-    ``autoclip(feedback="clipped", history="window")``.
 
     **FIX** (differences from smartclip):
 
@@ -158,13 +179,15 @@ def autoclip(
 
     Args:
       mode: ``"auto"`` or ``"percentile"``.
-      percentile: the percentile in (0, 100] for ``mode="percentile"``.
-      history: ``mode="auto"``: ``"all"`` (default) or ``"window"``;
-        ``mode="percentile"``: ``"window"`` (default), ``"ema"`` or
-        ``"geometric"``.
-      window_size: length of the window (``>= 1``); default 1024 in
-        percentile mode, 100 in auto mode.
-      ema_decay: decay of the streaming quantile, in (0, 1).
+      percentile: the percentile in (0, 100] (``mode="percentile"`` only).
+      history: ``mode="auto"``: ``"all"`` or ``"window"``; None (default)
+        means ``"all"`` under ``feedback="observe_first"`` (smartclip's) and
+        ``"window"`` otherwise. ``mode="percentile"``: ``"window"`` (None
+        means this), ``"ema"`` or ``"geometric"``.
+      window_size: length of the window (``>= 1``) of ``history="window"``;
+        None (default) means 1024 in percentile mode, 100 in auto mode.
+      ema_decay: decay of the streaming quantile of ``history="ema"``, in
+        (0, 1).
       scope: ``"global"``, ``"per_param"``, ``"per_layer"`` or a callable.
       warmup_steps: finite observations before clipping may start; default
         100 under ``"observe_first"``, 10 otherwise.
@@ -174,7 +197,8 @@ def autoclip(
       guard_nans: keep non-finite norms out of the statistics (default).
       feedback: ``"observe_first"`` (default), ``"raw"``, ``"clipped"`` or
         ``"skip"``, see above.
-      quantile_lr: step size of the geometric quantile (``> 0``).
+      quantile_lr: step size of the geometric quantile (``> 0``;
+        ``history="geometric"`` only).
       axis_name: average the group norms over this mapped axis first, so every
         replica keeps identical statistics and applies the same scale.
       leaf_norms: also record each leaf's L2 norm before clipping, as
@@ -197,7 +221,7 @@ def autoclip(
       ...     _, state = tx.update({"w": jnp.array([x, 0.0])}, state, params)
       >>> m = clipjax.metrics(state)
       >>> print(f"{m['autoclip/global/grad_norm']:.1f} {m['autoclip/global/threshold']:.3f}")
-      100.0 1.306
+      100.0 1.331
       >>> sorted(k for k in clipjax.metrics(state) if "/global/" in k)[:3]
       ['autoclip/global/clipped', 'autoclip/global/clipped_count', 'autoclip/global/count']
 
@@ -210,18 +234,28 @@ def autoclip(
     """
     _validation.choice("mode", mode, ("auto", "percentile"))
     if mode == "auto":
-        history = "all" if history is None else history
+        if history is None:
+            history = "all" if feedback == "observe_first" else "window"
+        if history in PERCENTILE_HISTORIES and history not in AUTO_HISTORIES:
+            raise ValueError(
+                f'history={history!r} is a percentile-mode history; mode="auto" takes '
+                f"history in {AUTO_HISTORIES} (smartclip accepts history={history!r} in auto "
+                "mode and ignores it, keeping the whole history: that is "
+                'history="all"). For a streaming quantile use mode="percentile".'
+            )
         _validation.choice("history", history, AUTO_HISTORIES)
-        window_size = AUTO_WINDOW if window_size is None else window_size
+        default_window = AUTO_WINDOW
     else:
         history = "window" if history is None else history
         _validation.choice("history", history, PERCENTILE_HISTORIES)
-        window_size = 1024 if window_size is None else window_size
+        default_window = 1024
+    _no_effect(mode, history, percentile, window_size, ema_decay, quantile_lr)
+    window_size = default_window if window_size is None else window_size
     _validation.check("percentile", percentile, lambda x: 0 < x <= 100, "in (0, 100]")
     _validation.integer("window_size", window_size, minimum=1)
     _validation.open_unit("ema_decay", ema_decay)
     _validation.positive("quantile_lr", quantile_lr)
-    _engine.check_feedback(feedback, _engine.FEEDBACKS)
+    _engine.check_feedback(feedback, ("observe_first", "raw", "clipped", "skip"))
     warmup_steps, min_history = gate_defaults(feedback, warmup_steps, min_history)
     _validation.integer("warmup_steps", warmup_steps, static=False)
     _validation.integer("min_history", min_history, static=False)

@@ -8,7 +8,8 @@ An algorithm is a rule, and there are two kinds:
   whether it fired and what it clips to). The engine does everything else:
   group norms in one pass, ``axis_name`` averaging, the warm-up gate, the
   order (observe first, or judge first and then feed back the raw norm, the
-  clipped norm or nothing), keeping non-finite norms out of the statistics,
+  norm capped at the spike boundary, the rule's clip target or nothing),
+  keeping non-finite norms out of the statistics,
   scaling with one multiply per leaf, counters and metrics;
 * an :class:`ElementwiseRule` changes elements (clamping, normalising,
   per-unit AGC). It returns the new leaves and its ``[groups]`` metrics; the
@@ -33,7 +34,7 @@ from clipjax._grouping import Grouping, Scope
 
 Array = jax.Array
 
-FEEDBACKS = ("observe_first", "raw", "clipped", "skip")
+FEEDBACKS = ("observe_first", "raw", "clipped", "clip_target", "skip")
 COUNTERS = ("count", "step", "clipped_count", "nonfinite_count")
 
 
@@ -41,12 +42,15 @@ class Judgement(NamedTuple):
     """How a norm rule judges one step, per group (all ``[groups]``).
 
     Attributes:
-      threshold: the threshold to report (``target`` for AGC), or None.
+      threshold: the threshold to report (``target`` for AGC), or None: the
+        group norm above which this step is clipped.
       scale: the multiplier to apply, assuming a finite norm and an open gate.
-      fires: where the rule clips (feedback applies there); default
-        ``scale < 1``.
-      clip_to: what ``feedback="clipped"`` observes where the rule fires;
-        default ``threshold``.
+      fires: where the rule judges the step a spike (feedback applies there);
+        default ``scale < 1``.
+      boundary: the spike boundary ``feedback="clipped"`` caps a firing
+        step's observation at (``min(norm, boundary)``); default ``threshold``.
+      target: what ``feedback="clip_target"`` observes where the rule fires
+        (the value it clips to), or None where the rule has no such value.
       observation: what is observed where it does not fire; default the norm.
       warming: groups whose warm-up transform applies this step, or None.
       extra: per-step metrics beyond the statistics (zclip's ``z``, ...).
@@ -55,7 +59,8 @@ class Judgement(NamedTuple):
     threshold: Array | None
     scale: Array
     fires: Array | None = None
-    clip_to: Array | None = None
+    boundary: Array | None = None
+    target: Array | None = None
     observation: Array | None = None
     warming: Array | None = None
     extra: dict[str, Array] = {}
@@ -75,7 +80,8 @@ class NormRule:
         ``count`` the group's finite observations before this step; ``aux``
         holds ``weight_norm`` when ``needs_params``.
       statistic: the statistics, or None for a stateless rule.
-      feedback: ``"observe_first"``, ``"raw"``, ``"clipped"`` or ``"skip"``.
+      feedback: ``"observe_first"``, ``"raw"``, ``"clipped"``,
+        ``"clip_target"`` or ``"skip"``.
       gate: finite observations a group needs before the rule may clip
         (scale 1 until then), or None when the rule handles its own warm-up.
       extra_fields: the names in ``Judgement.extra``.
@@ -345,9 +351,15 @@ def _norm_step(
         fires = fires & gate_open & finite
         x = norm if judgement.observation is None else judgement.observation
         if rule.feedback == "clipped":
-            clip_to = judgement.clip_to if judgement.clip_to is not None else judgement.threshold
-            assert clip_to is not None, f"{rule.algo}: feedback='clipped' needs clip_to"
-            x = jnp.where(fires, clip_to, x)
+            # min(x, B): a spike teaches no more than a norm at the boundary
+            # would, and a norm at the boundary still widens it, so a lasting
+            # rise of the norm is learnt.
+            boundary = judgement.threshold if judgement.boundary is None else judgement.boundary
+            assert boundary is not None, f"{rule.algo}: feedback='clipped' needs a boundary"
+            x = jnp.where(fires, jnp.minimum(x, boundary), x)
+        elif rule.feedback == "clip_target":
+            assert judgement.target is not None, f"{rule.algo}: 'clip_target' needs a target"
+            x = jnp.where(fires, judgement.target, x)
         observed = observable & ~fires if rule.feedback == "skip" else observable
         after = select_groups(observed, stat.observe(before, x, count), before)
 

@@ -14,7 +14,7 @@ from clipjax import _engine, _static, _stats, _validation
 from clipjax._engine import Judgement, NormRule
 from clipjax._grouping import Scope
 from clipjax._metrics import GroupInfo
-from clipjax._types import SpikeFeedback
+from clipjax._types import TargetFeedback
 
 
 class HistClipState(NamedTuple):
@@ -98,12 +98,21 @@ def _zstat_clip_value(factor: jax.Array, mu: jax.Array, var: jax.Array) -> jax.A
     return mu + factor * jnp.sqrt(var)
 
 
+def _zstat_boundary(mu: jax.Array, var: jax.Array, thresh: Any) -> jax.Array:
+    # The norm at which |z| reaches thresh on the high side.
+    return mu + thresh * (jnp.sqrt(var) + _Z_EPS)
+
+
 def _ratio_score(g: jax.Array, mu: jax.Array, var: jax.Array) -> jax.Array:
     return g / jnp.where(mu != 0, mu, 1.0)
 
 
 def _ratio_clip_value(factor: jax.Array, mu: jax.Array, var: jax.Array) -> jax.Array:
     return mu * factor
+
+
+def _ratio_boundary(mu: jax.Array, var: jax.Array, thresh: Any) -> jax.Array:
+    return mu * thresh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +129,8 @@ class Criterion:
         the mean from before the step) or None (no variance is kept).
       score: ``(g, mu, var) -> statistic`` compared with ``thresh``.
       clip_value: ``(factor, mu, var) -> clip value``.
+      boundary: ``(mu, var, thresh) -> norm`` above which the criterion fires
+        on the high side (the spike boundary).
       mean_factor: the factor :func:`mean_clipping` stands for (the one that
         makes the clip value ``mu``).
       score_name: the metric that reports the statistic, or None.
@@ -138,6 +149,7 @@ class Criterion:
     variance: str | None
     score: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
     clip_value: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+    boundary: Callable[[jax.Array, jax.Array, Any], jax.Array]
     mean_factor: float
     score_name: str | None
 
@@ -172,6 +184,7 @@ def zstat_criterion(
         variance="before_mean",
         score=_zstat_score,
         clip_value=_zstat_clip_value,
+        boundary=_zstat_boundary,
         mean_factor=0.0,
         score_name="z",
     )
@@ -201,6 +214,7 @@ def ema_criterion(
         variance=None,
         score=_ratio_score,
         clip_value=_ratio_clip_value,
+        boundary=_ratio_boundary,
         mean_factor=1.0,
         score_name=None,
     )
@@ -212,7 +226,7 @@ def hist_clip(
     warmup_clip: optax.GradientTransformation | str | None = "default",
     scope: Scope = "global",
     *,
-    feedback: SpikeFeedback = "raw",
+    feedback: TargetFeedback = "raw",
     axis_name: str | None = None,
     leaf_norms: bool = False,
     name: str | None = None,
@@ -228,12 +242,28 @@ def hist_clip(
     ``min(1, clip / (g + 1e-6))``; the statistics absorb the raw norm. No
     clipping while ``mu == 0``.
 
-    ``feedback`` says what a step teaches the statistics: ``"raw"`` (default,
-    drytorch's rule), ``"clipped"`` (on a high-side fire, the clip value
-    instead of the norm: the setting that stops spikes) or ``"skip"``
-    (nothing on a high-side fire; the group's ``count`` does not advance, and
-    a lasting upward shift of the norm can hold the statistics at the old
-    level). Warm-up norms are always collected as they are.
+    ``feedback`` says what a step teaches the statistics, with ``B`` the
+    spike boundary before the step (``mu + z_thresh * sqrt(v)`` for zstat,
+    ``mu * r_thresh`` for ema):
+
+    * ``"raw"`` (default, drytorch's rule): the norm itself; a spike inflates
+      the statistics.
+    * ``"clipped"``: ``min(g, B)`` on every step: a spike teaches no more
+      than a norm at the boundary would, and a lasting rise of the norm is
+      learnt (each step at the boundary widens it): the setting that stops
+      spikes and follows a training run.
+    * ``"clip_target"``: on a high-side fire, the criterion's clip value.
+      With :func:`reciprocal_clipping` or :func:`mean_clipping` that value
+      lies below ``B`` and tends to ``mu`` as the spike grows, so the
+      statistics cannot rise past a lasting upward shift: the std collapses
+      and **every later step is clipped to the old mean** (measured by
+      ``python benchmarks/follow.py``: after a x2 shift with 5% noise, 100%
+      of the later steps are clipped).
+    * ``"skip"``: nothing on a high-side fire (the group's ``count`` does not
+      advance); a lasting upward shift of the norm can hold the statistics at
+      the old level.
+
+    Warm-up norms are always collected as they are.
 
     ``scope="per_param"`` is drytorch's ParamHistClipper: statistics, warm-up
     and the warm-up clip per leaf. A clipjax ``warmup_clip`` is rebuilt for
@@ -254,7 +284,8 @@ def hist_clip(
       warmup_steps: number of finite norms collected before the criterion.
       warmup_clip: transform applied during warm-up, or None.
       scope: ``"global"``, ``"per_param"``, ``"per_layer"`` or a callable.
-      feedback: ``"raw"`` (default), ``"clipped"`` or ``"skip"``.
+      feedback: ``"raw"`` (default), ``"clipped"``, ``"clip_target"`` or
+        ``"skip"``, see above.
       axis_name: average the group norms over this mapped axis first, so every
         replica keeps identical statistics and applies the same scale.
       leaf_norms: also record each leaf's L2 norm before clipping.
@@ -262,8 +293,10 @@ def hist_clip(
 
     Returns:
       A :class:`~clipjax.ClipTransform`. Metrics per group:
-      ``grad_norm``, ``threshold`` (the clip value when the criterion fires,
-      +inf otherwise), ``scale`` (1 during warm-up; the warm-up clip reports
+      ``grad_norm``, ``threshold`` (the boundary ``B`` above which the step is
+      clipped; +inf during warm-up and while ``mu == 0``), ``clip_to`` (the
+      norm the step leaves with: the clip value on a clipped step, the norm
+      itself otherwise), ``scale`` (1 during warm-up; the warm-up clip reports
       its own metrics under ``hist_clip/<its name>/...``), ``clipped``,
       ``mean``, ``std`` and ``z`` (zstat), and the counters.
 
@@ -298,7 +331,7 @@ def hist_clip(
         raise ValueError(
             f"warmup_clip must be a GradientTransformation or None, got {warmup_clip!r}"
         )
-    _engine.check_feedback(feedback, ("raw", "clipped", "skip"))
+    _engine.check_feedback(feedback, ("raw", "clipped", "clip_target", "skip"))
     alpha, thresh = criterion.alpha, criterion.thresh
     # drytorch's StatsCollector: mean and ddof=1 variance of the warm-up
     # sample, the variance kept at its start value 1.0 unless positive.
@@ -317,13 +350,18 @@ def hist_clip(
         else:
             factor = criterion.clip_fn(safe, thresh)
         clip = criterion.clip_value(factor, mu, v)
+        high = fires & (g > mu)
+        scale = jnp.where(fires, jnp.minimum(1.0, clip / (g + _DIV_EPS)), 1.0)
+        extra = {"clip_to": jnp.where(high & (scale < 1) & jnp.isfinite(g), clip, g)}
+        if score_name is not None:
+            extra[score_name] = jnp.where(warming, 0.0, stat)
         return Judgement(
-            threshold=jnp.where(fires, clip, jnp.inf),
-            scale=jnp.where(fires, jnp.minimum(1.0, clip / (g + _DIV_EPS)), 1.0),
-            fires=fires & (g > mu),
-            clip_to=clip,
+            threshold=jnp.where(active, criterion.boundary(mu, v, thresh), jnp.inf),
+            scale=scale,
+            fires=high,
+            target=clip,
             warming=warming,
-            extra={} if score_name is None else {score_name: jnp.where(warming, 0.0, stat)},
+            extra=extra,
         )
 
     rule = NormRule(
@@ -331,7 +369,7 @@ def hist_clip(
         judge,
         statistic,
         feedback=feedback,
-        extra_fields=() if score_name is None else (score_name,),
+        extra_fields=("clip_to",) if score_name is None else ("clip_to", score_name),
     )
     return _engine.transform(
         rule,

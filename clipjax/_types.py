@@ -10,10 +10,13 @@ from __future__ import annotations
 from typing import Literal
 
 # What a clipper's statistics learn from a step: the norm before judging it
-# (observe_first), the raw norm, the clipped norm, or nothing on a spike.
+# (observe_first), the raw norm, the norm capped at the spike boundary
+# (clipped), or nothing on a spike (skip).
 Feedback = Literal["observe_first", "raw", "clipped", "skip"]
 # The same, for the clippers that always judge a step before observing it.
 SpikeFeedback = Literal["raw", "clipped", "skip"]
+# zclip and hist_clip also offer the value their rule clips to (clip_target).
+TargetFeedback = Literal["raw", "clipped", "clip_target", "skip"]
 
 AutoClipMode = Literal["auto", "percentile"]
 AutoClipHistory = Literal["all", "window", "ema", "geometric"]

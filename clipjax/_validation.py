@@ -87,6 +87,19 @@ def static_number(name: str, value: Any) -> None:
         raise ValueError(_static_hint(name))
 
 
+def differs(value: Any, default: float) -> bool:
+    """Whether a hyperparameter is a concrete number other than ``default``.
+
+    A tracer (an injected hyperparameter inside ``jit``) cannot be compared
+    and counts as not differing.
+    """
+    try:
+        x = _concrete(value)
+    except ValueError:
+        return True
+    return x is not None and x != default
+
+
 def choice(name: str, value: Any, options: tuple[str, ...]) -> None:
     if value not in options:
         raise ValueError(f"{name} must be one of {options}, got {value!r}")

@@ -11,7 +11,10 @@ any observation, a threshold on a non-finite step) is NaN here and is not
 compared (see :func:`compare`).
 
 Every "clipper" function takes a 1-D float sequence of norms (NaN/Inf allowed)
-and a ``feedback`` in ``"observe_first"``, ``"raw"``, ``"clipped"``, ``"skip"``.
+and a ``feedback`` in ``"observe_first"``, ``"raw"``, ``"clipped"``,
+``"clip_target"`` (zclip, hist_clip), ``"skip"``. ``threshold`` is the spike
+boundary on every step (SPEC 8.1 as amended); zclip and hist_clip also give
+``clip_to``, the norm a step leaves with.
 :func:`adagc` takes ``[steps, groups]`` (its warm-up uses the global norm).
 """
 
@@ -247,7 +250,7 @@ def _smartclip_family(
         if fires and feedback == "skip":
             observed = False
         elif fires and feedback == "clipped" and clipped_value == "T":
-            stats.observe(threshold)
+            stats.observe(min(x, threshold))
         else:
             stats.observe(x)
         log.add(g=g, threshold=threshold, scale=scale, observed=observed, **stats.report())
@@ -260,7 +263,7 @@ def autoclip(
     mode: str = "auto",
     percentile: float = 95.0,
     history: str | None = None,
-    window_size: int = 1024,
+    window_size: int | None = None,
     quantile_lr: float = 0.2,
     warmup_steps: int = 100,
     min_history: int = 50,
@@ -268,7 +271,12 @@ def autoclip(
     feedback: str = "observe_first",
 ) -> dict[str, np.ndarray]:
     """autoclip, modes auto (history "all" / "window") / percentile window /
-    percentile geometric (not ema)."""
+    percentile geometric (not ema). ``history=None`` in auto mode is the whole
+    history under ``"observe_first"`` and the window otherwise."""
+    if mode == "auto" and history is None:
+        history = "all" if feedback == "observe_first" else "window"
+    if window_size is None:
+        window_size = 100 if mode == "auto" else 1024
     if mode == "auto" and history == "window":
         stats: Any = _WindowMedianStats(window_size)
     elif mode == "auto":
@@ -287,12 +295,14 @@ def zscore_clip(
     norms: Sequence[float],
     *,
     zmax: float = 3.0,
-    ema_decay: float = 0.99,
+    ema_decay: float | None = None,
     warmup_steps: int = 100,
     min_history: int = 50,
     eps: float = 1e-8,
     feedback: str = "observe_first",
 ) -> dict[str, np.ndarray]:
+    if ema_decay is None:
+        ema_decay = 0.99 if feedback == "observe_first" else 0.97
     stats = _ZScoreStats(zmax, ema_decay)
     return _smartclip_family(norms, stats, feedback, warmup_steps, min_history, eps, "T")
 
@@ -315,10 +325,11 @@ def zclip(
     mode: str = "zscore",
     clip_option: str = "adaptive_scaling",
     clip_factor: float = 1.0,
-    feedback: str = "clipped",
+    feedback: str = "clip_target",
 ) -> dict[str, np.ndarray]:
+    """zclip; ``threshold`` is the boundary ``min(B, cap)``, ``clip_to`` the norm it leaves with."""
     cap = INF if max_grad_norm is None else float(max_grad_norm)
-    log = _Log([*COMMON, "mean", "std", "z"])
+    log = _Log([*COMMON, "clip_to", "mean", "std", "z"])
     samples: list[float] = []
     mean = var = NAN
 
@@ -329,35 +340,47 @@ def zclip(
 
     for g in map(float, norms):
         if not math.isfinite(g):
-            log.add(g=g, threshold=NAN, scale=1.0, observed=False, z=NAN, **stats())
+            log.add(g=g, threshold=NAN, scale=1.0, observed=False, z=NAN, clip_to=g, **stats())
             continue
         if log.count < warmup_steps:
             samples.append(g)
             if len(samples) == warmup_steps:
                 mean, var = float(np.mean(samples)), float(np.var(samples))
             scale = min(1.0, cap / (g + _ZCLIP_DIV))
-            log.add(g=g, threshold=cap, scale=scale, observed=True, z=0.0, **stats())
+            to = min(g, cap) if scale < 1 else g
+            log.add(g=g, threshold=cap, scale=scale, observed=True, z=0.0, clip_to=to, **stats())
             continue
         std = math.sqrt(var)
         z = (g - mean) / (std + eps)
         if mode == "percentile":
-            clip_val = mean + z_thresh * std
-            spike = g > clip_val
+            boundary = mean + z_thresh * std
+            clip_val = boundary
+            spike = g > boundary
         else:
+            boundary = mean + z_thresh * (std + eps)
             spike = z > z_thresh
             if clip_option == "mean":
                 clip_val = mean
             else:
                 clip_val = clip_factor * (mean + z_thresh**2 * std / z) if spike else NAN
-        threshold = min(clip_val if spike else g, cap)
-        scale = threshold / (g + _ZCLIP_DIV) if g > threshold else 1.0
+        applied = min(clip_val if spike else g, cap)
+        scale = applied / (g + _ZCLIP_DIV) if g > applied else 1.0
         observed = not (spike and feedback == "skip")
         if observed:
-            v = clip_val if (spike and feedback == "clipped") else g
+            if feedback == "clipped":
+                v = min(g, boundary)
+            elif feedback == "clip_target" and spike:
+                v = clip_val
+            else:
+                v = g
             new_mean = alpha * mean + (1 - alpha) * v
             var = alpha * var + (1 - alpha) * (v - new_mean) ** 2
             mean = new_mean
-        log.add(g=g, threshold=threshold, scale=scale, observed=observed, z=z, **stats())
+        to = applied if scale < 1 else g
+        threshold = min(boundary, cap)
+        log.add(
+            g=g, threshold=threshold, scale=scale, observed=observed, z=z, clip_to=to, **stats()
+        )
     return log.out()
 
 
@@ -388,7 +411,7 @@ def hist_clip(
     thresh = (2.5 if zstat else 1.05) if thresh is None else thresh
     clip = ("reciprocal" if zstat else "max") if clip is None else clip
     f = _CLIP_FNS[clip]
-    log = _Log(COMMON + (["mean", "std", "z"] if zstat else ["mean"]))
+    log = _Log(COMMON + (["clip_to", "mean", "std", "z"] if zstat else ["clip_to", "mean"]))
     samples: list[float] = []
     mu, v = 0.0, 1.0
     started = False
@@ -398,7 +421,7 @@ def hist_clip(
 
     for g in map(float, norms):
         if not math.isfinite(g):
-            log.add(g=g, threshold=NAN, scale=1.0, observed=False, z=NAN, **stats())
+            log.add(g=g, threshold=NAN, scale=1.0, observed=False, z=NAN, clip_to=g, **stats())
             continue
         if log.count < warmup_steps:
             samples.append(g)
@@ -407,7 +430,7 @@ def hist_clip(
             # clipjax may show them initialised): not compared.
             last = len(samples) == warmup_steps
             shown = {k: NAN for k in stats()} if last else stats()
-            log.add(g=g, threshold=INF, scale=1.0, observed=True, z=0.0, **shown)
+            log.add(g=g, threshold=INF, scale=1.0, observed=True, z=0.0, clip_to=g, **shown)
             continue
         if not started:
             started = True
@@ -426,17 +449,30 @@ def hist_clip(
             fires = active and stat > thresh
             factor = 1.0 if clip == "mean" else (f(stat, thresh) if fires else NAN)
             clip_val = mu * factor
-        threshold = clip_val if fires else INF
+        if not active:
+            boundary = INF
+        elif zstat:
+            boundary = mu + thresh * (math.sqrt(v) + 1e-8)
+        else:
+            boundary = mu * thresh
         scale = min(1.0, clip_val / (g + 1e-6)) if fires else 1.0
         high = fires and g > mu
         observed = not (high and feedback == "skip")
         if observed:
-            x = clip_val if (high and feedback == "clipped") else g
+            if feedback == "clipped":
+                x = min(g, boundary)
+            elif feedback == "clip_target" and high:
+                x = clip_val
+            else:
+                x = g
             if zstat:
                 v = alpha * v + (1 - alpha) * (x - mu) ** 2
             mu = alpha * mu + (1 - alpha) * x
         extra = {"z": stat} if zstat else {}
-        log.add(g=g, threshold=threshold, scale=scale, observed=observed, **extra, **stats())
+        to = clip_val if (high and scale < 1) else g
+        log.add(
+            g=g, threshold=boundary, scale=scale, observed=observed, clip_to=to, **extra, **stats()
+        )
     return log.out()
 
 

@@ -78,10 +78,10 @@ CONFIGS = {
     "zscore_clip": _cfg(
         "zscore_clip", clipjax.zscore_clip, S.zscore_clip, ZSCORE_KW, default="observe_first"
     ),
-    "zclip": _cfg("zclip", clipjax.zclip, S.zclip, ZCLIP_KW, default="clipped"),
-    "zclip_cap": _cfg("zclip", clipjax.zclip, S.zclip, ZCLIP_CAP_KW, default="clipped"),
-    "zclip_percentile": _cfg("zclip", clipjax.zclip, S.zclip, ZCLIP_PCT_KW, default="clipped"),
-    "zclip_mean": _cfg("zclip", clipjax.zclip, S.zclip, ZCLIP_MEAN_KW, default="clipped"),
+    "zclip": _cfg("zclip", clipjax.zclip, S.zclip, ZCLIP_KW, default="clip_target"),
+    "zclip_cap": _cfg("zclip", clipjax.zclip, S.zclip, ZCLIP_CAP_KW, default="clip_target"),
+    "zclip_percentile": _cfg("zclip", clipjax.zclip, S.zclip, ZCLIP_PCT_KW, default="clip_target"),
+    "zclip_mean": _cfg("zclip", clipjax.zclip, S.zclip, ZCLIP_MEAN_KW, default="clip_target"),
     "hist_zstat": _cfg(
         "hist_clip",
         lambda **k: _hist_tx("zstat", **k),
@@ -105,14 +105,14 @@ ACCEPTED = {
     "autoclip_window": ("observe_first", "raw", "clipped"),
     "autoclip_geometric": ("observe_first", "raw", "clipped"),
     "zscore_clip": ("observe_first", "raw", "clipped", "skip"),
-    "zclip": ("raw", "clipped", "skip"),
-    "zclip_cap": ("raw", "clipped", "skip"),
-    "zclip_percentile": ("raw", "clipped", "skip"),
-    "zclip_mean": ("raw", "clipped", "skip"),
-    "hist_zstat": ("raw", "clipped", "skip"),
-    "hist_ema": ("raw", "clipped", "skip"),
+    "zclip": ("raw", "clipped", "clip_target", "skip"),
+    "zclip_cap": ("raw", "clipped", "clip_target", "skip"),
+    "zclip_percentile": ("raw", "clipped", "clip_target", "skip"),
+    "zclip_mean": ("raw", "clipped", "clip_target", "skip"),
+    "hist_zstat": ("raw", "clipped", "clip_target", "skip"),
+    "hist_ema": ("raw", "clipped", "clip_target", "skip"),
 }
-DEFAULT = {"autoclip": "observe_first", "zscore_clip": "observe_first", "zclip": "clipped",
+DEFAULT = {"autoclip": "observe_first", "zscore_clip": "observe_first", "zclip": "clip_target",
            "hist_clip": "raw"}  # fmt: skip
 # Configurations whose default exists today (geometric is new).
 TODAY = [c for c in CONFIGS if c != "autoclip_geometric"]
@@ -256,6 +256,10 @@ SCOPE_CASES = {
     "defaults": [("autoclip_auto", None), ("zclip", None), ("hist_zstat", None)],
     "feedback": [("autoclip_auto", "clipped"), ("zscore_clip", "skip"),
                  ("zclip_percentile", "skip"), ("hist_zstat", "clipped"), ("hist_ema", "skip")],
+    # SPEC 9.1 as amended: min(g, B) and the reference's clip target, per group, with a cap
+    "boundary": [("zclip", "clipped"), ("zclip_cap", "clipped"), ("zclip_cap", "clip_target"),
+                 ("zclip_percentile", "clipped"), ("hist_zstat", "clip_target"),
+                 ("hist_ema", "clipped")],
 }  # fmt: skip
 
 
@@ -341,8 +345,7 @@ def test_inject_hyperparams_zscore_clip_feedback(feedback):
 
 SPIKE_CONFIGS = ["autoclip_auto", "zscore_clip", "zclip", "hist_zstat"]
 # The level the statistics set after a step (post-update metrics): what the next
-# step is judged against. (zclip reports T = g on an unfired step and hist_clip
-# +inf, so their next threshold says nothing about the statistics.)
+# step is judged against.
 LEVEL = {
     "autoclip": lambda m, p: m[p + "median"] + 3.0 * m[p + "std"],
     "zscore_clip": lambda m, p: m[p + "mean"] + 3.0 * m[p + "std"],
@@ -406,6 +409,9 @@ INVALID = [  # factory names: adagc may not exist yet, and must not break collec
     ("zclip", {}, "bogus"),
     ("hist_clip", {}, "bogus"),
     ("adagc", {}, "bogus"),
+    ("autoclip", {}, "clip_target"),
+    ("zscore_clip", {}, "clip_target"),
+    ("adagc", {}, "clip_target"),
 ]
 
 

@@ -105,7 +105,7 @@ def test_window_median_follows_a_noise_free_shift_in_half_a_window(factor):
     threshold = got["autoclip/global/threshold"]  # judged before the step
     assert _first_within(threshold, factor, at, rtol=1e-6) == w
     # The whole-history statistics have not followed by then.
-    full = S.autoclip(norms, mode="auto", **GATE, feedback="raw")
+    full = S.autoclip(norms, mode="auto", history="all", **GATE, feedback="raw")
     assert abs(full["median"][at + w] / factor - 1) > 0.2
 
 
@@ -133,7 +133,7 @@ def test_window_follows_a_noisy_shift_as_restated(feedback, factor):
         # a rise fed back as T: each half window raises T by about 1 + 3 sd;
         # with sd ~ 0.1 that is log(5) / log(1.3) ~ 6 half-windows at most
         assert predicted <= 6 * w
-    full = S.autoclip(norms, mode="auto", **GATE, feedback=feedback)
+    full = S.autoclip(norms, mode="auto", history="all", **GATE, feedback=feedback)
     slow = _first_within(full["threshold"], steady, at)
     assert slow is None or slow > 2 * predicted, (slow, predicted)
 
@@ -144,7 +144,8 @@ def test_window_follows_a_noisy_shift_as_restated(feedback, factor):
 
 FIRST = np.array([math.nan, math.inf, 1.0, 2.0, 1.5])
 JUDGE_FIRST_CLIPPERS = {
-    "autoclip_all": lambda fb: clipjax.autoclip(feedback=fb),
+    "autoclip_all": lambda fb: clipjax.autoclip(feedback=fb, history="all"),
+    "autoclip_default": lambda fb: clipjax.autoclip(feedback=fb),
     "autoclip_window": lambda fb: clipjax.autoclip(feedback=fb, history="window"),
     "autoclip_percentile": lambda fb: clipjax.autoclip(mode="percentile", feedback=fb),
     "autoclip_ema": lambda fb: clipjax.autoclip(mode="percentile", history="ema", feedback=fb),
