@@ -84,3 +84,28 @@ def test_grid_stream_has_the_shift_and_the_spikes() -> None:
     assert len(after) == 4 and (after >= follow.SPIKES_AFTER).all()
     ratio = norms[spikes] / levels[spikes]
     assert (ratio > 5).all() and np.median(norms[: follow.SHIFT]) == pytest.approx(1, rel=0.1)
+
+
+def test_adagc_follows_a_rise_at_most_point_one_percent_a_step() -> None:
+    """adagc's figures in its docstring: gamma grows at most (1-beta)(lambda-1)
+    per step, so after a lasting x2 rise it clips (nearly) every measured step."""
+    cells = follow.evaluate(
+        lambda: clipjax.adagc(scope="global"), SEEDS, sigmas=(0.05, 0.2), levels=(2.0, 10.0)
+    )
+    for cell in cells.values():
+        assert (cell.clipped_after >= 0.99).all()
+        assert cell.worst_spike.max() <= 1.12
+    stationary = follow.evaluate(
+        lambda: clipjax.adagc(scope="global"), SEEDS, sigmas=(0.05, 0.2), levels=(0.25,)
+    )
+    assert stationary[(0.05, 0.25)].clipped_before.min() >= 0.4
+    assert stationary[(0.2, 0.25)].clipped_before.min() >= 0.9
+    tx = clipjax.adagc(scope="global", warmup_steps=1)
+    params = {"w": np.zeros(1, np.float32)}
+    state = tx.init(params)
+    gammas = []
+    for g in [1.0] + [100.0] * 50:
+        _, state = tx.update({"w": np.array([g], np.float32)}, state, params)
+        gammas.append(float(clipjax.metrics(state)["adagc/global/mean"]))
+    growth = np.diff(gammas[1:]) / np.array(gammas[1:-1])
+    assert growth.max() <= (1 - 0.98) * (1.05 - 1) * (1 + 1e-4)
