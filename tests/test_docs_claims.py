@@ -252,3 +252,18 @@ def code_sources() -> list[tuple[str, str]]:
 def test_code_has_straight_quotes() -> None:
     found = [f"{where}: {code[:120]!r}" for where, code in code_sources() if CURLY.search(code)]
     assert not found, "curly quotes in code (they do not paste):\n" + "\n".join(found)
+
+
+def test_the_readme_example_prints_what_the_readme_shows(capsys: pytest.CaptureFixture) -> None:
+    """The output block after the README's first example is that example's output
+    (its last lines; ``...`` stands for the first ones)."""
+    text = (ROOT / "README.md").read_text()
+    match = re.search(r"^```python\n(.*?)^```\n\n```\n(.*?)^```", text, re.S | re.M)
+    assert match, "the README's first example is followed by its output"
+    code, shown = match.groups()
+    exec(compile(code, "README.md example", "exec"), {})
+    printed = capsys.readouterr().out.strip().splitlines()
+    shown_lines = [line for line in shown.strip().splitlines() if line != "..."]
+    assert printed[-len(shown_lines) :] == shown_lines, (
+        "README.md's example output is not what it prints; it prints:\n" + "\n".join(printed)
+    )
