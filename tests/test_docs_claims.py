@@ -267,3 +267,26 @@ def test_the_readme_example_prints_what_the_readme_shows(capsys: pytest.CaptureF
     assert printed[-len(shown_lines) :] == shown_lines, (
         "README.md's example output is not what it prints; it prints:\n" + "\n".join(printed)
     )
+
+
+# -- Pages show the library, not how they were built ---------------------------------
+
+BUILD_NOTES = re.compile(
+    r"as of commit|in this revision|do not edit by hand|Linux-\d|/tmp/|/root/|this session",
+    re.I,
+)
+
+
+def test_pages_carry_no_build_notes() -> None:
+    pages = [*PROSE, *sorted((DOCS / "generated").glob("*.md")), *NOTEBOOKS]
+    pages += sorted((ROOT / "benchmarks").glob("*.md"))
+    found = [
+        f"{page.relative_to(ROOT)}:{n}: {line.strip()[:160]}"
+        for page in pages
+        for n, line in enumerate(page.read_text().splitlines(), 1)
+        if BUILD_NOTES.search(line)
+    ]
+    assert not found, (
+        "pages state the command, machine, versions and date; not notes on how a run was "
+        "obtained, kernel builds or temporary paths:\n" + "\n".join(found)
+    )
