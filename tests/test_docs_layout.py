@@ -20,7 +20,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-SITE = Path(os.environ.get("CLIPJAX_DOCS_HTML", ROOT / "build" / "docs" / "html"))
+SITE = ROOT / os.environ.get("CLIPJAX_DOCS_HTML", "build/docs/html")  # relative to the root
 WIDTH, HEIGHT = 1280, 900
 CHROMIUM_ARGS = [
     "--headless",
