@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 
 import pytest
+from test_docs_tables import tables
 
 import clipjax
 
@@ -43,17 +44,13 @@ CURLY = re.compile("[\u2018\u2019\u201c\u201d]")
 
 def table_cells(page: Path, row: str, column: str) -> list[str]:
     """The cells under ``column`` of every table row of ``page`` with a cell ``row``."""
-    found, header = [], None
-    lines = page.read_text().splitlines()
-    for i, line in enumerate(lines):
-        if not line.startswith("|"):
-            header = None
-            continue
-        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
-        if i + 1 < len(lines) and re.match(r"^\|\s*:?-{3,}", lines[i + 1]):
-            header = cells
-        elif header and row in cells and column in header and not set(line) <= set("|-: "):
-            found.append(cells[header.index(column)])
+    found = []
+    for _, header, rows in tables(page):
+        header = [h.strip("`") for h in header]
+        for _, cells in rows:
+            cells = [c.strip("`") for c in cells]
+            if row in cells and column in header:
+                found.append(cells[header.index(column)])
     return found
 
 
