@@ -23,7 +23,7 @@ BIN_MIN := $(VENV_MIN)/bin
 SPHINXOPTS ?=
 DOCS_OUT ?= build/docs
 
-.PHONY: help test test-all test-min lint typecheck format docs dist test-wheel demo notebooks bench clean distclean
+.PHONY: help test test-all test-min lint typecheck format docs docs-check dist test-wheel demo notebooks bench clean distclean
 
 help:
 	@echo "make demo       train a small model with injected gradient spikes (examples/demo.py)"
@@ -35,6 +35,8 @@ help:
 	@echo "make lint       ruff check, ruff format --check, then make typecheck"
 	@echo "make typecheck  pyright on clipjax/ ([tool.pyright] in pyproject.toml)"
 	@echo "make docs       the documentation site in $(DOCS_OUT)/html (runs the notebooks)"
+	@echo "make docs-check the built site in headless Chromium at 1280 px: no table or code"
+	@echo "                block scrolls sideways, no image wider than the page (after make docs)"
 	@echo "make dist       wheel and sdist in dist/, checked with twine check --strict"
 	@echo "make test-wheel make dist, install the wheel in a clean venv, run one update"
 	@echo "make format     ruff format and ruff check --fix"
@@ -119,6 +121,11 @@ docs: $(VENV)/.installed-docs
 	rm -rf $(DOCS_OUT)/html
 	$(BIN)/sphinx-build -b html -W --keep-going -n $(SPHINXOPTS) docs $(DOCS_OUT)/html
 	@echo "open $(DOCS_OUT)/html/index.html"
+
+# Renders $(DOCS_OUT)/html (built by `make docs`) in the system's Chromium
+# through playwright; skips, saying why, without Chromium or the site.
+docs-check: $(VENV)/.installed
+	CLIPJAX_DOCS_HTML=$(DOCS_OUT)/html $(BIN)/python -m pytest -p no:cacheprovider -n 0 -o addopts="-ra" tests/test_docs_layout.py
 
 dist: $(VENV)/.installed-dist
 	rm -rf dist

@@ -445,11 +445,12 @@ def header(command: str) -> list[str]:
         f"* **date**: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"* **device**: {dev.device_kind} (jax platform `{dev.platform}`, "
         f"{jax.device_count()} device(s))" + ("" if gpu else "; no GPU used"),
-        f"* **machine**: {_cpu_model()}, {os.cpu_count()} logical cores, {platform.platform()}",
+        f"* **machine**: {_cpu_model()}, {os.cpu_count()} logical cores, {platform.system()}",
+        # The load qualifies the wall-clock figures (a shared machine).
         f"* **load average at start**: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
         f"* **versions**: python {platform.python_version()}, jax {jax.__version__}, "
         f"jaxlib {version('jaxlib')}, optax {version('optax')}, "
-        f"clipjax {clipjax.__version__} (git {_git()})",
+        f"clipjax {clipjax.__version__} (commit {_git()})",
     ]
 
 

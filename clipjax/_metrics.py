@@ -289,6 +289,28 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _merge_nnx_split(opt_state: Any) -> Any:
+    """``nnx.split(optimizer)``'s ``(graphdef, state, ...)`` merged back.
+
+    flax keeps the static part of a pytree (a clipjax state's group names) in
+    the graphdef, so the states alone cannot name the metrics.
+    """
+    nnx = sys.modules.get("flax.nnx")
+    graphdef = getattr(nnx, "GraphDef", None)
+    if graphdef is not None and opt_state and isinstance(opt_state, tuple):
+        return nnx.merge(*opt_state) if isinstance(opt_state[0], graphdef) else opt_state  # type: ignore[union-attr]
+    return opt_state
+
+
+def _nnx_state_hint(opt_state: Any) -> str:
+    if type(opt_state).__module__.startswith("flax.nnx"):
+        return (
+            "; flax's nnx.state() keeps no group names (they live in the graphdef): pass "
+            "optimizer.opt_state, the nnx.Optimizer itself, or all of nnx.split(optimizer)"
+        )
+    return "; is a clipjax transform part of this optimizer?"
+
+
 def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
     """Reads the metrics of every clipjax transform inside an optax state.
 
@@ -297,7 +319,10 @@ def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
     ``apply_if_finite``, flax optimizer wrappers), inside or outside ``jit``.
 
     Args:
-      opt_state: an optimizer state, or any pytree containing one.
+      opt_state: an optimizer state, or any pytree containing one: with flax
+        NNX, ``optimizer.opt_state``, the ``nnx.Optimizer`` itself, or the
+        tuple ``nnx.split(optimizer)`` returns (not ``nnx.state(optimizer)``
+        alone: flax keeps the group names in the graphdef).
       flat: return one flat ``dict`` (default) or a nested one.
 
     Returns:
@@ -340,13 +365,13 @@ def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
             f"({getattr(opt_state, '__name__', type(opt_state).__name__)}): pass "
             "tx.init(params) or the state returned by tx.update"
         )
+    opt_state = _merge_nnx_split(opt_state)
     out: dict[str, Any] = {}
     found = _walk(opt_state, "", out, {})
     if not found:
         warnings.warn(
             "clipjax.metrics found no clipjax state in the optimizer state "
-            f"({type(opt_state).__name__}) and returns {{}}; is a clipjax transform "
-            "part of this optimizer?",
+            f"({type(opt_state).__name__}) and returns {{}}{_nnx_state_hint(opt_state)}",
             UserWarning,
             stacklevel=2,
         )

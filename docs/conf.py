@@ -130,6 +130,10 @@ html_theme_options = {
     # One search box (the sidebar's): no second one in the header.
     "navbar_persistent": [],
 }
+# Quotes stay as written: a setting in plain text (`autoclip(feedback="clipped")`
+# in a generated page's list) must paste as code, not with curly quotes.
+smartquotes = False
+
 html_static_path = ["_static"]
 html_css_files = ["clipjax.css"]  # wrap long code lines; hide the header search button
 

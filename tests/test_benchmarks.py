@@ -29,7 +29,6 @@ traffic_bounds = pytest.mark.skipif(
     reason="bytes-accessed bounds are calibrated on jaxlib >= 0.5's cost analysis",
 )
 SECTIONS = (
-    "## Targets",
     "## Memory traffic",
     "## Step time",
     "## Scaling with the number of leaves",
@@ -144,5 +143,7 @@ def test_quick_run_writes_every_section(tmp_path: str) -> None:
     for field in ("command", "date", "device", "machine", "versions"):
         assert f"* **{field}**: " in text
     assert "jaxlib" in text and "optax" in text
-    targets = text.split("## Targets")[1].split("\n## ")[0]
-    assert targets.count("| met |") + targets.count("| **missed** |") >= 8
+    # The page shows measurements; the targets are the benchmark's, on stderr.
+    assert "Targets" not in text and "do not edit" not in text
+    targets = proc.stderr.split("== targets")[1]
+    assert targets.count("\nmet ") + targets.count("\nMISSED ") >= 8

@@ -69,6 +69,19 @@ def test_notebook_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPat
         resources={"metadata": {"path": str(tmp_path)}},  # the kernel's working directory
     )
     client.execute()  # raises CellExecutionError, with the cell and traceback, on failure
+    # The executed notebooks are pages of the docs: no warning (it would name the
+    # kernel's temporary file) and no path of the machine that ran them.
+    shown = [
+        (i, output.get("text", "") + str(output.get("data", {}).get("text/plain", "")))
+        for i, cell in enumerate(notebook.cells)
+        for output in cell.get("outputs", [])
+    ]
+    bad = [
+        f"cell {i}: {text.strip()[:200]}"
+        for i, text in shown
+        if "Warning" in text or "/tmp/" in text or str(tmp_path) in text
+    ]
+    assert not bad, f"{path.name} shows warnings or machine paths:\n" + "\n".join(bad)
     out = os.environ.get("CLIPJAX_NOTEBOOK_OUT")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
