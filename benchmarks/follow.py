@@ -21,13 +21,16 @@ Per setting and cell (sigma, k), over seeds, the table gives:
 A setting **follows a run** when, in every cell and seed, ``clip before`` and
 ``clip after`` are at most 5% and ``worst spike`` is at most 2.
 
-Run: ``python benchmarks/follow.py [--seeds 3] [--markdown PATH]``.
+Run: ``python benchmarks/follow.py [--seeds 3] [--update-docs]`` (the latter
+writes ``docs/generated/follow.md``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import re
 import sys
 from collections.abc import Callable
 
@@ -38,6 +41,7 @@ import optax
 
 import clipjax
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 700
 SHIFT = 300
 SIGMAS = (0.05, 0.1, 0.2)
@@ -88,14 +92,25 @@ SETTINGS: dict[str, Callable[[], optax.GradientTransformation]] = {
         mode="percentile", feedback="clipped"
     ),
     "hist_clip(feedback='clipped')": lambda: clipjax.hist_clip(feedback="clipped"),
-    "skip_on_spike(sgd)": lambda: clipjax.skip_on_spike(optax.identity()),
+    "skip_on_spike(optimizer)": lambda: clipjax.skip_on_spike(optax.identity()),
 }
+
+
+def recommended() -> str:
+    """The README's recommended setting, from its one source."""
+    path = os.path.join(ROOT, "docs", "generated", "recommended.md")
+    with open(path) as f:
+        return re.search(r"`(clipjax\.[^`]+)`", f.read()).group(1)
+
+
+SETTINGS["recommended"] = lambda: eval(recommended(), {"clipjax": clipjax, "optax": optax})
 REQUIRED = (
+    "recommended",
     "autoclip(feedback='clipped')",
     "zscore_clip(feedback='clipped')",
     "zclip(feedback='clipped')",
     "hist_clip(feedback='clipped')",
-    "skip_on_spike(sgd)",
+    "skip_on_spike(optimizer)",
 )
 
 
@@ -171,8 +186,9 @@ def table(seeds: int, names: list[str] | None = None) -> str:
         spike_key = max(cells, key=lambda k: cells[k].worst_spike.max())
         spike = cells[spike_key].worst_spike.max()
         good = sum(c.follows() for c in cells.values())
+        label = f"recommended: {recommended()}" if name == "recommended" else name
         lines.append(
-            f"| `{name}` | {before:.1%} | {after:.1%} (σ {after_key[0]}, ×{after_key[1]:g}) "
+            f"| `{label}` | {before:.1%} | {after:.1%} (σ {after_key[0]}, ×{after_key[1]:g}) "
             f"| {spike:.2f} (σ {spike_key[0]}, ×{spike_key[1]:g}) | {good}/{len(cells)} "
             f"| {'yes' if good == len(cells) else 'no'} |"
         )
@@ -180,17 +196,49 @@ def table(seeds: int, names: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
+PAGE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "generated", "follow.md"
+)
+
+
+def page(seeds: int) -> str:
+    """The generated page: what was run, where, and the table."""
+    import common
+
+    # No wall-clock figure here: the machine's load does not qualify anything.
+    meta = [
+        line
+        for line in common.header(f"python benchmarks/follow.py --seeds {seeds} --update-docs")
+        if "load average" not in line
+    ]
+    doc = __doc__.split("\n\n")
+    return "\n".join(
+        [
+            "# Following a run: the open-loop grid",
+            "",
+            *meta,
+            "",
+            "\n\n".join(doc[1:6]).strip(),
+            "",
+            table(seeds),
+            "",
+        ]
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--markdown", help="also write the table to this file")
+    parser.add_argument("--update-docs", action="store_true", help=f"write {PAGE}")
     parser.add_argument("settings", nargs="*", help="setting names (default: all)")
     args = parser.parse_args()
-    text = table(args.seeds, args.settings or None)
+    if args.update_docs:
+        text = page(args.seeds)
+        with open(PAGE, "w") as f:
+            f.write(text)
+    else:
+        text = table(args.seeds, args.settings or None)
     print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
 
 
 if __name__ == "__main__":

@@ -250,8 +250,8 @@ def hist_clip(
       the statistics.
     * ``"clipped"``: ``min(g, B)`` on every step: a spike teaches no more
       than a norm at the boundary would, and a lasting rise of the norm is
-      learnt (each step at the boundary widens it): the setting that stops
-      spikes and follows a training run.
+      learnt (each step at the boundary widens it): it stops spikes and
+      follows a training run.
     * ``"clip_target"``: on a high-side fire, the criterion's clip value.
       With :func:`reciprocal_clipping` or :func:`mean_clipping` that value
       lies below ``B`` and tends to ``mu`` as the spike grows, so the

@@ -192,19 +192,7 @@ def test_the_readme_first_example_uses_the_recommended_setting() -> None:
     assert first and recommended() in canonical(first.group(1))
 
 
-DOCSTRING_SITES = [
-    pytest.param(
-        name,
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="autoclip's docstring recommends autoclip(feedback='clipped', "
-            "history='window'); its module is being rewritten in the 'follow a run' change",
-        ),
-    )
-    if name == "autoclip"
-    else name
-    for name in sorted(clipjax.__all__)
-]
+DOCSTRING_SITES = sorted(clipjax.__all__)
 
 
 @pytest.mark.parametrize("name", DOCSTRING_SITES)
