@@ -282,7 +282,8 @@ def hist_clip(
     Args:
       criterion: :func:`zstat_criterion` (default) or :func:`ema_criterion`.
       warmup_steps: number of finite norms collected before the criterion.
-      warmup_clip: transform applied during warm-up, or None.
+      warmup_clip: transform applied during warm-up, or None; ``"default"``
+        (default) means ``clip_by_global_norm(1.0)``.
       scope: ``"global"``, ``"per_param"``, ``"per_layer"`` or a callable.
       feedback: ``"raw"`` (default), ``"clipped"``, ``"clip_target"`` or
         ``"skip"``, see above.

@@ -6,8 +6,8 @@ x_{n-1}`` and ``q = percentile / 100``, the virtual index is ``v = (n - 1)·q``
 and the result interpolates ``x_lo`` and ``x_hi`` (``lo = floor(v)``,
 ``hi = lo + 1``, both clamped to ``[0, n - 1]``) with numpy's ``_lerp``.
 
-* :func:`exact_percentile` sorts (``O(n log n)``; on CPU XLA's sort costs about
-  0.25 µs per element, on GPU it is fast but still several passes).
+* :func:`exact_percentile` sorts (``O(n log n)``; on GPU fast but still
+  several passes).
 * :func:`approx_percentile` is a radix select on the bit patterns of the
   magnitudes. For non-negative IEEE floats, the integer view of the bits is
   ordered like the values, so a histogram over the top ``log2(bins)`` bits
@@ -61,13 +61,13 @@ Array = jax.Array
 Values = Array | Sequence[Array]
 
 #: ``method="auto"`` sorts up to this many elements and uses the radix
-#: histogram above. Chosen from ``benchmarks/percentile.py`` on a 2-core CPU:
-#: the sort is the faster method up to about 2^11 elements (0.13 ms vs 0.23 ms
-#: at 1024), about 1 ms and 3x slower at 2^12, 40x slower at 2^16 and 60-180x
-#: slower from 1e5 on. Up to 2^12 both stay around a millisecond, so ``auto``
-#: keeps the exact result where it is cheap. (On GPU the sort is fast and the
-#: histogram passes are a few kernel launches each; the threshold is not
-#: critical there.)
+#: histogram above. Chosen from ``benchmarks/percentile.py`` on a 2-core CPU
+#: (its timings are on the "clip_by_percentile" section of
+#: ``benchmarks/RESULTS.md``): the sort is the faster method for the smallest
+#: leaves, both stay around a millisecond up to 2^12 elements, and above that
+#: the sort falls behind by orders of magnitude, so ``auto`` keeps the exact
+#: result where it is cheap. (On GPU the sort is fast and the histogram passes
+#: are a few kernel launches each; the threshold is not critical there.)
 AUTO_EXACT_MAX_SIZE = 2**12
 
 #: Histogram size of one radix pass (``log2(bins)`` bits resolved per pass).

@@ -104,7 +104,8 @@ def zclip(
     cap, during warm-up), so that ``grad_norm`` against ``threshold`` shows the
     margin. ``clip_to`` is the norm the step leaves with: ``T`` on a clipped
     step, the norm itself otherwise. ``z`` is judged from the statistics
-    before the step; ``mean`` and ``std`` are reported after it.
+    before the step (0 during warm-up); ``mean`` and ``std`` are reported
+    after it.
 
     **FIX** (reference ``zclip`` package): a NaN or Inf norm poisons zclip's
     mean and variance for good (and its warm-up mean); here it is kept out of
