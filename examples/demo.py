@@ -441,31 +441,14 @@ def setting_styles(names: list[str]) -> dict[str, dict[str, object]]:
     return styles
 
 
-def criterion_group(rows: list[dict[str, float]], group: str, field: str) -> bool:
-    """Whether the group reports a z-statistic and a threshold that is +inf on
-    most steps (hist_clip's criterion, which reports a limit only when it fires)."""
-    keys = (f"{group}/z", f"{group}/mean", f"{group}/std")
-    if not all(k in rows[0] for k in keys):
-        return False
-    return float(np.mean([math.isinf(r[f"{group}/{field}"]) for r in rows])) > 0.5
-
-
 def limit_line(rows: list[dict[str, float]], group: str, field: str) -> np.ndarray:
     """A group's threshold per step, NaN where it is not a limit to draw.
 
-    Thresholds at or below ``THRESHOLD_FLOOR`` and non-finite ones are masked.
-    hist_clip's ``threshold`` is the clip value on the steps its criterion
-    fires and +inf elsewhere: for it (a group with a z-statistic) the line is
-    the criterion itself, ``mean + thresh * std``, the norm above which it
-    fires, on every step after warm-up (``z`` is 0 during warm-up).
+    Every adaptive clipper's ``threshold`` is the norm above which the step is
+    clipped, on every step; thresholds at or below ``THRESHOLD_FLOOR`` and
+    non-finite ones (warm-up) are masked.
     """
     limit = np.array([r[f"{group}/{field}"] for r in rows], dtype=float)
-    if criterion_group(rows, group, field):
-        thresh = clipjax.zstat_criterion().thresh
-        mean = np.array([r[f"{group}/mean"] for r in rows])
-        std = np.array([r[f"{group}/std"] for r in rows])
-        warming = np.array([r[f"{group}/z"] == 0 for r in rows])
-        limit = np.where(warming, np.nan, mean + thresh * std)
     return np.where(np.isfinite(limit) & (limit > THRESHOLD_FLOOR), limit, np.nan)
 
 
@@ -533,8 +516,6 @@ def plot(path: Path, runs: dict[str, list[dict[str, float]]], spike_steps: list[
                 limit = limit_line(rows, group, field)
                 clipped = [j for j, r in enumerate(rows) if r.get(f"{group}/clipped", 0) > 0]
                 label = field
-                if criterion_group(rows, group, field):
-                    label = f"mean + {clipjax.zstat_criterion().thresh:g} std (fires above)"
             else:
                 norm, passed, limit, clipped = global_equivalent(rows, groups, field)
                 label = f"{field}, root sum of squares"
@@ -542,9 +523,10 @@ def plot(path: Path, runs: dict[str, list[dict[str, float]]], spike_steps: list[
             ax.plot(norm, color="0.6", linewidth=0.8, label="grad_norm")
             ax.plot(passed, color="C0", linewidth=1, label="grad_norm x scale")
             ax.plot(limit, "--", color="C1", linewidth=1.2, label=label)
-            if len(groups) == 1 and criterion_group(rows, groups[0], field):
-                clip_value = np.array([r[f"{groups[0]}/{field}"] for r in rows])
-                ax.plot(clip_value, "o", color="C1", markersize=3, label="clip value")
+            if len(groups) == 1 and f"{groups[0]}/clip_to" in rows[0]:
+                # zclip and hist_clip clip below their boundary: the norm a clipped step left with.
+                clip_to = np.array([r[f"{groups[0]}/clip_to"] for r in rows])
+                ax.plot(clipped, clip_to[clipped], "o", color="C1", markersize=3, label="clip_to")
             ax.plot(clipped, norm[clipped], "x", color="red", markersize=5)
             curves += [norm, passed, limit]
         else:
