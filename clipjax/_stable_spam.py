@@ -84,10 +84,17 @@ def _start(algo: str, name: str | None, params: Any, scope: Scope) -> tuple[Grou
     """``init``'s common part: the names, the statistics dtype and ``zeros(dtype)``."""
     _metrics.ensure_serializable()
     grouping = _grouping.make_grouping(params, scope)
-    info = GroupInfo(algo, name, grouping.names, grouping.leaf_names, grouping.leaf_shapes)
+    # On optax's params placeholder (tree_map_params) the names are a leaf.
+    info_class = _metrics.PlaceholderInfo if _engine._is_placeholder(params) else GroupInfo
+    info = info_class(algo, name, grouping.names, grouping.leaf_names, grouping.leaf_shapes)
     leaves, _, _ = _grouping.leaves_with_names(params)
     dtype = _grouping.norm_dtype(leaves)
     return info, dtype, lambda kind: jnp.zeros((grouping.num_groups,), kind)
+
+
+def _own(state: Any) -> Any:
+    """Each leaf its own buffer (a donated state), except on optax's placeholder."""
+    return state if isinstance(state.info, _metrics.PlaceholderInfo) else _engine.own_buffers(state)
 
 
 def _cast(metrics: dict[str, Any], like: dict[str, Array]) -> dict[str, Array]:
@@ -215,7 +222,7 @@ def adaclip(
                 "clipped_count": zeros(jnp.int32),
                 "nonfinite_count": zeros(jnp.int32),
             }
-            return _engine.own_buffers(AdaClipState(zeros(dtype), metrics, info))
+            return _own(AdaClipState(zeros(dtype), metrics, info))
 
         def update_fn(updates: Any, state: AdaClipState, params: Any = None, **_: Any) -> Any:
             leaves, grouping, treedef = _prepare(updates, state.info, scope)
@@ -235,8 +242,12 @@ def adaclip(
             for x, group in zip(leaves, grouping.leaf_groups):
                 # Not abs(x) > bound: XLA would share that abs with the max's
                 # and write it out.
-                xb = x.astype(dtype)
-                hit = clips[group] & ((xb > bound[group]) | (xb < -bound[group]))
+                if jnp.iscomplexobj(x):
+                    above_bound = _grouping.abs_squared(x, dtype) > bound[group] ** 2
+                else:
+                    xb = x.astype(dtype)
+                    above_bound = (xb > bound[group]) | (xb < -bound[group])
+                hit = clips[group] & above_bound
                 new_leaves.append(jnp.where(hit, x * ratio[group].astype(x.dtype), x))
                 if count_clipped:
                     # A second pass: the bound needs this step's max. Two sums
@@ -355,7 +366,7 @@ def ada_norm(
                 "step": zeros(jnp.int32),
                 "nonfinite_count": zeros(jnp.int32),
             }
-            return _engine.own_buffers(AdaNormState(zeros(dtype), zeros(dtype), metrics, info))
+            return _own(AdaNormState(zeros(dtype), zeros(dtype), metrics, info))
 
         def update_fn(updates: Any, state: AdaNormState, params: Any = None, **_: Any) -> Any:
             leaves, grouping, treedef = _prepare(updates, state.info, scope)
