@@ -18,6 +18,10 @@ norms). Per setting, over seeds:
   (norm after clipping) / (level at that step) over spikes (1 is a spike cut
   back to the level, 10 a spike let through).
 
+``spam()`` and ``stable_spam()`` are optimizers: the gradient they clip is
+read back from Adam's first moment, and counted as clipped when it is below
+the input by more than float32 rounding of that read-back (1e-4).
+
 Run: ``python benchmarks/follow.py [--seeds 5]``.
 """
 
@@ -28,6 +32,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import clipjax
 
@@ -78,7 +83,19 @@ SETTINGS = {
     "zclip(max_grad_norm=None, warmup_steps=10)": lambda: clipjax.zclip(
         max_grad_norm=None, warmup_steps=10
     ),
+    # Stable-SPAM's pieces (one element: AdaClip's bound is an EMA of |g|;
+    # AdaGN rescales every step to a norm near 1, so it "clips" every step
+    # above that and lifts those below).
+    "adaclip(scope='global')": lambda: clipjax.adaclip(scope="global"),
+    "ada_norm(scope='global')": lambda: clipjax.ada_norm(scope="global"),
 }
+# Optimizers: the gradient they clip is read back from Adam's first moment,
+# g = (m_t - b1 m_{t-1}) / (1 - b1) (m_{t-1} = 0 on a reset step).
+OPTIMIZERS = {
+    "spam()": (lambda: clipjax.spam(1e-3), "spam"),
+    "stable_spam()": (lambda: clipjax.stable_spam(1e-3), "stable_spam"),
+}
+B1 = 0.9
 
 
 def run(tx, norms: np.ndarray) -> np.ndarray:
@@ -95,6 +112,24 @@ def run(tx, norms: np.ndarray) -> np.ndarray:
     )
 
 
+def run_optimizer(tx, algo: str, norms: np.ndarray) -> np.ndarray:
+    """The gradient the optimizer's moments saw, per step, and whether it was changed."""
+    params = {"w": jnp.zeros((1,), jnp.float32)}
+    state0 = tx.init(params)
+
+    def step(state, g):
+        _, new = tx.update({"w": g[None]}, state, params)
+        old_mu = optax.tree_utils.tree_get(state, "mu")["w"][0]
+        mu = optax.tree_utils.tree_get(new, "mu")["w"][0]
+        reset = clipjax.metrics(new)[f"{algo}/global/steps_since_reset"] == 0
+        seen = (mu - B1 * jnp.where(reset, 0.0, old_mu)) / (1 - B1)
+        return new, jnp.abs(seen)
+
+    return np.asarray(
+        jax.jit(lambda s: jax.lax.scan(step, state0, s)[1])(jnp.asarray(norms, jnp.float32))
+    )
+
+
 def _share(clipped: np.ndarray, plain: np.ndarray, a: int, b: int) -> float:
     """Share of the non-spike steps in ``[a, b)`` that were clipped."""
     return float(clipped[a:b][plain[a:b]].mean())
@@ -104,8 +139,14 @@ def row(name: str, seeds: int) -> str:
     rows = []
     for seed in range(seeds):
         norms, level, spikes = stream(seed)
-        out = run(SETTINGS[name](), norms)
-        clipped = out < norms.astype(np.float32) * (1 - 1e-6)
+        if name in OPTIMIZERS:
+            make, algo = OPTIMIZERS[name]
+            out = run_optimizer(make(), algo, norms)
+            # float32 moments: the read-back gradient is exact to about 1e-5.
+            clipped = out < norms.astype(np.float32) * (1 - 1e-4)
+        else:
+            out = run(SETTINGS[name](), norms)
+            clipped = out < norms.astype(np.float32) * (1 - 1e-6)
         plain = np.ones(STEPS, bool)
         plain[spikes] = False
         rows.append(
@@ -127,7 +168,7 @@ def main() -> None:
     args = parser.parse_args()
     print("| setting | clip 100-299 | clip 300-349 | clip 350-599 | caught | passed |")
     print("|" + "---|" * 6)
-    for name in SETTINGS:
+    for name in [*SETTINGS, *OPTIMIZERS]:
         print(row(name, args.seeds))
 
 

@@ -38,7 +38,9 @@ class SpamState(NamedTuple):
         update was multiplied by this step: below 1 during the warm-up after a
         reset), ``steps_since_reset`` (int32, 0 on a reset step), ``resets``
         (int32, moment resets so far), ``nonfinite_count`` (int32, steps with a
-        NaN or infinite gradient element) and ``step`` (int32, steps taken).
+        NaN or infinite gradient element) and ``step`` (int32, steps taken);
+        ``clipped_fraction`` and ``nonfinite_count`` only with
+        ``count_clipped=True`` (the default).
       info: static names, ``GroupInfo(algo="spam", ...)``.
 
     Examples:
@@ -378,6 +380,11 @@ def spam(
       mu_dtype: the first moment's dtype (None: that of the params).
       mask: a tree of bools (or a function of the params returning one): the
         leaves to decay; None decays all.
+      count_clipped: report ``clipped_fraction`` and ``nonfinite_count``.
+        Counting is a reduction of its own over the gradient and ``v`` (two
+        extra reads; on XLA:CPU, whose reductions are slower than its fused
+        loops, it doubles the step time); without it the step costs one read
+        of ``v`` over :func:`clipjax.adamw`'s.
       name: metrics prefix (default ``spam``).
 
     Returns:
