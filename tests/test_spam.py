@@ -336,6 +336,21 @@ def test_adaclip_scopes_match_a_numpy_restatement() -> None:
                     np.testing.assert_allclose(got[n], expected, rtol=2e-6, err_msg=(scope, t))
                 m = clipjax.metrics(state)
                 np.testing.assert_allclose(m[f"adaclip/{group}/bound"], bound, rtol=2e-6)
+    # Without the count: the same clipped gradients, the same bound and norms.
+    for count_clipped in (True, False):
+        tx = clipjax.adaclip(theta, scope="per_layer", count_clipped=count_clipped)
+        state = tx.init(params)
+        for g in grads:
+            out, state = jax.jit(tx.update)(jax.tree.map(jnp.float32, g), state)
+        if count_clipped:
+            expected, counted = out, clipjax.metrics(state)
+    uncounted = clipjax.metrics(state)
+    chex.assert_trees_all_close(out, expected, rtol=1e-6)
+    assert set(counted) - set(uncounted) == {
+        "adaclip/l1/clipped_fraction",
+        "adaclip/l2/clipped_fraction",
+    }
+    chex.assert_trees_all_close(uncounted, {k: counted[k] for k in uncounted}, rtol=1e-6)
 
 
 @pytest.mark.parametrize(
