@@ -208,7 +208,31 @@ def new_groups() -> list[Group]:
         f"clipjax.skip_on_spike({inner})": lambda: clipjax.skip_on_spike(fold_chain()),
     }
     out.append(Group(f"skip_on_spike({inner})", configs, inner, inner, value=True))
-    return out
+    return [*out, *spam_groups()]
+
+
+def spam_groups() -> list[Group]:
+    """SPAM and Stable-SPAM against clipjax.adamw (same weight decay, 0).
+
+    Labels without the ``clipjax.`` prefix: they are optimizers and chains of
+    two clippers, not the single norm clippers that traffic.py's targets check.
+    """
+    adamw = "clipjax.adamw"
+    fold_adamw = lambda: clipjax.adamw(LR, weight_decay=0.0)
+    chained = lambda clipper: lambda: clipjax.chain(clipper(), fold_adamw())
+    configs = {
+        adamw: fold_adamw,
+        "spam": lambda: clipjax.spam(LR),
+        "spam(count_clipped=False)": lambda: clipjax.spam(LR, count_clipped=False),
+        "stable_spam": lambda: clipjax.stable_spam(LR),
+        "adaclip + adamw": chained(clipjax.adaclip),
+        "adaclip(count_clipped=False) + adamw": chained(
+            lambda: clipjax.adaclip(count_clipped=False)
+        ),
+        "ada_norm + adamw": chained(clipjax.ada_norm),
+        "skip_on_spike(spam)": lambda: clipjax.skip_on_spike(clipjax.spam(LR)),
+    }
+    return [Group("spam", configs, adamw, adamw, value=True)]
 
 
 # ---------------------------------------------------------------------------

@@ -21,6 +21,10 @@ Per setting and cell (sigma, k), over seeds, the table gives:
 A setting **follows a run** when, in every cell and seed, ``clip before`` and
 ``clip after`` are at most 5% and ``worst spike`` is at most 2.
 
+``spam()`` and ``stable_spam()`` are optimizers: the gradient they clip is
+read back from Adam's first moment, and counted as clipped when it is below
+the input by more than float32 rounding of that read-back (1e-4).
+
 Run: ``python benchmarks/follow.py [--seeds 3] [--update-docs]`` (the latter
 writes ``docs/generated/follow.md``).
 """
@@ -93,7 +97,19 @@ SETTINGS: dict[str, Callable[[], optax.GradientTransformation]] = {
     ),
     "hist_clip(feedback='clipped')": lambda: clipjax.hist_clip(feedback="clipped"),
     "skip_on_spike(optimizer)": lambda: clipjax.skip_on_spike(optax.identity()),
+    # Stable-SPAM's pieces (one element: AdaClip's bound is an EMA of |g|;
+    # AdaGN rescales every step to a norm near its EMA, so it "clips" every
+    # step above that and lifts those below).
+    "adaclip(scope='global')": lambda: clipjax.adaclip(scope="global"),
+    "ada_norm(scope='global')": lambda: clipjax.ada_norm(scope="global"),
 }
+# Optimizers: the gradient they clip is read back from Adam's first moment,
+# g = (m_t - b1 m_{t-1}) / (1 - b1) (m_{t-1} = 0 on a reset step).
+OPTIMIZERS = {
+    "spam()": (lambda: clipjax.spam(1e-3), "spam"),
+    "stable_spam()": (lambda: clipjax.stable_spam(1e-3), "stable_spam"),
+}
+B1 = 0.9
 
 
 def recommended() -> str:
@@ -130,14 +146,23 @@ class Cell:
         )
 
 
-def run(tx: optax.GradientTransformation, norms: np.ndarray) -> np.ndarray:
-    """The norm reaching the optimizer, ``[streams, steps]``, for ``[streams, steps]`` norms."""
+def run(tx: optax.GradientTransformation, norms: np.ndarray, algo: str | None = None) -> np.ndarray:
+    """The norm reaching the optimizer, ``[streams, steps]``, for ``[streams, steps]`` norms.
+
+    With ``algo``, ``tx`` is an optimizer named ``algo`` in the metrics: the
+    gradient its moments saw is read back from Adam's first moment.
+    """
     params = {"w": jnp.zeros((1,), jnp.float32)}
 
     def one(xs: jax.Array) -> jax.Array:
         def step(state, g):
-            out, state = tx.update({"w": g[None]}, state, params)
-            return state, jnp.abs(out["w"][0])
+            out, new = tx.update({"w": g[None]}, state, params)
+            if algo is None:
+                return new, jnp.abs(out["w"][0])
+            old_mu = optax.tree_utils.tree_get(state, "mu")["w"][0]
+            mu = optax.tree_utils.tree_get(new, "mu")["w"][0]
+            reset = clipjax.metrics(new)[f"{algo}/global/steps_since_reset"] == 0
+            return new, jnp.abs((mu - B1 * jnp.where(reset, 0.0, old_mu)) / (1 - B1))
 
         return jax.lax.scan(step, tx.init(params), xs)[1]
 
@@ -149,18 +174,22 @@ def evaluate(
     seeds: int = 3,
     sigmas: tuple[float, ...] = SIGMAS,
     levels: tuple[float, ...] = LEVELS,
+    algo: str | None = None,
 ) -> dict[tuple[float, float], Cell]:
-    """Every cell of the grid for one setting (all streams in one compiled scan)."""
+    """Every cell of the grid for one setting (all streams in one compiled scan);
+    ``algo`` names an optimizer whose clipped gradient is read back (see :func:`run`)."""
     keys = [(s, k) for s in sigmas for k in levels]
     streams = [stream(seed, s, k) for s, k in keys for seed in range(seeds)]
     norms = np.stack([x[0] for x in streams])
-    out = run(make(), norms).reshape(len(keys), seeds, STEPS)
+    out = run(make(), norms, algo).reshape(len(keys), seeds, STEPS)
+    # float32 moments: the read-back gradient is exact to about 1e-5.
+    rounding = 1e-5 if algo is None else 1e-4
     cells = {}
     for i, key in enumerate(keys):
         before, after, worst = [], [], []
         for j in range(seeds):
             x, levels_, spikes = streams[i * seeds + j]
-            clipped = out[i, j] < x.astype(np.float32) * (1 - 1e-5)
+            clipped = out[i, j] < x.astype(np.float32) * (1 - rounding)
             plain = np.ones(STEPS, bool)
             plain[spikes] = False
             t = np.arange(STEPS)
@@ -178,8 +207,12 @@ def table(seeds: int, names: list[str] | None = None) -> str:
         "| worst spike / level | cells that follow | follows |",
         "|---|---|---|---|---|---|",
     ]
-    for name in names or list(SETTINGS):
-        cells = evaluate(SETTINGS[name], seeds)
+    for name in names or [*SETTINGS, *OPTIMIZERS]:
+        if name in OPTIMIZERS:
+            make, algo = OPTIMIZERS[name]
+            cells = evaluate(make, seeds, algo=algo)
+        else:
+            cells = evaluate(SETTINGS[name], seeds)
         before = max(c.clipped_before.max() for c in cells.values())
         after_key = max(cells, key=lambda k: cells[k].clipped_after.max())
         after = cells[after_key].clipped_after.max()

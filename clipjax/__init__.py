@@ -30,6 +30,8 @@ from clipjax._hist_clip import (
 from clipjax._metrics import GroupInfo, metrics
 from clipjax._percentile import approx_percentile, approx_relative_error, exact_percentile
 from clipjax._skip import SkipOnSpikeState, skip_on_spike
+from clipjax._spam import SpamState, spam
+from clipjax._stable_spam import AdaClipState, AdaNormState, ada_norm, adaclip, stable_spam
 from clipjax._static import (
     ClipByGlobalNormState,
     NormalizePerParamState,
@@ -46,7 +48,9 @@ __version__ = "0.2.0"
 
 __all__ = [
     "AGCState",
+    "AdaClipState",
     "AdaGCState",
+    "AdaNormState",
     "AutoClipState",
     "ClipByGlobalNormState",
     "ClipByPercentileState",
@@ -58,9 +62,12 @@ __all__ = [
     "NormalizePerParamState",
     "SkipOnSpikeState",
     "SkippableTransform",
+    "SpamState",
     "ZClipState",
     "ZScoreClipState",
     "ZScoreNormalizeState",
+    "ada_norm",
+    "adaclip",
     "adagc",
     "adam",
     "adamw",
@@ -83,6 +90,8 @@ __all__ = [
     "path_name",
     "reciprocal_clipping",
     "skip_on_spike",
+    "spam",
+    "stable_spam",
     "zclip",
     "zscore_clip",
     "zscore_normalize",

@@ -154,6 +154,7 @@ API_PAGES = {
         [
             ("Adaptive clippers", ["autoclip", "zscore_clip", "zclip", "hist_clip", "adagc"]),
             ("Adaptive gradient clipping", ["agc"]),
+            ("Stable-SPAM's AdaClip and AdaGN", ["adaclip", "ada_norm"]),
             (
                 "hist_clip criteria and clip functions",
                 [
@@ -173,6 +174,7 @@ API_PAGES = {
         [
             ("Skipping steps", ["skip_on_spike"]),
             ("Optimizers that skip without a conditional", ["adam", "adamw", "chain"]),
+            ("Spike-aware optimizers (SPAM, Stable-SPAM)", ["spam", "stable_spam"]),
         ],
     ),
     "static": (

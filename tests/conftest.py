@@ -400,6 +400,33 @@ SLOW_TESTS.update(
     }
 )
 
+# SPAM / Stable-SPAM (tests/test_spam.py keeps their references and the fold in
+# the fast suite): the scoped variants of adaclip and ada_norm, and
+# stable_spam's chain of both, whose members the fast suite checks one by one.
+SLOW_TESTS.update(
+    {
+        **{
+            f"test_contract.py::{test}[{case}]": "a scoped variant, compiled"
+            for test in (
+                "test_no_host_transfer_inside_update",
+                "test_state_can_be_donated",
+                "test_scan_carry_and_single_trace",
+                "test_metrics_found_in_every_wrapper",
+            )
+            for case in ("adaclip_global", "ada_norm_per_layer")
+        },
+        **{
+            f"test_compat.py::test_every_clipper_runs_on_every_leaf_kind[{name}-": (
+                "a scoped variant, compiled per leaf kind"
+            )
+            for name in ("adaclip_global", "ada_norm_per_layer")
+        },
+        "test_contract.py::test_metrics_found_in_every_wrapper[stable_spam]": (
+            "7 wrappers compiled, a chain of adaclip, ada_norm and Adam"
+        ),
+    }
+)
+
 # Every contract test runs with and without jit (chex.variants). The fast
 # suite keeps both for `state_is_stable_and_dtypes_kept` (every clipper,
 # eagerly) and the jitted variant of the others; bfloat16 stands for the

@@ -47,7 +47,27 @@ TRANSFORMS: dict[str, tuple[Factory, str, str]] = {
     "agc": (lambda: clipjax.agc(), "agc", "target"),
     "agc_per_layer": (lambda: clipjax.agc(scope="per_layer"), "agc", "weight_norm"),
     "adagc": (lambda: clipjax.adagc(warmup_steps=2), "adagc", "threshold"),
+    "adaclip": (lambda: clipjax.adaclip(0.9), "adaclip", "clipped_fraction"),
+    "adaclip_global": (
+        lambda: clipjax.adaclip(scope="global", count_clipped=False),
+        "adaclip",
+        "bound",
+    ),
+    "ada_norm": (lambda: clipjax.ada_norm(), "ada_norm", "target_norm"),
+    "ada_norm_per_layer": (lambda: clipjax.ada_norm(scope="per_layer"), "ada_norm", "mean"),
 }
+# Whole optimizers (full-size moments in their states): the contract here, not
+# the clipper-only checks of test_compat.py.
+OPTIMIZERS: dict[str, tuple[Factory, str, str]] = {
+    "spam": (
+        lambda: clipjax.spam(1e-2, reset_interval=4, warmup_steps=2, clip_delay=1),
+        "spam",
+        "resets",
+    ),
+    "stable_spam": (lambda: clipjax.stable_spam(1e-2, reset_interval=4), "stable_spam", "resets"),
+}
+# Transforms whose metrics hold no gradient norm (spam reports its clip per element).
+NORMLESS = {"spam"}
 
 OPTIONAL = {
     "autoclip": (lambda: clipjax.autoclip(warmup_steps=2, min_history=2), "autoclip", "median"),
@@ -84,6 +104,9 @@ for _key, _value in OPTIONAL.items():
         TRANSFORMS[_key] = _value
 
 IDS = sorted(TRANSFORMS)
+# What this file checks: the clippers and the optimizers.
+ALL = {**TRANSFORMS, **OPTIMIZERS}
+ALL_IDS = sorted(ALL)
 
 
 def make_params(dtype: Any = jnp.float32) -> Any:
@@ -106,18 +129,18 @@ def grads_at(params: Any, step: int) -> Any:
     return jax.tree.map(lambda p: (p * factor + 0.01).astype(p.dtype), params)
 
 
-@pytest.fixture(params=IDS)
+@pytest.fixture(params=ALL_IDS)
 def case(request: Any) -> tuple[Factory, str, str]:
-    return TRANSFORMS[request.param]
+    return ALL[request.param]
 
 
 class TestContractWithAndWithoutJit(chex.TestCase):
     """init/update of every transform, eagerly and under ``jit`` (chex variants)."""
 
     @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.named_parameters(*((name, name) for name in IDS))
+    @parameterized.named_parameters(*((name, name) for name in ALL_IDS))
     def test_state_is_stable_and_dtypes_kept(self, name: str) -> None:
-        tx = TRANSFORMS[name][0]()
+        tx = ALL[name][0]()
         params = make_params()
         first = tx.init(params)
         state = first
@@ -134,24 +157,26 @@ class TestContractWithAndWithoutJit(chex.TestCase):
     @parameterized.named_parameters(
         *(
             (f"{name}_{jnp.dtype(dtype).name}", name, dtype)
-            for name in IDS
+            for name in ALL_IDS
             for dtype in (jnp.bfloat16, jnp.float16)
         )
     )
     def test_low_precision_leaves_keep_dtype(self, name: str, dtype: Any) -> None:
-        tx = TRANSFORMS[name][0]()
+        tx = ALL[name][0]()
         params = make_params(dtype)
         state = tx.init(params)
         out, state = self.variant(tx.update)(grads_at(params, 1), state, params)
         chex.assert_trees_all_equal_dtypes(out, params)
         norms = {k: v for k, v in clipjax.metrics(state).items() if k.endswith("/grad_norm")}
+        if name in NORMLESS:
+            norms = clipjax.metrics(state)
         self.assertTrue(norms)
         chex.assert_tree_all_finite(norms)
 
     @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.named_parameters(*((name, name) for name in IDS))
+    @parameterized.named_parameters(*((name, name) for name in ALL_IDS))
     def test_two_of_a_kind_get_distinct_names(self, name: str) -> None:
-        make, prefix, _ = TRANSFORMS[name]
+        make, prefix, _ = ALL[name]
         params = make_params()
         tx = optax.chain(make(), make(), optax.sgd(0.1))
         state = tx.init(params)
@@ -160,9 +185,9 @@ class TestContractWithAndWithoutJit(chex.TestCase):
         self.assertLessEqual({prefix, prefix + "_1"}, names)
 
     @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.named_parameters(*((name, name) for name in IDS))
+    @parameterized.named_parameters(*((name, name) for name in ALL_IDS))
     def test_empty_tree(self, name: str) -> None:
-        tx = TRANSFORMS[name][0]()
+        tx = ALL[name][0]()
         state = tx.init({})
         out, new_state = self.variant(tx.update)({}, state, {})
         self.assertEqual(out, {})

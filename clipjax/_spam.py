@@ -1,0 +1,435 @@
+"""SPAM: Adam with element-wise spike clipping, moment resets and a warm-up after each reset.
+
+The moments live in optax's ``ScaleByAdamState`` (``count``, ``mu``, ``nu``),
+next to a small :class:`SpamState` that carries the metrics. The step is one
+fused loop per leaf (reset, clip, moments, update) with the skip of
+:class:`clipjax.SkippableTransform` folded in, so ``skip_on_spike(spam(...))``
+costs the gradient norm and nothing more.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from clipjax import _engine, _fold, _grouping, _metrics, _validation
+from clipjax._metrics import GroupInfo
+
+Array = jax.Array
+
+ALGO = "spam"
+# The reference's warm-up: a cosine decay of a "death rate" from 0.99 to 0.
+DEATH_RATE = 0.99
+
+
+class SpamState(NamedTuple):
+    """The metrics of :func:`clipjax.spam` (and :func:`clipjax.stable_spam`'s moments).
+
+    Sits next to the moments, which stay in optax's ``ScaleByAdamState``.
+
+    Attributes:
+      metrics: ``dict`` of ``[1]``-shaped arrays (group ``global``):
+        ``clipped_fraction`` (float32, the share of gradient elements the spike
+        clip replaced this step), ``warmup_scale`` (float32, the factor the
+        update was multiplied by this step: below 1 during the warm-up after a
+        reset), ``steps_since_reset`` (int32, 0 on a reset step), ``resets``
+        (int32, moment resets so far), ``nonfinite_count`` (int32, steps with a
+        NaN or infinite gradient element) and ``step`` (int32, steps taken);
+        ``clipped_fraction`` and ``nonfinite_count`` only with
+        ``count_clipped=True`` (the default).
+      info: static names, ``GroupInfo(algo="spam", ...)``.
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> state = clipjax.spam(1e-3).init({"w": jnp.zeros(3)})
+      >>> isinstance(state[0][1], clipjax.SpamState), state[0][1].info.groups
+      (True, ('global',))
+    """
+
+    metrics: dict[str, Array]
+    info: GroupInfo
+
+
+def _init_metrics(count_clipped: bool) -> dict[str, Array]:
+    f32 = lambda x: jnp.full((1,), x, jnp.float32)
+    i32 = lambda: jnp.zeros((1,), jnp.int32)
+    counted = {"clipped_fraction": f32(0.0), "nonfinite_count": i32()} if count_clipped else {}
+    return {
+        **counted,
+        "warmup_scale": f32(1.0),
+        "steps_since_reset": i32(),
+        "resets": i32(),
+        "step": i32(),
+    }
+
+
+def _after(x: Array, first: Array) -> Array:
+    """``x`` (unchanged) with a data dependency on one element of ``first``.
+
+    The first moment's loop reads the old ``v`` (the clip's limit), and the
+    second moment's loop overwrites ``v`` in place. Without an order between
+    the two loops XLA copies ``v`` (a full-size copy per leaf, every step);
+    an optimization barrier does not survive to copy insertion on XLA:CPU.
+    Adding ``first[0] >> 31 >> 1`` (always 0, never folded) to ``x`` makes the
+    second loop wait for the first at the cost of reading one element.
+    tests/test_spam.py counts the copies.
+    """
+    if first.size == 0:
+        return x
+    bits = jax.lax.bitcast_convert_type(first.reshape(-1)[0].astype(jnp.float32), jnp.uint32)
+    zero = jax.lax.shift_right_logical(
+        jax.lax.shift_right_logical(bits, jnp.uint32(31)), jnp.uint32(1)
+    )
+    return x + zero.astype(x.dtype)
+
+
+def warmup_factor(steps_since_reset: Array, warmup_steps: Any) -> Array:
+    """The reference's update factor ``c`` steps after a reset.
+
+    ``1 - 0.99 * (1 + cos(pi * (c + 1) / (W + 1))) / 2`` for ``c < W``, else 1:
+    what pytorch-optimizer's ``CosineDecay(0.99, W)`` (a torch
+    ``CosineAnnealingLR`` over ``W + 1`` steps) gives at step ``c``.
+    """
+    c = steps_since_reset.astype(jnp.float32)
+    w = jnp.asarray(warmup_steps, jnp.float32)
+    death = DEATH_RATE * (1.0 + jnp.cos(math.pi * (c + 1.0) / (w + 1.0))) / 2.0
+    return jnp.where(c < w, 1.0 - death, 1.0)
+
+
+class _StepArgs(NamedTuple):
+    """The scalars of one SPAM step, shared by every leaf."""
+
+    pred: Array
+    reset: Array
+    clip_on: Array
+    threshold: Any
+    b1: Any
+    b2: Any
+    eps: Any
+    bc1: Array
+    bc2: Array
+    warm: Array
+    eps_inside_correction: bool
+
+
+def _clip(g: Array, finite: Array, v: Array, a: _StepArgs) -> tuple[Array, Array, Array]:
+    """``(v before the step, its limit threshold * v, where g spikes)``."""
+    v0 = jnp.where(a.reset, jnp.zeros((), v.dtype), v)
+    limit = jnp.asarray(a.threshold, v.dtype) * v0
+    # **FIX**: an element whose second moment is 0 has no history: it is not
+    # clipped (the reference clips it to 0, and then it stays there).
+    # |g| * |g|, not g * g: the norm of a skip_on_spike around this takes
+    # g * g, and XLA would write that shared product out.
+    magnitude = jnp.abs(g)
+    spike = a.clip_on & (magnitude * magnitude > limit) & (v0 > 0) & finite
+    return v0, limit, spike
+
+
+def _leaf_step(
+    g: Array, m: Array, v: Array, a: _StepArgs, count_clipped: bool
+) -> tuple[Array, Array, Array, tuple[Array, Array] | None]:
+    """One leaf: the new moments (in their dtypes), the update, and the counts."""
+    dtype = jnp.promote_types(jnp.promote_types(g.dtype, m.dtype), v.dtype)
+    dtype = jnp.promote_types(dtype, jnp.float32)
+    gx, mx, vx = g.astype(dtype), m.astype(dtype), v.astype(dtype)
+    finite = jnp.isfinite(gx)
+    sums = None
+    if count_clipped:
+        # A reduction of its own (XLA:CPU fuses no reduction into a loop):
+        # two reads of the gradient's size. The first moment's loop waits
+        # for it, so that v is not copied.
+        _, _, spike = _clip(gx, finite, vx, a)
+        sums = _grouping.fused_sums(spike.astype(jnp.float32), (~finite).astype(jnp.float32))
+        vx = _after(vx, sums[0])
+    v0, limit, spike = _clip(gx, finite, vx, a)
+    m0 = jnp.where(a.reset, jnp.zeros((), dtype), mx)
+    gc = jnp.where(spike, jnp.sign(gx) * jnp.sqrt(limit), gx)
+    # Selected before the update is computed from them, as in clipjax.adam:
+    # the new moments are written once and read by the same loop. A
+    # non-finite element keeps its moments and gets the update they give,
+    # without reading the gradient again.
+    m1 = jnp.where(a.pred & finite, a.b1 * m0 + (1 - a.b1) * gc, jnp.where(a.pred, m0, mx))
+    vx = _after(v.astype(dtype), m1)
+    v0, limit, spike = _clip(gx, finite, vx, a)
+    # The clipped square is threshold * v itself: no square root in this loop.
+    gc2 = jnp.where(spike, limit, jnp.abs(gx) * jnp.abs(gx))
+    v1 = jnp.where(a.pred & finite, a.b2 * v0 + (1 - a.b2) * gc2, jnp.where(a.pred, v0, vx))
+    if a.eps_inside_correction:
+        out = (m1 / a.bc1) / (jnp.sqrt(v1) / jnp.sqrt(a.bc2) + a.eps)
+    else:
+        out = (jnp.sqrt(a.bc2) / a.bc1) * (m1 / (jnp.sqrt(v1) + a.eps))
+    out = jnp.where(a.pred, a.warm * out, jnp.zeros((), dtype))
+    return m1.astype(m.dtype), v1.astype(v.dtype), out.astype(g.dtype), sums
+
+
+def scale_by_spam(
+    b1: Any = 0.9,
+    b2: Any = 0.999,
+    eps: Any = 1e-6,
+    *,
+    threshold: Any = 5000,
+    reset_interval: Any = 500,
+    warmup_steps: Any = 50,
+    clip_delay: Any = 20,
+    mu_dtype: Any = None,
+    restart_bias_correction: bool = False,
+    eps_inside_correction: bool = False,
+    count_clipped: bool = True,
+    name: str | None = None,
+    algo: str = ALGO,
+) -> _fold.SkippableTransform:
+    """SPAM's moments, spike clip, reset and warm-up, without the learning rate.
+
+    ``restart_bias_correction`` and ``eps_inside_correction`` give
+    Stable-SPAM's variant: the bias correction restarts at each reset and the
+    update is optax's ``m_hat / (sqrt(v_hat) + eps)``; SPAM's own update is
+    torch's ``sqrt(1 - b2**t) / (1 - b1**t) * m / (sqrt(v) + eps)``.
+    """
+    mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+
+    def init_fn(params: Any) -> Any:
+        _metrics.ensure_serializable()
+        adam = optax.scale_by_adam(mu_dtype=mu_dtype).init(params)
+        grouping = _grouping.make_grouping(params, "global")
+        # On optax's params placeholder (tree_map_params) the names are a leaf.
+        info_class = _metrics.PlaceholderInfo if _engine._is_placeholder(params) else GroupInfo
+        info = info_class(algo, name, ("global",), grouping.leaf_names, grouping.leaf_shapes)
+        return adam, SpamState(_init_metrics(count_clipped), info)
+
+    def step(pred: Any, updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        del params
+        adam, spam_state = state
+        info = spam_state.info
+        leaves, _, treedef = _grouping.leaves_with_names(updates)
+        grouping = _grouping.make_grouping(updates, "global")
+        grouping.check_matches(info.leaves, info.shapes, info.name or info.algo)
+        _grouping.check_inexact(leaves, grouping, info.name or info.algo)
+        mus, nus = jax.tree.leaves(adam.mu), jax.tree.leaves(adam.nu)
+        pred = jnp.asarray(pred, bool)
+
+        count = adam.count
+        t = optax.safe_increment(count)  # this step's 1-based number, as the reference counts
+        interval = jnp.asarray(reset_interval, t.dtype)
+        since = t % interval
+        reset = since == 0
+        # The reference's warm-up starts at the first reset after step 1.
+        reset_seen = t >= jnp.maximum(interval, 2)
+        steps_since_reset = jnp.where(reset_seen, since, t - 1)
+        warm = jnp.where(reset_seen, warmup_factor(since, warmup_steps), 1.0)
+        clip_on = (
+            (jnp.asarray(threshold) != 0)
+            & (t >= clip_delay)
+            & (since >= jnp.asarray(clip_delay, t.dtype))
+        )
+        if restart_bias_correction:
+            bc_step = jnp.where(t >= interval, since + 1, t).astype(jnp.float32)
+        else:
+            bc_step = t.astype(jnp.float32)
+        bc1 = 1.0 - jnp.asarray(b1, jnp.float32) ** bc_step
+        bc2 = 1.0 - jnp.asarray(b2, jnp.float32) ** bc_step
+
+        new_mus, new_nus, outs, clipped_sums, bad_sums = [], [], [], [], []
+        step_args = _StepArgs(
+            pred, reset, clip_on, threshold, b1, b2, eps, bc1, bc2, warm, eps_inside_correction
+        )
+        for g, m, v in zip(leaves, mus, nus):
+            m1, v1, out, sums = _leaf_step(g, m, v, step_args, count_clipped)
+            new_mus.append(m1)
+            new_nus.append(v1)
+            outs.append(out)
+            if sums is not None:
+                clipped_sums.append(sums[0])
+                bad_sums.append(sums[1])
+
+        size = sum(math.prod(x.shape) for x in leaves)
+        clipped = sum(clipped_sums) if clipped_sums else jnp.zeros((), jnp.float32)
+        bad = sum(bad_sums) if bad_sums else jnp.zeros((), jnp.float32)
+        fraction = clipped / max(size, 1)
+        old = spam_state.metrics
+        one = lambda x, dtype: jnp.asarray(x).astype(dtype).reshape(1)
+        taken = pred.astype(jnp.int32)
+        metrics = {
+            "warmup_scale": one(warm, jnp.float32),
+            "steps_since_reset": one(steps_since_reset, jnp.int32),
+            "resets": old["resets"] + taken * one(reset, jnp.int32),
+            "step": old["step"] + taken,
+        }
+        if count_clipped:
+            metrics["clipped_fraction"] = one(fraction, jnp.float32)
+            metrics["nonfinite_count"] = old["nonfinite_count"] + taken * one(bad > 0, jnp.int32)
+        metrics = {k: jnp.where(pred, v, old[k]) for k, v in metrics.items()}
+        new_adam = optax.ScaleByAdamState(
+            count=jnp.where(pred, t, count).astype(count.dtype),
+            mu=jax.tree_util.tree_unflatten(jax.tree.structure(adam.mu), new_mus),
+            nu=jax.tree_util.tree_unflatten(jax.tree.structure(adam.nu), new_nus),
+        )
+        new_state = (new_adam, SpamState(metrics, info))
+        return jax.tree_util.tree_unflatten(treedef, outs), new_state
+
+    def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        return step(True, updates, state, params)
+
+    def update_if(
+        pred: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, Any]:
+        del extra_args
+        return step(pred, updates, state, params)
+
+    base = optax.with_extra_args_support(optax.GradientTransformation(init_fn, update_fn))
+    return _fold._skippable(base.init, base.update, update_if)
+
+
+def _check_common(learning_rate: Any, b1: Any, b2: Any, eps: Any, weight_decay: Any) -> None:
+    if not callable(learning_rate):
+        _validation.non_negative("learning_rate", learning_rate)
+    _validation.check("b1", b1, lambda x: 0 <= x < 1, "in [0, 1)")
+    _validation.check("b2", b2, lambda x: 0 <= x < 1, "in [0, 1)")
+    _validation.non_negative("eps", eps)
+    if not callable(weight_decay):
+        _validation.non_negative("weight_decay", weight_decay)
+
+
+def spam(
+    learning_rate: optax.ScalarOrSchedule = 1e-3,
+    b1: Any = 0.9,
+    b2: Any = 0.999,
+    eps: Any = 1e-6,
+    weight_decay: Any = 0.0,
+    *,
+    threshold: Any = 5000,
+    reset_interval: Any = 500,
+    warmup_steps: Any = 50,
+    clip_delay: Any = 20,
+    mu_dtype: Any = None,
+    mask: Any = None,
+    count_clipped: bool = True,
+    name: str | None = None,
+) -> _fold.SkippableTransform:
+    """SPAM: Adam that clips gradient spikes element-wise and resets its moments.
+
+    Each step ``t`` (counted from 1), for every gradient element ``g`` with
+    Adam's second moment ``v`` before the step:
+
+    1. on a reset step (``t % reset_interval == 0``) the moments ``m`` and
+       ``v`` are set to 0;
+    2. spike clip: where ``g**2 > threshold * v``, ``g`` is replaced by
+       ``sign(g) * sqrt(threshold * v)``. The clip is off while ``t <
+       clip_delay`` and for the first ``clip_delay`` steps after each reset
+       (``t % reset_interval < clip_delay``), when ``v`` holds too little
+       history, and everywhere with ``threshold=0``;
+    3. Adam's moments: ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g**2``;
+    4. the update ``-lr * w * sqrt(1 - b2**t) / (1 - b1**t) * m / (sqrt(v) + eps)``,
+       then decoupled weight decay ``-lr * weight_decay * param``. The bias
+       correction counts every step since the start (it does not restart at a
+       reset, as in the reference). ``w`` is 1, except for the ``warmup_steps``
+       steps that follow each reset (from the first reset on), where ``w = 1 -
+       0.99 (1 + cos(pi (c + 1) / (warmup_steps + 1))) / 2`` for the ``c``-th
+       step after the reset (``c = 0`` on the reset step itself: ``w`` is about
+       0.08 with the defaults), so the update recovers from the fresh moments
+       gradually.
+
+    Same defaults as pytorch-optimizer's ``SPAM``; its arguments map as
+    ``lr`` -> ``learning_rate``, ``betas`` -> ``(b1, b2)``,
+    ``update_proj_gap`` -> ``reset_interval``, ``warmup_epoch`` ->
+    ``warmup_steps``, ``grad_accu_steps`` -> ``clip_delay``. The reference's
+    ``density`` (random sparse update masks on 2-D weights, for the paper's
+    sparse-training experiments) is not implemented: ``density=1.0``, its
+    default, is the dense optimizer implemented here.
+
+    It is a :class:`clipjax.SkippableTransform` in the :func:`clipjax.adamw`
+    family: ``clipjax.skip_on_spike(clipjax.spam(...))`` skips without a
+    conditional or a copy. Its state is ``((ScaleByAdamState, SpamState),
+    EmptyState, EmptyState)``: optax's Adam moments (``count`` is ``t``), and
+    :class:`SpamState`'s metrics, read with :func:`clipjax.metrics` under
+    ``spam/global/``: ``clipped_fraction``, ``warmup_scale``,
+    ``steps_since_reset``, ``resets``, ``nonfinite_count``, ``step``.
+
+    Differences from the reference:
+
+    * **FIX**: a NaN or infinite gradient element leaves its moments as they
+      were and gets a zero update (and the step counts in
+      ``nonfinite_count``); in the reference a NaN passes the clip and poisons
+      the element's moments, hence every later step of its parameter.
+    * **FIX**: an element whose ``v`` is 0 (it has seen only zero gradients
+      since the last reset: an unused embedding row, a masked weight) is not
+      clipped. The reference clips it to ``sqrt(threshold * 0) = 0``, so its
+      ``v`` stays 0 and it can never move again until the next reset.
+    * The weight decay is optax's ``-lr * (update + weight_decay * param)``;
+      the reference decays the already-updated parameter,
+      ``(param - update) * (1 - lr * weight_decay)``: they differ by ``lr *
+      weight_decay * update``, a second-order term.
+
+    Args:
+      learning_rate: a float or a schedule (``step -> float``).
+      b1: decay rate of the first moment.
+      b2: decay rate of the second moment.
+      eps: added to ``sqrt(v)`` (before the bias correction, as the reference).
+      weight_decay: the decoupled weight decay rate.
+      threshold: ``theta``: an element spikes when ``g**2 > theta * v``; 0
+        turns the clip off.
+      reset_interval: ``Delta T``: the moments are reset every this many steps
+        (an int >= 1).
+      warmup_steps: steps of cosine warm-up of the update after each reset
+        (an int >= 0; 0: none).
+      clip_delay: the clip waits this many steps after the start and after
+        each reset (an int >= 0).
+      mu_dtype: the first moment's dtype (None: that of the params).
+      mask: a tree of bools (or a function of the params returning one): the
+        leaves to decay; None decays all.
+      count_clipped: report ``clipped_fraction`` and ``nonfinite_count``.
+        Counting is a reduction of its own over the gradient and ``v`` (two
+        extra reads; on XLA:CPU, whose reductions are slower than its fused
+        loops, it doubles the step time); without it the step costs one read
+        of ``v`` over :func:`clipjax.adamw`'s.
+      name: metrics prefix (default ``spam``).
+
+    Returns:
+      A :class:`clipjax.SkippableTransform`.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, clipjax
+      >>> tx = clipjax.spam(1e-3, reset_interval=4, warmup_steps=2, clip_delay=1)
+      >>> params = {"w": jnp.ones(3)}
+      >>> state = tx.init(params)
+      >>> for g in [1.0, 1.0, 1.0, 1.0, 1e4]:
+      ...     updates, state = tx.update({"w": jnp.full(3, g)}, state, params)
+      >>> m = clipjax.metrics(state)
+      >>> int(m["spam/global/resets"]), round(float(m["spam/global/clipped_fraction"]), 2)
+      (1, 1.0)
+
+    References:
+      Huang et al., `SPAM: Spike-Aware Adam with Momentum Reset for Stable LLM
+      Training <https://arxiv.org/abs/2501.06842>`_, ICLR 2025;
+      pytorch-optimizer ``SPAM`` (``pytorch_optimizer/optimizer/spam.py``).
+    """
+    _check_common(learning_rate, b1, b2, eps, weight_decay)
+    _validation.non_negative("threshold", threshold)
+    _validation.integer("reset_interval", reset_interval, 1, static=False)
+    _validation.integer("warmup_steps", warmup_steps, 0, static=False)
+    _validation.integer("clip_delay", clip_delay, 0, static=False)
+    _check_name(name)
+    return _fold.chain(
+        scale_by_spam(
+            b1,
+            b2,
+            eps,
+            threshold=threshold,
+            reset_interval=reset_interval,
+            warmup_steps=warmup_steps,
+            clip_delay=clip_delay,
+            mu_dtype=mu_dtype,
+            count_clipped=count_clipped,
+            name=name,
+        ),
+        _fold._selecting(optax.add_decayed_weights(weight_decay, mask)),
+        _fold._selecting(optax.scale_by_learning_rate(learning_rate)),
+    )
+
+
+def _check_name(name: Any) -> None:
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"name must be a non-empty str, got {name!r}")

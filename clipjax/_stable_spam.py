@@ -1,0 +1,511 @@
+"""Stable-SPAM's gradient transformations, AdaClip and AdaGN, and the whole optimizer.
+
+:func:`adaclip` bounds each element by a bias-corrected EMA of the largest
+gradient element; :func:`ada_norm` replaces the gradient's norm by a
+bias-corrected EMA of the norm over the root of an EMA of its square. Both
+chain in front of any optimizer; :func:`stable_spam` chains them in front of
+Adam with SPAM's moment reset. Their statistics are ``[groups]`` arrays over
+the groups of ``scope`` (:mod:`clipjax._grouping`); a group whose statistic
+is NaN or infinite leaves the EMAs untouched and passes through.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from clipjax import _engine, _fold, _grouping, _metrics, _validation
+from clipjax._grouping import Scope
+from clipjax._metrics import GroupInfo
+from clipjax._spam import _check_common, scale_by_spam
+
+Array = jax.Array
+
+
+class AdaClipState(NamedTuple):
+    """State of :func:`adaclip`.
+
+    Attributes:
+      max_ema: ``[groups]`` the EMA of each group's largest ``|g|`` (not bias
+        corrected).
+      metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`:
+        ``grad_norm`` (the step's L2 norm, before clipping), ``grad_max``
+        (its largest ``|g|``), ``bound`` (the
+        bias-corrected EMA the elements were bounded by), ``clipped`` (some
+        element was above it), ``clipped_fraction`` (the share of the group's
+        elements that were), and the counters ``count`` (finite steps
+        observed), ``step``, ``clipped_count``, ``nonfinite_count``.
+      info: static names, ``GroupInfo(algo="adaclip", ...)``.
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> state = clipjax.adaclip().init({"w": jnp.zeros(2), "b": jnp.zeros(1)})
+      >>> isinstance(state, clipjax.AdaClipState), state.info.groups
+      (True, ('b', 'w'))
+    """
+
+    max_ema: Array
+    metrics: dict[str, Array]
+    info: GroupInfo
+
+
+class AdaNormState(NamedTuple):
+    """State of :func:`ada_norm`.
+
+    Attributes:
+      norm_ema: ``[groups]`` the EMA of each group's L2 norm (not bias corrected).
+      square_ema: ``[groups]`` the EMA of its square (not bias corrected).
+      metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`:
+        ``grad_norm`` (the step's norm), ``mean`` and ``mean_square`` (the
+        bias-corrected EMAs), ``target_norm`` (the norm the gradient was given:
+        ``mean / (sqrt(mean_square) + eps)``), ``scale`` (``target_norm /
+        grad_norm``), and the counters ``count`` (steps observed: finite,
+        nonzero norms), ``step``, ``nonfinite_count``.
+      info: static names, ``GroupInfo(algo="ada_norm", ...)``.
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> state = clipjax.ada_norm(scope="global").init({"w": jnp.zeros(2)})
+      >>> isinstance(state, clipjax.AdaNormState), state.info.groups
+      (True, ('global',))
+    """
+
+    norm_ema: Array
+    square_ema: Array
+    metrics: dict[str, Array]
+    info: GroupInfo
+
+
+def _start(algo: str, name: str | None, params: Any, scope: Scope) -> tuple[GroupInfo, Any, Any]:
+    """``init``'s common part: the names, the statistics dtype and ``zeros(dtype)``."""
+    _metrics.ensure_serializable()
+    grouping = _grouping.make_grouping(params, scope)
+    # On optax's params placeholder (tree_map_params) the names are a leaf.
+    info_class = _metrics.PlaceholderInfo if _engine._is_placeholder(params) else GroupInfo
+    info = info_class(algo, name, grouping.names, grouping.leaf_names, grouping.leaf_shapes)
+    leaves, _, _ = _grouping.leaves_with_names(params)
+    dtype = _grouping.norm_dtype(leaves)
+    return info, dtype, lambda kind: jnp.zeros((grouping.num_groups,), kind)
+
+
+def _own(state: Any) -> Any:
+    """Each leaf its own buffer (a donated state), except on optax's placeholder."""
+    return state if isinstance(state.info, _metrics.PlaceholderInfo) else _engine.own_buffers(state)
+
+
+def _cast(metrics: dict[str, Any], like: dict[str, Array]) -> dict[str, Array]:
+    return {k: jnp.asarray(v).astype(like[k].dtype).reshape(-1) for k, v in metrics.items()}
+
+
+def _prepare(updates: Any, info: GroupInfo, scope: Scope) -> tuple[list[Array], Any, Any]:
+    leaves, _, treedef = _grouping.leaves_with_names(updates)
+    grouping = _grouping.make_grouping(updates, scope)
+    who = info.name or info.algo
+    grouping.check_matches(info.leaves, info.shapes, who)
+    _grouping.check_inexact(leaves, grouping, who)
+    return leaves, grouping, treedef
+
+
+def _counters(old: dict[str, Array], observed: Array, clipped: Array, finite: Array) -> dict:
+    out = {
+        "count": old["count"] + observed.astype(jnp.int32),
+        "step": old["step"] + 1,
+        "nonfinite_count": old["nonfinite_count"] + (~finite).astype(jnp.int32),
+    }
+    if "clipped_count" in old:
+        out["clipped_count"] = old["clipped_count"] + clipped.astype(jnp.int32)
+    return out
+
+
+def _transform(make: Any, scope: Scope, name: str | None) -> _engine.ClipTransform:
+    init_fn, update_fn = make(scope, name)
+    tx = _engine.ClipTransform(init_fn, update_fn)
+    tx.configure = lambda **overrides: _transform(
+        make, overrides.get("scope", scope), overrides.get("name", name)
+    )
+    return tx
+
+
+def _max_and_squares(leaves: list[Array], dtype: Any) -> tuple[list[Array], list[Array]]:
+    """Each leaf's largest ``|x|`` and its sum of squares, in one reduce per leaf."""
+    maxima, squares = [], []
+    for x in leaves:
+        squared = _grouping.abs_squared(x, dtype)
+        magnitude = jnp.sqrt(squared) if jnp.iscomplexobj(x) else jnp.abs(x.astype(dtype))
+        largest, square = jax.lax.reduce(
+            (magnitude.reshape(-1), squared.reshape(-1)),
+            (jnp.zeros((), dtype), jnp.zeros((), dtype)),
+            lambda a, b: (jnp.maximum(a[0], b[0]), a[1] + b[1]),
+            (0,),
+        )
+        maxima.append(largest)
+        squares.append(square)
+    return maxima, squares
+
+
+def adaclip(
+    theta: Any = 0.999,
+    *,
+    scope: Scope = "per_param",
+    count_clipped: bool = True,
+    name: str | None = None,
+) -> _engine.ClipTransform:
+    """Stable-SPAM's AdaClip: bounds each element by an EMA of the largest one.
+
+    Per group (a tensor with the default ``scope="per_param"``, as the
+    reference), each step with the largest element ``M = max |g|``:
+
+    1. ``max_ema = theta * max_ema + (1 - theta) * M`` (this step's ``M``
+       included) and ``bound = max_ema / (1 - theta**k)`` after ``k`` steps;
+    2. every element with ``|g| > bound`` is scaled by ``bound / M``: the
+       largest becomes ``bound``, the others above ``bound`` shrink in
+       proportion (as the reference does; this is not a clamp, so an element
+       just above the bound ends below it); elements at or below ``bound``
+       are left as they are.
+
+    A lasting rise of the gradient scale is followed: the bound is an EMA of
+    the maxima, so after a x10 shift it reaches the new maxima within a few
+    multiples of ``1 / (1 - theta)`` steps (1,000 with the default).
+
+    **FIX**: a group with a NaN or infinite element is passed through
+    unchanged and its step stays out of ``max_ema`` (``nonfinite_count``
+    counts it); in the reference ``max_ema`` becomes NaN or infinite and every
+    later step of the tensor with it.
+
+    Args:
+      theta: the EMA's decay rate, in (0, 1) (the paper's gamma_3).
+      scope: ``"per_param"`` (default, the reference's), ``"per_layer"``,
+        ``"global"`` or a callable ``(path, leaf) -> group name``.
+      count_clipped: report ``clipped_fraction``. Counting needs a second
+        read of the gradient (the bound depends on this step's max); without
+        it AdaClip costs one read.
+      name: metrics prefix (default ``adaclip``).
+
+    Returns:
+      A :class:`clipjax.ClipTransform` whose state, :class:`AdaClipState`,
+      reports ``grad_norm``, ``grad_max``, ``bound``, ``clipped``, ``clipped_fraction`` and
+      the counters under ``adaclip/{group}/``.
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> tx = clipjax.adaclip(0.9)
+      >>> state = tx.init({"w": jnp.zeros(2)})
+      >>> for spike in [1.0, 1.0, 1.0, 10.0]:
+      ...     out, state = tx.update({"w": jnp.array([spike, 0.5])}, state)
+      >>> [round(x, 3) for x in out["w"].tolist()]
+      [3.617, 0.5]
+
+    References:
+      Huang et al., `Stable-SPAM: How to Train in 4-Bit More Stably than 16-Bit
+      Adam <https://arxiv.org/abs/2502.17055>`_, 2025; pytorch-optimizer
+      ``StableSPAM`` (``pytorch_optimizer/optimizer/spam.py``).
+    """
+    _validation.open_unit("theta", theta)
+    _grouping.validate_scope(scope)
+    _engine.check_name(name)
+
+    def make(scope: Scope, name: str | None) -> tuple[Any, Any]:
+        def init_fn(params: Any) -> AdaClipState:
+            info, dtype, zeros = _start("adaclip", name, params, scope)
+            metrics = {
+                "grad_norm": zeros(dtype),
+                "grad_max": zeros(dtype),
+                "bound": zeros(dtype),
+                "clipped": zeros(bool),
+                **({"clipped_fraction": zeros(dtype)} if count_clipped else {}),
+                "count": zeros(jnp.int32),
+                "step": zeros(jnp.int32),
+                "clipped_count": zeros(jnp.int32),
+                "nonfinite_count": zeros(jnp.int32),
+            }
+            return _own(AdaClipState(zeros(dtype), metrics, info))
+
+        def update_fn(updates: Any, state: AdaClipState, params: Any = None, **_: Any) -> Any:
+            leaves, grouping, treedef = _prepare(updates, state.info, scope)
+            dtype = state.max_ema.dtype
+            maxima, squares = _max_and_squares(leaves, dtype)
+            grad_max = _grouping.group_norms(leaves, grouping, math.inf, maxima)
+            finite = jnp.isfinite(grad_max)
+            decay = jnp.asarray(theta, dtype)
+            count = state.metrics["count"] + finite.astype(jnp.int32)
+            max_ema = jnp.where(
+                finite, decay * state.max_ema + (1 - decay) * grad_max, state.max_ema
+            )
+            bound = max_ema / (1 - decay ** count.astype(dtype))
+            clips = finite & (grad_max > bound)
+            ratio = jnp.where(clips, bound / jnp.where(clips, grad_max, 1), 1)
+            new_leaves, hits = [], []
+            for x, group in zip(leaves, grouping.leaf_groups):
+                # Not abs(x) > bound: XLA would share that abs with the max's
+                # and write it out.
+                if jnp.iscomplexobj(x):
+                    above_bound = _grouping.abs_squared(x, dtype) > bound[group] ** 2
+                else:
+                    xb = x.astype(dtype)
+                    above_bound = (xb > bound[group]) | (xb < -bound[group])
+                hit = clips[group] & above_bound
+                new_leaves.append(jnp.where(hit, x * ratio[group].astype(x.dtype), x))
+                if count_clipped:
+                    # A second pass: the bound needs this step's max. Two sums
+                    # in one reduce: a lone sum has XLA:CPU write its input out.
+                    # The squares are taken here (not in the max's reduce) and
+                    # used, so that XLA keeps this reduce variadic.
+                    ones = jnp.where(hit, 1.0, 0.0).astype(dtype)
+                    hit_count, squares[len(hits)] = _grouping.fused_sums(
+                        ones, _grouping.abs_squared(x, dtype)
+                    )
+                    hits.append(hit_count)
+            grad_norm = _grouping.group_norms(leaves, grouping, 2.0, squares)
+            extra = {}
+            if count_clipped:
+                sizes = [
+                    max(sum(math.prod(grouping.leaf_shapes[i]) for i in m), 1)
+                    for m in grouping.members
+                ]
+                above = _grouping.group_norms(leaves, grouping, 1.0, hits)
+                extra["clipped_fraction"] = above / jnp.asarray(sizes, dtype)
+            metrics = {
+                "grad_norm": grad_norm,
+                "grad_max": grad_max,
+                "bound": bound,
+                "clipped": clips,
+                **extra,
+                **_counters(state.metrics, finite, clips, finite),
+            }
+            metrics = _cast(metrics, state.metrics)
+            new_state = AdaClipState(max_ema, metrics, state.info)
+            return jax.tree_util.tree_unflatten(treedef, new_leaves), new_state
+
+        return init_fn, update_fn
+
+    return _transform(make, scope, name)
+
+
+def ada_norm(
+    gamma1: Any = 0.7,
+    gamma2: Any = 0.9,
+    eps: Any = 1e-8,
+    *,
+    scope: Scope = "per_param",
+    name: str | None = None,
+) -> _engine.ClipTransform:
+    """Stable-SPAM's AdaGN: gives the gradient an adaptive norm from EMAs of its norm.
+
+    Per group (a tensor with the default ``scope="per_param"``, as the
+    reference), each step with the group's L2 norm ``n``:
+
+    1. ``norm_ema = gamma1 * norm_ema + (1 - gamma1) * n`` and ``square_ema =
+       gamma2 * square_ema + (1 - gamma2) * n**2``;
+    2. ``mean = norm_ema / (1 - gamma1**k)``, ``mean_square = square_ema / (1 -
+       gamma2**k)`` after ``k`` observed steps;
+    3. the gradient is rescaled to the norm ``mean / (sqrt(mean_square) +
+       eps)``: ``g * target_norm / n``.
+
+    The target norm is a ratio of the norm's first and second moments, at
+    most about 1: a spike of ``n`` moves it little, and Adam (scale-free)
+    sees each step's direction with a norm that varies smoothly. A lasting
+    shift of ``n`` is absorbed within a few ``1 / (1 - gamma)`` steps.
+
+    A group whose norm is 0 passes through (zeros) and its step stays out of
+    the EMAs, as in the reference (which also skips the tensor's Adam step;
+    here the optimizer behind sees a zero gradient).
+
+    **FIX**: a group with a NaN or infinite element is passed through
+    unchanged and its step stays out of the EMAs (``nonfinite_count`` counts
+    it); in the reference the EMAs become NaN and every later step of the
+    tensor with them. The bias corrections count the steps the EMAs observed
+    (the reference counts every step, so after a zero-norm step its ``mean``
+    is biased low).
+
+    Args:
+      gamma1: the norm EMA's decay rate, in (0, 1).
+      gamma2: the squared norm EMA's decay rate, in (0, 1).
+      eps: added to ``sqrt(mean_square)``.
+      scope: ``"per_param"`` (default, the reference's), ``"per_layer"``,
+        ``"global"`` or a callable ``(path, leaf) -> group name``.
+      name: metrics prefix (default ``ada_norm``).
+
+    Returns:
+      A :class:`clipjax.ClipTransform` whose state, :class:`AdaNormState`,
+      reports ``grad_norm``, ``mean``, ``mean_square``, ``target_norm``,
+      ``scale`` and the counters under ``ada_norm/{group}/``.
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> tx = clipjax.ada_norm(scope="global")
+      >>> state = tx.init({"w": jnp.zeros(2)})
+      >>> out, state = tx.update({"w": jnp.array([3.0, 4.0])}, state)
+      >>> [round(x, 3) for x in out["w"].tolist()]
+      [0.6, 0.8]
+
+    References:
+      Huang et al., `Stable-SPAM: How to Train in 4-Bit More Stably than 16-Bit
+      Adam <https://arxiv.org/abs/2502.17055>`_, 2025; pytorch-optimizer
+      ``StableSPAM`` (``pytorch_optimizer/optimizer/spam.py``).
+    """
+    _validation.open_unit("gamma1", gamma1)
+    _validation.open_unit("gamma2", gamma2)
+    _validation.non_negative("eps", eps)
+    _grouping.validate_scope(scope)
+    _engine.check_name(name)
+
+    def make(scope: Scope, name: str | None) -> tuple[Any, Any]:
+        def init_fn(params: Any) -> AdaNormState:
+            info, dtype, zeros = _start("ada_norm", name, params, scope)
+            metrics = {
+                "grad_norm": zeros(dtype),
+                "mean": zeros(dtype),
+                "mean_square": zeros(dtype),
+                "target_norm": zeros(dtype),
+                "scale": zeros(dtype) + 1,
+                "count": zeros(jnp.int32),
+                "step": zeros(jnp.int32),
+                "nonfinite_count": zeros(jnp.int32),
+            }
+            return _own(AdaNormState(zeros(dtype), zeros(dtype), metrics, info))
+
+        def update_fn(updates: Any, state: AdaNormState, params: Any = None, **_: Any) -> Any:
+            leaves, grouping, treedef = _prepare(updates, state.info, scope)
+            dtype = state.norm_ema.dtype
+            norm = _grouping.group_norms(leaves, grouping)
+            finite = jnp.isfinite(norm)
+            active = finite & (norm > 0)
+            g1, g2 = jnp.asarray(gamma1, dtype), jnp.asarray(gamma2, dtype)
+            count = state.metrics["count"] + active.astype(jnp.int32)
+            norm_ema = jnp.where(active, g1 * state.norm_ema + (1 - g1) * norm, state.norm_ema)
+            square_ema = jnp.where(
+                active, g2 * state.square_ema + (1 - g2) * norm * norm, state.square_ema
+            )
+            k = jnp.maximum(count, 1).astype(dtype)
+            mean = norm_ema / (1 - g1**k)
+            mean_square = square_ema / (1 - g2**k)
+            target = mean / (jnp.sqrt(mean_square) + jnp.asarray(eps, dtype))
+            scale = jnp.where(active, target / jnp.where(active, norm, 1), 1).astype(dtype)
+            new_leaves = _grouping.apply_scales(leaves, grouping, scale)
+            metrics = {
+                "grad_norm": norm,
+                "mean": mean,
+                "mean_square": mean_square,
+                "target_norm": target,
+                "scale": scale,
+                **_counters(state.metrics, active, active, finite),
+            }
+            metrics = _cast(metrics, state.metrics)
+            new_state = AdaNormState(norm_ema, square_ema, metrics, state.info)
+            return jax.tree_util.tree_unflatten(treedef, new_leaves), new_state
+
+        return init_fn, update_fn
+
+    return _transform(make, scope, name)
+
+
+def stable_spam(
+    learning_rate: optax.ScalarOrSchedule = 1e-3,
+    b1: Any = 0.9,
+    b2: Any = 0.999,
+    gamma1: Any = 0.7,
+    gamma2: Any = 0.9,
+    theta: Any = 0.999,
+    eps: Any = 1e-8,
+    weight_decay: Any = 0.0,
+    *,
+    reset_interval: Any = 1000,
+    scope: Scope = "per_param",
+    mu_dtype: Any = None,
+    mask: Any = None,
+) -> _fold.SkippableTransform:
+    """Stable-SPAM: AdaClip, AdaGN and Adam with SPAM's moment reset.
+
+    ``clipjax.chain(adaclip(theta), ada_norm(gamma1, gamma2, eps), <Adam with
+    moment reset>, add_decayed_weights(weight_decay), scale_by_learning_rate)``:
+
+    * :func:`clipjax.adaclip` bounds each tensor's elements by an EMA of its
+      largest element;
+    * :func:`clipjax.ada_norm` gives each tensor's gradient the norm ``mean /
+      (sqrt(mean_square) + eps)`` of EMAs of its norm;
+    * Adam (``m_hat / (sqrt(v_hat) + eps)``, optax's formula) whose moments
+      are set to 0 every ``reset_interval`` steps (on steps ``t`` with ``t %
+      reset_interval == 0``, counting from 1), and whose bias correction
+      restarts there (the reference's ``group["step"] = 1``); no warm-up
+      follows a reset and there is no SPAM spike clip (as in the reference);
+    * decoupled weight decay ``-lr * weight_decay * param``.
+
+    Defaults are pytorch-optimizer's ``StableSPAM``'s (``update_proj_gap`` is
+    ``reset_interval`` here). Its ``t_max``/``eta_min`` option (a cosine decay
+    of ``b1`` and ``gamma1``; off by default) is not implemented.
+
+    It is a :class:`clipjax.SkippableTransform`:
+    ``clipjax.skip_on_spike(clipjax.stable_spam(...))`` skips without a
+    conditional. :func:`clipjax.metrics` reads ``adaclip/{tensor}/...``,
+    ``ada_norm/{tensor}/...`` and ``stable_spam/global/...`` (``resets``,
+    ``steps_since_reset``, ``nonfinite_count``, ``step``).
+
+    Differences from the reference (beyond the **FIX**\\ es of
+    :func:`clipjax.adaclip` and :func:`clipjax.ada_norm`):
+
+    * **FIX**: a NaN or infinite element leaves its Adam moments as they were
+      and gets a zero update; in the reference it poisons them.
+    * A tensor whose gradient is exactly 0: the reference skips its Adam step
+      (moments unchanged, no update); here its moments decay as for any zero
+      gradient and it moves by its momentum, as in optax.
+
+    Args:
+      learning_rate: a float or a schedule (``step -> float``).
+      b1: decay rate of Adam's first moment.
+      b2: decay rate of Adam's second moment.
+      gamma1: AdaGN's norm EMA decay rate.
+      gamma2: AdaGN's squared norm EMA decay rate.
+      theta: AdaClip's max EMA decay rate.
+      eps: added to Adam's ``sqrt(v_hat)`` and to AdaGN's ``sqrt(mean_square)``.
+      weight_decay: the decoupled weight decay rate.
+      reset_interval: Adam's moments are reset every this many steps (an int >= 1).
+      scope: AdaClip's and AdaGN's groups (default ``"per_param"``, the
+        reference's).
+      mu_dtype: the first moment's dtype (None: that of the params).
+      mask: a tree of bools (or a function of the params returning one): the
+        leaves to decay; None decays all.
+
+    Returns:
+      A :class:`clipjax.SkippableTransform`.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, clipjax
+      >>> tx = clipjax.stable_spam(1e-3, reset_interval=2)
+      >>> params = {"w": jnp.ones(3)}
+      >>> state = tx.init(params)
+      >>> for g in [1.0, 2.0, 3.0]:
+      ...     updates, state = tx.update({"w": jnp.full(3, g)}, state, params)
+      >>> int(clipjax.metrics(state)["stable_spam/global/resets"])
+      1
+
+    References:
+      Huang et al., `Stable-SPAM: How to Train in 4-Bit More Stably than 16-Bit
+      Adam <https://arxiv.org/abs/2502.17055>`_, 2025; pytorch-optimizer
+      ``StableSPAM`` (``pytorch_optimizer/optimizer/spam.py``).
+    """
+    _check_common(learning_rate, b1, b2, eps, weight_decay)
+    _validation.integer("reset_interval", reset_interval, 1, static=False)
+    return _fold.chain(
+        adaclip(theta, scope=scope),
+        ada_norm(gamma1, gamma2, eps, scope=scope),
+        scale_by_spam(
+            b1,
+            b2,
+            eps,
+            threshold=0,
+            reset_interval=reset_interval,
+            warmup_steps=0,
+            clip_delay=0,
+            mu_dtype=mu_dtype,
+            restart_bias_correction=True,
+            eps_inside_correction=True,
+            count_clipped=False,
+            algo="stable_spam",
+        ),
+        _fold._selecting(optax.add_decayed_weights(weight_decay, mask)),
+        _fold._selecting(optax.scale_by_learning_rate(learning_rate)),
+    )
