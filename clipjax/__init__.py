@@ -16,7 +16,7 @@ from clipjax._elementwise import (
 )
 from clipjax._engine import ClipTransform
 from clipjax._fold import SkippableTransform, adam, adamw, chain
-from clipjax._grouping import path_name
+from clipjax._grouping import path_name, stacked
 from clipjax._hist_clip import (
     Criterion,
     HistClipState,
@@ -83,6 +83,7 @@ __all__ = [
     "path_name",
     "reciprocal_clipping",
     "skip_on_spike",
+    "stacked",
     "zclip",
     "zscore_clip",
     "zscore_normalize",
