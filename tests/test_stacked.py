@@ -248,3 +248,111 @@ def test_in_a_chain_with_an_optimizer_under_lax_scan() -> None:
     assert bool(ms["zclip/params/layers/2/attn/clipped"][6])
     assert float(ms["zclip/params/layers/2/attn/scale"][6]) < 0.1
     assert float(ms["zclip/params/layers/0/attn/scale"][6]) > 0.5
+
+
+def _unstack_subtree(tree: Any, key: str) -> Any:
+    """``tree`` with the node under ``key`` replaced by the list of its layer slices."""
+    if isinstance(tree, dict):
+        return {
+            k: (
+                [jax.tree.map(lambda x, i=i: x[i], v) for i in range(LAYERS)]
+                if k == key
+                else _unstack_subtree(v, key)
+            )
+            for k, v in tree.items()
+        }
+    return tree
+
+
+def _compare_on_model_gradients(grads: list[Any], plain: list[Any]) -> None:
+    tx = clipjax.zclip(warmup_steps=3, scope=clipjax.stacked("per_layer"))
+    plain_tx = clipjax.zclip(warmup_steps=3, scope="per_layer")
+    ours = run(tx, grads, grads[0])
+    theirs = run(plain_tx, plain, plain[0])
+    assert any("/layers/3/" in k for k in clipjax.metrics(ours[-1][1]))
+    clipped = 0
+    for (u, s), (pu, ps) in zip(ours, theirs):
+        assert_same_groups(clipjax.metrics(s), clipjax.metrics(ps))
+        chex.assert_trees_all_close(
+            _unstack_subtree(jax.tree.map(np.asarray, u), "layers"), pu, rtol=2e-6, atol=1e-7
+        )
+        clipped += sum(
+            bool(v)
+            for k, v in clipjax.metrics(s).items()
+            if "/layers/" in k and k.endswith("/clipped")
+        )
+    assert clipped > 0
+
+
+def test_flax_linen_nn_scan_model() -> None:
+    """A real ``nn.scan`` model: params ``params/layers/Dense_0/kernel`` of shape [4, 3, 3]."""
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array, _: Any) -> tuple[jax.Array, None]:
+            return jnp.tanh(nn.Dense(3)(x)), None
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            scan = nn.scan(
+                Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=LAYERS
+            )
+            x, _ = scan(name="layers")(nn.Dense(3)(x), None)
+            return nn.Dense(1)(x)
+
+    model = Model()
+    params = model.init(jax.random.PRNGKey(0), jnp.ones((2, 3)))
+    assert params["params"]["layers"]["Dense_0"]["kernel"].shape == (LAYERS, 3, 3)
+    rng = np.random.default_rng(0)
+    grads = []
+    for t in range(10):
+        x, spike = jnp.asarray(rng.standard_normal((8, 3)), jnp.float32), 40.0 if t == 6 else 1.0
+        grads.append(jax.grad(lambda p, x=x, c=spike: c * jnp.mean(model.apply(p, x) ** 2))(params))
+    plain = [_unstack_subtree(jax.tree.map(np.asarray, g), "layers") for g in grads]
+    _compare_on_model_gradients(grads, plain)
+
+
+def test_flax_nnx_scan_model() -> None:
+    """A real ``nnx.scan`` model (layers made by ``nnx.vmap``): its ``nnx.State`` gradients."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Block(nnx.Module):
+        def __init__(self, rngs: Any) -> None:
+            self.Dense_0 = nnx.Linear(3, 3, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return jnp.tanh(self.Dense_0(x))
+
+    class Model(nnx.Module):
+        def __init__(self, rngs: Any) -> None:
+            @nnx.split_rngs(splits=LAYERS)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs: Any) -> Block:
+                return Block(rngs)
+
+            self.layers = make(rngs)
+            self.head = nnx.Linear(3, 1, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def body(h: jax.Array, block: Block) -> jax.Array:
+                return block(h)
+
+            return self.head(body(x, self.layers))
+
+    model = Model(nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    grads = []
+    for t in range(10):
+        x, spike = jnp.asarray(rng.standard_normal((8, 3)), jnp.float32), 40.0 if t == 6 else 1.0
+        g = nnx.grad(lambda m, x=x, c=spike: c * jnp.mean(m(x) ** 2))(model)
+        grads.append({"params": nnx.to_pure_dict(g)})
+    assert grads[0]["params"]["layers"]["Dense_0"]["kernel"].shape == (LAYERS, 3, 3)
+    # The State itself (Variables, paths ending in .value) groups like its pure dict.
+    state_grads = nnx.grad(lambda m: jnp.mean(m(jnp.ones((2, 3))) ** 2))(model)
+    grouping = _grouping.make_grouping(state_grads, clipjax.stacked("per_layer"))
+    assert "layers/3/Dense_0" in grouping.names
+    plain = [_unstack_subtree(jax.tree.map(np.asarray, g), "layers") for g in grads]
+    _compare_on_model_gradients(grads, plain)
