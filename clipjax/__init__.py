@@ -15,7 +15,7 @@ from clipjax._elementwise import (
     clip_by_value,
 )
 from clipjax._engine import ClipTransform
-from clipjax._fold import SkippableTransform, adam, adamw, chain
+from clipjax._fold import SkippableTransform, UpdateClippingState, adam, adamw, chain
 from clipjax._grouping import path_name, stacked
 from clipjax._hist_clip import (
     Criterion,
@@ -58,6 +58,7 @@ __all__ = [
     "NormalizePerParamState",
     "SkipOnSpikeState",
     "SkippableTransform",
+    "UpdateClippingState",
     "ZClipState",
     "ZScoreClipState",
     "ZScoreNormalizeState",
