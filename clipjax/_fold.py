@@ -101,13 +101,12 @@ def _adam_arithmetic(
     eps: Any,
     eps_root: Any,
     nesterov: bool,
-) -> tuple[Any, optax.ScaleByAdamState, Any]:
+) -> tuple[Any, optax.ScaleByAdamState]:
     """optax's Adam arithmetic, in its order, with the moments selected by ``pred``.
 
-    ``pred`` None takes the step. Returns the update, the new state (in the
+    ``pred`` None takes the step. Returns the update and the new state (in the
     dtypes of ``state_like``, the state after optax's own update: optax >=
-    0.2.6 casts nu back to its dtype, 0.2.5 does not) and the bias-corrected
-    second moment.
+    0.2.6 casts nu back to its dtype, 0.2.5 does not).
     """
 
     def select(n: Any, o: Any) -> Any:
@@ -130,7 +129,7 @@ def _adam_arithmetic(
     out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v + eps_root) + eps), mu_hat, nu_hat)
     new_state = optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
     new_state = jax.tree.map(lambda x, like: x.astype(like.dtype), new_state, state_like)
-    return out, new_state, nu_hat
+    return out, new_state
 
 
 def _scale_by_adam(
@@ -157,7 +156,7 @@ def _scale_by_adam(
         del extra_args
         pred = jnp.asarray(pred, bool)
         grads = _zero_unless(pred, updates)
-        out, new_state, _ = _adam_arithmetic(
+        out, new_state = _adam_arithmetic(
             pred,
             grads,
             state,
@@ -246,7 +245,7 @@ def _scale_by_stable_adam(
             info.leaves, info.shapes, "update_clipping"
         )
         grads = updates if pred is None else _zero_unless(pred, updates)
-        out, adam, nu_hat = _adam_arithmetic(
+        out, adam = _adam_arithmetic(
             pred,
             grads,
             state.adam,
@@ -265,14 +264,18 @@ def _scale_by_stable_adam(
                 out, new_decay = _engine.run_and_select(pred, decay, out, state.decay, params)
 
         g_leaves = jax.tree.leaves(grads)
-        v_leaves = jax.tree.leaves(nu_hat)
+        v_leaves = jax.tree.leaves(adam.nu)
         dtype = state.metrics["rms"].dtype
-        floor = jnp.asarray(eps, dtype) ** 2
-        # Wortsman et al.'s RMS_t = sqrt(mean(g_t**2 / max(v_hat_t, eps**2))), with
-        # v_hat_t the bias-corrected second moment after this step (as both references).
+        # Wortsman et al.'s RMS_t = sqrt(mean(g_t**2 / max(v_hat_t, eps**2))), with v_hat_t
+        # the bias-corrected second moment after this step (as both references), written
+        # v_hat = nu / c: mean(g**2 / max(nu, c * eps**2)) * c reads the gradient and the
+        # new moment the update writes anyway, not a materialised v_hat.
+        correction = 1 - jnp.asarray(b2, dtype) ** adam.count.astype(dtype)
+        floor = correction * jnp.asarray(eps, dtype) ** 2
         rms = [
             jnp.sqrt(
-                jnp.mean(
+                correction
+                * jnp.mean(
                     _grouping.abs_squared(g, dtype) / jnp.maximum(jnp.real(v).astype(dtype), floor)
                 )
             )
