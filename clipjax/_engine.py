@@ -493,7 +493,9 @@ def transform(
             _grouping.check_inexact(leaves, grouping, who)
             keep: list[bool] | None = None
             if rule.leaf_filter is not None:
-                keep = [bool(rule.leaf_filter(p, x)) for p, x in zip(paths, leaves)]
+                # A stacked leaf is judged by one layer's slice (what the unstacked model has).
+                views = _grouping.layer_views(leaves, grouping)
+                keep = [bool(rule.leaf_filter(p, x)) for p, x in zip(paths, views)]
             partial = _grouping.leaf_power_sums(leaves, rule.ord, grouping)
             kept = partial if keep is None else [s * k for s, k in zip(partial, keep)]
             norm = _grouping.group_norms(leaves, grouping, rule.ord, kept)

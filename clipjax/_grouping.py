@@ -264,12 +264,13 @@ def _stacked_labels(
                 f"axis {scope.axis}"
             )
         axis = scope.axis % len(shape)
+        view = jax.ShapeDtypeStruct(shape[:axis] + shape[axis + 1 :], jnp.result_type(leaf))
         labels.append(
             [
                 _label(
                     scope.scope,
                     (*path[:position], jax.tree_util.SequenceKey(k), *path[position:]),
-                    leaf,
+                    view,
                 )
                 for k in range(shape[axis])
             ]
@@ -368,6 +369,19 @@ def _stacks(grouping: Grouping | None, n: int) -> Sequence[tuple[int, tuple[int,
     if grouping is None or not grouping.leaf_stacks:
         return (None,) * n
     return grouping.leaf_stacks
+
+
+def layer_views(leaves: Sequence[Any], grouping: Grouping) -> list[Any]:
+    """The leaves, a stacked one as the shape and dtype of one layer's slice."""
+    stacks = _stacks(grouping, len(leaves))
+    return [
+        x
+        if st is None
+        else jax.ShapeDtypeStruct(
+            tuple(d for a, d in enumerate(np.shape(x)) if a != st[0]), jnp.result_type(x)
+        )
+        for x, st in zip(leaves, stacks)
+    ]
 
 
 def _stacked_sums(
@@ -545,9 +559,10 @@ def stacked(
     ``nnx.vmap``-created layers put it at 0; MaxText's ``param_scan_axis`` is
     1): give it as ``axis``.
 
-    The group norms are one segment reduction over per-slice sums (each leaf
-    is still read once), and a stacked leaf is scaled by the vector of its
-    slices' scales in one multiply. Works for every norm-based clipper with a
+    A clipper's leaf filter (``agc(exclude_bias_bn=True)``) also judges one
+    slice. The group norms are one segment reduction over per-slice sums
+    (each leaf is still read once), and a stacked leaf is scaled by the
+    vector of its slices' scales in one multiply. Works for every norm-based clipper with a
     ``scope`` (not for the element-wise ``clip_by_value`` and
     ``clip_by_percentile``), under ``jit``, ``shard_map`` and with sharded
     leaves.
@@ -555,7 +570,8 @@ def stacked(
     Args:
       scope: how each slice (and each unstacked leaf) is grouped:
         ``"per_layer"``, ``"per_param"`` or a callable ``(path, leaf) -> str``
-        that receives the slice's path (the whole leaf as ``leaf``).
+        that receives the slice's path (and, as ``leaf``, a
+        ``jax.ShapeDtypeStruct`` of one slice).
       layers: the key under which leaves are stacked, or a callable ``(path,
         leaf) -> bool`` that says which leaves are.
       axis: the layer axis of the stacked leaves.

@@ -269,3 +269,15 @@ def test_under_skip_on_spike_metrics_and_a_lax_scan() -> None:
     assert bool(skipped[19]) and not bool(skipped[3])
     assert divisor.shape == (30,) and bool(jnp.all(divisor >= 1.0))
     chex.assert_tree_all_finite(p)
+
+
+def test_state_round_trips_through_flax_serialization() -> None:
+    serialization = pytest.importorskip("flax.serialization")
+    params = {k: jnp.asarray(v) for k, v in initial().items()}
+    tx = clipjax.adamw(LR, weight_decay=0.1, update_clipping=True)
+    state = tx.init(params)
+    for g in stream("burst", 27):
+        _, state = tx.update({k: jnp.asarray(v) for k, v in g.items()}, state, params)
+    restored = serialization.from_bytes(tx.init(params), serialization.to_bytes(state))
+    assert tree_equal(restored, state)
+    assert clipjax.metrics(restored).keys() == clipjax.metrics(state).keys()

@@ -47,6 +47,7 @@ CLIPPERS = {
     ),
     "adagc": lambda scope: clipjax.adagc(warmup_steps=3, scope=scope),
     "agc": lambda scope: clipjax.agc(clipping=0.05, scope=scope),
+    "agc_exclude_bias": lambda scope: clipjax.agc(clipping=0.05, exclude_bias_bn=True, scope=scope),
 }
 NEEDS_PARAMS = {"agc"}
 
@@ -356,3 +357,16 @@ def test_flax_nnx_scan_model() -> None:
     assert "layers/3/Dense_0" in grouping.names
     plain = [_unstack_subtree(jax.tree.map(np.asarray, g), "layers") for g in grads]
     _compare_on_model_gradients(grads, plain)
+
+
+def test_leaf_norms_are_whole_leaf_norms() -> None:
+    params = stacked_tree(0)
+    tx = clipjax.zclip(warmup_steps=3, scope=clipjax.stacked(), leaf_norms=True)
+    _, state = tx.update(params, tx.init(params))
+    m = clipjax.metrics(state)
+    kernel = params["params"]["layers"]["attn"]["kernel"]
+    np.testing.assert_allclose(
+        float(m["zclip/leaf/params/layers/attn/kernel/grad_norm"]),
+        float(np.linalg.norm(np.asarray(kernel, np.float64).ravel())),
+        rtol=1e-6,
+    )
