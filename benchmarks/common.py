@@ -63,6 +63,9 @@ TARGETS = {
     "hist_vs_zclip": 1.05,
     # agc unitwise + adam: extra bytes over optax.adaptive_grad_clip + adam, gradient bytes
     "agc_traffic": 0.02,
+    # clipjax.adamw(update_clipping=True) (StableAdamW): step time over clipjax.adamw's, same
+    # rounds (median ratio); its copies and skip_on_spike around it are the skip_* targets
+    "stable_ratio": 1.1,
 }
 
 
@@ -127,6 +130,8 @@ def plus_adam(clipper: Callable[[], optax.GradientTransformation]) -> Callable[[
 
 
 ADAM = "adam"
+ADAMW_FOLD = "adamw (clipjax.adamw)"
+STABLE_ADAMW = "clipjax.adamw(update_clipping=True)"
 OPTAX_GN = "optax.clip_by_global_norm + adam"
 OPTAX_AGC = "optax.adaptive_grad_clip + adam"
 REFS = {ADAM: adam, OPTAX_GN: plus_adam(lambda: optax.clip_by_global_norm(1.0))}
@@ -208,6 +213,17 @@ def new_groups() -> list[Group]:
         f"clipjax.skip_on_spike({inner})": lambda: clipjax.skip_on_spike(fold_chain()),
     }
     out.append(Group(f"skip_on_spike({inner})", configs, inner, inner, value=True))
+    # StableAdamW's update clipping on clipjax.adamw: over clipjax.adamw (optax's AdamW),
+    # and skip_on_spike around it on the fold route.
+    stable = lambda: clipjax.adamw(LR, update_clipping=True)
+    configs = {
+        ADAMW_FOLD: lambda: clipjax.adamw(LR),
+        STABLE_ADAMW: stable,
+        f"clipjax.skip_on_spike({STABLE_ADAMW})": lambda: clipjax.skip_on_spike(stable()),
+    }
+    out.append(
+        Group(f"skip_on_spike({STABLE_ADAMW})", configs, STABLE_ADAMW, STABLE_ADAMW, value=True)
+    )
     return [*out, *spam_groups()]
 
 

@@ -124,6 +124,16 @@ def section(quick: bool) -> tuple[str, list[tuple[str, str, bool]]]:
                     sb,
                 )
             )
+    st = common.TARGETS["stable_ratio"]
+    stable = by_group[f"skip_on_spike({common.STABLE_ADAMW})"]
+    over_adamw = common.ratios(stable[common.STABLE_ADAMW], stable[common.ADAMW_FOLD])
+    checks.append(
+        (
+            f"`{common.STABLE_ADAMW}`: step time ≤ {st}× clipjax.adamw's (same rounds)",
+            common.spread(over_adamw),
+            common.median(over_adamw) <= st,
+        )
+    )
     hb = common.TARGETS["hist_vs_zclip"]
     worst = max(vs_zclip, key=lambda s: common.median(vs_zclip[s]))
     checks.append(

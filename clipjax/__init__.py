@@ -15,8 +15,8 @@ from clipjax._elementwise import (
     clip_by_value,
 )
 from clipjax._engine import ClipTransform
-from clipjax._fold import SkippableTransform, adam, adamw, chain
-from clipjax._grouping import path_name
+from clipjax._fold import SkippableTransform, UpdateClippingState, adam, adamw, chain
+from clipjax._grouping import path_name, stacked
 from clipjax._hist_clip import (
     Criterion,
     HistClipState,
@@ -63,6 +63,7 @@ __all__ = [
     "SkipOnSpikeState",
     "SkippableTransform",
     "SpamState",
+    "UpdateClippingState",
     "ZClipState",
     "ZScoreClipState",
     "ZScoreNormalizeState",
@@ -92,6 +93,7 @@ __all__ = [
     "skip_on_spike",
     "spam",
     "stable_spam",
+    "stacked",
     "zclip",
     "zscore_clip",
     "zscore_normalize",

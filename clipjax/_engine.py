@@ -425,6 +425,11 @@ def transform(
         at init for groups it did not run on this step.
     """
     check_name(name)
+    if isinstance(rule, ElementwiseRule) and isinstance(scope, _grouping.Stacked):
+        raise ValueError(
+            f"{rule.algo}: clipjax.stacked scopes apply to the norm-based clippers; "
+            f"{rule.algo} changes elements, use scope='per_param' or 'per_layer'"
+        )
     if isinstance(rule, NormRule):
         _grouping.validate_scope(scope)
         if rule.feedback not in FEEDBACKS:
@@ -500,8 +505,10 @@ def transform(
             _grouping.check_inexact(leaves, grouping, who)
             keep: list[bool] | None = None
             if rule.leaf_filter is not None:
-                keep = [bool(rule.leaf_filter(p, x)) for p, x in zip(paths, leaves)]
-            partial = _grouping.leaf_power_sums(leaves, rule.ord)
+                # A stacked leaf is judged by one layer's slice (what the unstacked model has).
+                views = _grouping.layer_views(leaves, grouping)
+                keep = [bool(rule.leaf_filter(p, x)) for p, x in zip(paths, views)]
+            partial = _grouping.leaf_power_sums(leaves, rule.ord, grouping)
             kept = partial if keep is None else [s * k for s, k in zip(partial, keep)]
             norm = _grouping.group_norms(leaves, grouping, rule.ord, kept)
             aux = {}
@@ -514,6 +521,8 @@ def transform(
                 aux["weight_norm"] = _grouping.group_norms(p_keep, grouping)
             if leaf_norms:
                 squares = partial if rule.ord == 2.0 else _grouping.leaf_power_sums(leaves)
+                # A stacked leaf's per-slice sums add up to the whole leaf's.
+                squares = [jnp.sum(s) if jnp.ndim(s) else s for s in squares]
                 leaf_metrics = {"grad_norm": jnp.sqrt(_stack(squares, state.leaf_metrics))}
             if axis_name is not None:
                 norm, aux, leaf_metrics = jax.lax.pmean((norm, aux, leaf_metrics), axis_name)

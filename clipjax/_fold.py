@@ -11,13 +11,13 @@ from the selected moments. :func:`clipjax.skip_on_spike` uses it instead of
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _engine
+from clipjax import _engine, _grouping, _metrics
 
 Array = jax.Array
 
@@ -91,6 +91,47 @@ def _selecting(tx: optax.GradientTransformation) -> SkippableTransform:
     return _skippable(tx.init, tx.update, update_if)
 
 
+def _adam_arithmetic(
+    pred: Array | None,
+    grads: Any,
+    state: optax.ScaleByAdamState,
+    state_like: Any,
+    b1: Any,
+    b2: Any,
+    eps: Any,
+    eps_root: Any,
+    nesterov: bool,
+) -> tuple[Any, optax.ScaleByAdamState]:
+    """optax's Adam arithmetic, in its order, with the moments selected by ``pred``.
+
+    ``pred`` None takes the step. Returns the update and the new state (in the
+    dtypes of ``state_like``, the state after optax's own update: optax >=
+    0.2.6 casts nu back to its dtype, 0.2.5 does not).
+    """
+
+    def select(n: Any, o: Any) -> Any:
+        return n if pred is None else jnp.where(pred, n, o)
+
+    mu = jax.tree.map(select, optax.tree.update_moment(grads, state.mu, b1, 1), state.mu)
+    nu = jax.tree.map(
+        select, optax.tree.update_moment_per_elem_norm(grads, state.nu, b2, 2), state.nu
+    )
+    count = select(optax.safe_increment(state.count), state.count)
+    if nesterov:
+        mu_hat = jax.tree.map(
+            lambda m, g: b1 * m + (1 - b1) * g,
+            optax.tree.bias_correction(mu, b1, optax.safe_increment(count)),
+            optax.tree.bias_correction(grads, b1, count),
+        )
+    else:
+        mu_hat = optax.tree.bias_correction(mu, b1, count)
+    nu_hat = optax.tree.bias_correction(nu, b2, count)
+    out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v + eps_root) + eps), mu_hat, nu_hat)
+    new_state = optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+    new_state = jax.tree.map(lambda x, like: x.astype(like.dtype), new_state, state_like)
+    return out, new_state
+
+
 def _scale_by_adam(
     b1: Any, b2: Any, eps: Any, eps_root: Any, mu_dtype: Any, nesterov: bool
 ) -> SkippableTransform:
@@ -114,33 +155,160 @@ def _scale_by_adam(
     ) -> tuple[Any, Any]:
         del extra_args
         pred = jnp.asarray(pred, bool)
-        # The state's dtypes after optax's own update (optax >= 0.2.6 casts nu
-        # back to its dtype; 0.2.5 does not).
-        out_state = jax.eval_shape(base.update, updates, state, params)[1]
         grads = _zero_unless(pred, updates)
-        select = lambda n, o: jnp.where(pred, n, o)
-        mu = jax.tree.map(select, optax.tree.update_moment(grads, state.mu, b1, 1), state.mu)
-        nu = jax.tree.map(
-            select,
-            optax.tree.update_moment_per_elem_norm(grads, state.nu, b2, 2),
-            state.nu,
+        out, new_state = _adam_arithmetic(
+            pred,
+            grads,
+            state,
+            jax.eval_shape(base.update, updates, state, params)[1],
+            b1,
+            b2,
+            eps,
+            eps_root,
+            nesterov,
         )
-        count = jnp.where(pred, optax.safe_increment(state.count), state.count)
-        if nesterov:
-            mu_hat = jax.tree.map(
-                lambda m, g: b1 * m + (1 - b1) * g,
-                optax.tree.bias_correction(mu, b1, optax.safe_increment(count)),
-                optax.tree.bias_correction(grads, b1, count),
-            )
-        else:
-            mu_hat = optax.tree.bias_correction(mu, b1, count)
-        nu_hat = optax.tree.bias_correction(nu, b2, count)
-        out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v + eps_root) + eps), mu_hat, nu_hat)
-        new_state = optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
-        new_state = jax.tree.map(lambda x, like: x.astype(like.dtype), new_state, out_state)
         return _zero_unless(pred, out), new_state
 
     return _skippable(base.init, base.update, update_if)
+
+
+class UpdateClippingState(NamedTuple):
+    """State of the Adam member of ``clipjax.adam``/``adamw(update_clipping=True)``.
+
+    Attributes:
+      adam: optax's ``ScaleByAdamState`` (count and moments), as in
+        ``optax.adam``.
+      decay: the weight decay's state (``adamw``), or ``()``.
+      metrics: ``{"rms": [leaves], "divisor": [leaves]}``: each tensor's
+        ``RMS(g**2 / max(v_hat, eps**2))`` on the last step taken and the
+        divisor ``max(1, rms)`` of its step; read by :func:`clipjax.metrics` as
+        ``update_clipping/{leaf path}/rms``.
+      info: static names, ``GroupInfo(algo="update_clipping", ...)`` with one
+        group per leaf.
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> state = clipjax.adamw(1e-3, update_clipping=True).init({"w": jnp.zeros(2)})
+      >>> isinstance(state[0], clipjax.UpdateClippingState), state[0].info.groups
+      (True, ('w',))
+    """
+
+    adam: optax.ScaleByAdamState
+    decay: Any
+    metrics: dict[str, jax.Array]
+    info: _metrics.GroupInfo
+
+
+def _scale_by_stable_adam(
+    b1: Any,
+    b2: Any,
+    eps: Any,
+    eps_root: Any,
+    mu_dtype: Any,
+    nesterov: bool,
+    decay: optax.GradientTransformation | None,
+) -> SkippableTransform:
+    """Adam (and the weight decay) with StableAdamW's per-tensor update clipping.
+
+    Each leaf's Adam update, weight decay included, is divided by
+    ``max(1, sqrt(mean(g**2 / max(v_hat, eps**2))))`` with ``v_hat`` the
+    bias-corrected second moment after this step (Wortsman et al. 2023). Both
+    moments and the divisor come from one read of the gradient and the
+    moments; ``update_if`` selects the moments element-wise as
+    :func:`_scale_by_adam` does.
+    """
+    base = optax.scale_by_adam(
+        b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov
+    )
+    decay = None if decay is None else optax.with_extra_args_support(decay)
+
+    def init(params: Any) -> UpdateClippingState:
+        _metrics.ensure_serializable()
+        grouping = _grouping.make_grouping(params, "per_param")
+        leaves, _, _ = _grouping.leaves_with_names(params)
+        dtype = _grouping.norm_dtype(leaves)
+        n = len(leaves)
+        info = _metrics.GroupInfo(
+            "update_clipping", None, grouping.leaf_names, grouping.leaf_names, grouping.leaf_shapes
+        )
+        metrics = {"rms": jnp.zeros((n,), dtype), "divisor": jnp.ones((n,), dtype)}
+        return UpdateClippingState(
+            base.init(params), () if decay is None else decay.init(params), metrics, info
+        )
+
+    def step(
+        pred: Any, updates: Any, state: UpdateClippingState, params: Any
+    ) -> tuple[Any, UpdateClippingState]:
+        # pred None: every step is taken (update); else selected as in _scale_by_adam.
+        info = state.info
+        _grouping.make_grouping(updates, "per_param").check_matches(
+            info.leaves, info.shapes, "update_clipping"
+        )
+        grads = updates if pred is None else _zero_unless(pred, updates)
+        out, adam = _adam_arithmetic(
+            pred,
+            grads,
+            state.adam,
+            jax.eval_shape(base.update, updates, state.adam, params)[1],
+            b1,
+            b2,
+            eps,
+            eps_root,
+            nesterov,
+        )
+        new_decay = state.decay
+        if decay is not None:
+            if pred is None:
+                out, new_decay = decay.update(out, state.decay, params)
+            else:
+                out, new_decay = _engine.run_and_select(pred, decay, out, state.decay, params)
+
+        g_leaves = jax.tree.leaves(grads)
+        v_leaves = jax.tree.leaves(adam.nu)
+        dtype = state.metrics["rms"].dtype
+        # Wortsman et al.'s RMS_t = sqrt(mean(g_t**2 / max(v_hat_t, eps**2))), with v_hat_t
+        # the bias-corrected second moment after this step (as both references), written
+        # v_hat = nu / c: mean(g**2 / max(nu, c * eps**2)) * c reads the gradient and the
+        # new moment the update writes anyway, not a materialised v_hat.
+        correction = 1 - jnp.asarray(b2, dtype) ** adam.count.astype(dtype)
+        floor = correction * jnp.asarray(eps, dtype) ** 2
+        rms = [
+            jnp.sqrt(
+                correction
+                * jnp.mean(
+                    _grouping.abs_squared(g, dtype) / jnp.maximum(jnp.real(v).astype(dtype), floor)
+                )
+            )
+            for g, v in zip(g_leaves, v_leaves)
+        ]
+        rms = jnp.stack(rms) if rms else state.metrics["rms"]
+        # A NaN RMS (a NaN gradient element) divides by 1, as torch-optimi's
+        # max(1, rms.item()) does: the NaN stays in its own elements, as in Adam.
+        divisor = jnp.where(jnp.isnan(rms), 1.0, jnp.maximum(rms, 1.0))
+        out_leaves, treedef = jax.tree.flatten(out)
+        inverse = 1.0 / divisor
+        out = jax.tree.unflatten(
+            treedef, [o * inverse[i].astype(o.dtype) for i, o in enumerate(out_leaves)]
+        )
+        metrics = {"rms": rms.astype(dtype), "divisor": divisor.astype(dtype)}
+        if pred is not None:
+            metrics = jax.tree.map(lambda n, o: jnp.where(pred, n, o), metrics, state.metrics)
+            out = _zero_unless(pred, out)
+        return out, state._replace(adam=adam, decay=new_decay, metrics=metrics)
+
+    def update(
+        updates: Any, state: UpdateClippingState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, UpdateClippingState]:
+        del extra_args
+        return step(None, updates, state, params)
+
+    def update_if(
+        pred: Any, updates: Any, state: UpdateClippingState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, UpdateClippingState]:
+        del extra_args
+        return step(jnp.asarray(pred, bool), updates, state, params)
+
+    return _skippable(init, update, update_if)
 
 
 def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
@@ -206,6 +374,7 @@ def adam(
     mu_dtype: Any = None,
     *,
     nesterov: bool = False,
+    update_clipping: bool = False,
 ) -> SkippableTransform:
     """``optax.adam`` that can skip a step without a conditional.
 
@@ -225,6 +394,8 @@ def adam(
       eps_root: added inside the square root.
       mu_dtype: the first moment's dtype (None: that of the params).
       nesterov: use Nesterov momentum (NAdam).
+      update_clipping: StableAdamW's update clipping (see
+        :func:`clipjax.adamw`) on Adam without weight decay.
 
     Returns:
       A :class:`SkippableTransform`.
@@ -243,6 +414,11 @@ def adam(
       Kingma and Ba, `Adam: A Method for Stochastic Optimization
       <https://arxiv.org/abs/1412.6980>`_, 2014.
     """
+    if update_clipping:
+        return chain(
+            _scale_by_stable_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, None),
+            _selecting(optax.scale_by_learning_rate(learning_rate)),
+        )
     return chain(
         _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov),
         _selecting(optax.scale_by_learning_rate(learning_rate)),
@@ -260,6 +436,7 @@ def adamw(
     mask: Any = None,
     *,
     nesterov: bool = False,
+    update_clipping: bool = False,
 ) -> SkippableTransform:
     """``optax.adamw`` that can skip a step without a conditional.
 
@@ -270,6 +447,34 @@ def adamw(
     ``skip_on_spike(clipjax.adamw(...))`` and
     ``skip_on_spike(clipjax.chain(clipjax.zclip(), clipjax.adamw(...)))``
     cost the gradient norm and nothing more over AdamW.
+
+    ``update_clipping=True`` is StableAdamW (Wortsman et al. 2023): per
+    tensor, the step (the Adam update and the weight decay) is divided by
+    ``max(1, RMS)`` with ``RMS = sqrt(mean(g**2 / max(v_hat, eps**2)))``,
+    ``g`` this step's gradient and ``v_hat`` the bias-corrected second moment
+    after this step, so a tensor whose gradient outgrows its second moment
+    (a stale ``v`` after a quiet period) takes a smaller step. The state is
+    then optax's Adam state wrapped in an :class:`UpdateClippingState`, whose
+    per-tensor ``rms`` and ``divisor`` :func:`clipjax.metrics` reads as
+    ``update_clipping/{leaf path}/rms``; ``update_if`` still folds a skip (no
+    conditional, no full-size copy), and the defaults stay optax's
+    (``b2=0.999``, ``eps=1e-8``).
+
+    It reproduces torch-optimi's ``StableAdamW`` (defaults ``b2=0.99``,
+    ``eps=1e-6``; its ``decouple_lr=True`` is ``weight_decay=wd / max_lr``
+    here) and pytorch-optimizer's ``StableAdamW`` (``eps=1e-8``; its
+    ``weight_decouple=False``, an L2 term added to the gradient, is
+    ``optax.chain(optax.add_decayed_weights(wd), clipjax.adam(lr,
+    update_clipping=True))``) step by step to float32 rounding: both refs
+    fold the bias correction into debiased betas, the same arithmetic.
+    A NaN or infinite gradient element makes its moments NaN, as in both
+    references and in optax; wrap the optimizer in
+    :func:`clipjax.skip_on_spike` to skip such steps.
+
+    **FIX** (pytorch-optimizer ``StableAdamW``): there a NaN RMS (one NaN
+    gradient element) clamps to NaN and makes the tensor's whole step NaN,
+    at that step and every later one. Here, as in torch-optimi (and in Adam),
+    a NaN RMS divides by 1 and only the NaN elements' step is NaN.
 
     Args:
       learning_rate: a float or a schedule (``step -> float``).
@@ -283,6 +488,7 @@ def adamw(
       mask: a tree of bools (or a function of the params returning one): the
         leaves to decay; None decays all.
       nesterov: use Nesterov momentum (NAdamW).
+      update_clipping: StableAdamW's per-tensor update clipping (above).
 
     Returns:
       A :class:`SkippableTransform`.
@@ -292,11 +498,34 @@ def adamw(
       >>> tx = clipjax.adamw(1e-3, weight_decay=0.1)
       >>> params = {"w": jnp.ones(2)}
       >>> updates, state = tx.update({"w": jnp.ones(2)}, tx.init(params), params)
+      >>> stable = clipjax.adamw(1e-3, update_clipping=True)
+      >>> state = stable.init(params)
+      >>> for g in [0.01, 0.01, 5.0]:  # a quiet gradient, then a spike
+      ...     _, state = stable.update({"w": jnp.full(2, g)}, state, params)
+      >>> m = clipjax.metrics(state)
+      >>> [round(float(m[f"update_clipping/w/{k}"]), 2) for k in ("rms", "divisor")]
+      [1.73, 1.73]
 
     References:
       Loshchilov and Hutter, `Decoupled Weight Decay Regularization
       <https://arxiv.org/abs/1711.05101>`_, 2019.
+      Wortsman et al., `Stable and low-precision training for large-scale
+      vision-language models <https://arxiv.org/abs/2304.13013>`_, 2023
+      (StableAdamW).
     """
+    if update_clipping:
+        return chain(
+            _scale_by_stable_adam(
+                b1,
+                b2,
+                eps,
+                eps_root,
+                mu_dtype,
+                nesterov,
+                optax.add_decayed_weights(weight_decay, mask),
+            ),
+            _selecting(optax.scale_by_learning_rate(learning_rate)),
+        )
     return chain(
         _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov),
         _selecting(optax.add_decayed_weights(weight_decay, mask)),

@@ -22,11 +22,43 @@ import numpy as np
 
 KeyPath = tuple[Any, ...]
 ScopeFn = Callable[[KeyPath, Any], str]
-# A scope: one of the named groupings, or a function from a leaf's
-# (key path, leaf) to its group name.
-Scope = Literal["global", "per_param", "per_layer"] | ScopeFn
+
+
+@dataclasses.dataclass(frozen=True)
+class Stacked:
+    """A scope that gives each slice of a layer-stacked leaf its own groups.
+
+    Made by :func:`clipjax.stacked`; see there.
+
+    Attributes:
+      scope: the scope applied to each slice as if it were a leaf of its own:
+        ``"per_param"``, ``"per_layer"`` or a callable ``(path, leaf) -> str``.
+      layers: which leaves are stacked: the name of a key in their path (the
+        layer index is inserted after it) or a callable ``(path, leaf) ->
+        bool`` (the index is inserted before the leaf's own key).
+      axis: the layer axis of a stacked leaf.
+    """
+
+    scope: Any
+    layers: str | Callable[[KeyPath, Any], bool]
+    axis: int = 0
+
+    def insert_at(self, path: KeyPath, leaf: Any) -> int | None:
+        """Where the layer index goes in ``path``, or None for a leaf that is not stacked."""
+        if callable(self.layers):
+            return len(path) - 1 if self.layers(path, leaf) else None
+        for position, key in enumerate(path):
+            if _key_name(key) == self.layers:
+                return position + 1
+        return None
+
+
+# A scope: one of the named groupings, a function from a leaf's (key path,
+# leaf) to its group name, or one of these applied to each slice of stacked
+# leaves.
+Scope = Literal["global", "per_param", "per_layer"] | ScopeFn | Stacked
 # agc also groups by output unit.
-AGCScope = Literal["unitwise", "global", "per_param", "per_layer"] | ScopeFn
+AGCScope = Literal["unitwise", "global", "per_param", "per_layer"] | ScopeFn | Stacked
 
 SCOPES = ("global", "per_param", "per_layer")
 
@@ -38,6 +70,14 @@ def validate_scope(scope: Any, allowed: Sequence[str] = SCOPES) -> None:
     ``TypeError`` naming ``scope`` says so at construction, before ``init``
     calls it (callables without an inspectable signature are let through).
     """
+    if isinstance(scope, Stacked):
+        if scope.scope == "global" or isinstance(scope.scope, Stacked):
+            raise ValueError(
+                f"clipjax.stacked: scope must be 'per_param', 'per_layer' or a callable, "
+                f"got {scope.scope!r}"
+            )
+        validate_scope(scope.scope, ("per_param", "per_layer"))
+        return
     if callable(scope):
         try:
             signature = inspect.signature(scope)
@@ -97,12 +137,16 @@ class Grouping:
       leaf_names: the path name of each leaf (wrappers stripped).
       leaf_shapes: the shape of each leaf, used to check that ``update`` sees
         the tree that ``init`` saw.
+      leaf_stacks: empty unless the scope is :class:`Stacked`; then for each
+        leaf None, or for a stacked leaf its layer axis and the group of each
+        slice (its ``leaf_groups`` entry is the first slice's group).
     """
 
     names: tuple[str, ...]
     leaf_groups: tuple[int, ...]
     leaf_names: tuple[str, ...]
     leaf_shapes: tuple[tuple[int, ...], ...]
+    leaf_stacks: tuple[tuple[int, tuple[int, ...]] | None, ...] = ()
 
     @property
     def num_groups(self) -> int:
@@ -113,7 +157,9 @@ class Grouping:
         """For each group, the indices of its leaves."""
         out: list[list[int]] = [[] for _ in self.names]
         for leaf, group in enumerate(self.leaf_groups):
-            out[group].append(leaf)
+            stack = self.leaf_stacks[leaf] if self.leaf_stacks else None
+            for g in dict.fromkeys((group,) if stack is None else stack[1]):
+                out[g].append(leaf)
         return tuple(tuple(m) for m in out)
 
     def check_matches(
@@ -199,9 +245,59 @@ def _label(scope: Scope, path: KeyPath, leaf: Any) -> str:
     raise ValueError(f"unknown scope {scope!r}")
 
 
+def _stacked_labels(
+    scope: Stacked, paths: Sequence[KeyPath], leaves: Sequence[Any]
+) -> tuple[list[list[str]], list[tuple[int, int] | None]]:
+    """Each leaf's labels (one per slice for a stacked leaf) and its (axis, slices)."""
+    labels: list[list[str]] = []
+    stacks: list[tuple[int, int] | None] = []
+    for path, leaf in zip(paths, leaves):
+        position = scope.insert_at(path, leaf)
+        if position is None:
+            labels.append([_label(scope.scope, path, leaf)])
+            stacks.append(None)
+            continue
+        shape = np.shape(leaf)
+        if not -len(shape) <= scope.axis < len(shape):
+            raise ValueError(
+                f"clipjax.stacked: leaf {path_name(path)} of shape {shape} has no layer "
+                f"axis {scope.axis}"
+            )
+        axis = scope.axis % len(shape)
+        view = jax.ShapeDtypeStruct(shape[:axis] + shape[axis + 1 :], jnp.result_type(leaf))
+        labels.append(
+            [
+                _label(
+                    scope.scope,
+                    (*path[:position], jax.tree_util.SequenceKey(k), *path[position:]),
+                    view,
+                )
+                for k in range(shape[axis])
+            ]
+        )
+        stacks.append((axis, shape[axis]))
+    return labels, stacks
+
+
 def make_grouping(tree: Any, scope: Scope) -> Grouping:
     """Groups the leaves of ``tree`` by ``scope``."""
     leaves, paths, _ = leaves_with_names(tree)
+    if isinstance(scope, Stacked):
+        slice_labels, stacks = _stacked_labels(scope, paths, leaves)
+        index: dict[str, int] = {}
+        for labels_of_leaf in slice_labels:
+            for label in labels_of_leaf:
+                index.setdefault(label, len(index))
+        return Grouping(
+            names=tuple(index),
+            leaf_groups=tuple(index[ls[0]] if ls else 0 for ls in slice_labels),
+            leaf_names=tuple(path_name(p) for p in paths),
+            leaf_shapes=tuple(tuple(np.shape(x)) for x in leaves),
+            leaf_stacks=tuple(
+                None if stack is None else (stack[0], tuple(index[label] for label in ls))
+                for stack, ls in zip(stacks, slice_labels)
+            ),
+        )
     labels = [_label(scope, p, x) for p, x in zip(paths, leaves)]
     if scope == "global":
         names: tuple[str, ...] = ("global",)
@@ -235,7 +331,9 @@ def abs_squared(x: jax.Array, dtype: Any) -> jax.Array:
     return magnitude * magnitude
 
 
-def _power_sum(x: jax.Array, p: float, dtype: jnp.dtype) -> jax.Array:
+def _power_sum(x: jax.Array, p: float, dtype: jnp.dtype, keep_axis: int | None = None) -> jax.Array:
+    # keep_axis: a stacked leaf's layer axis, summed over the others (one value per slice).
+    axes = None if keep_axis is None else tuple(a for a in range(jnp.ndim(x)) if a != keep_axis)
     if jnp.iscomplexobj(x):
         sq = jnp.real(x).astype(dtype) ** 2 + jnp.imag(x).astype(dtype) ** 2
         magnitude = None
@@ -243,19 +341,69 @@ def _power_sum(x: jax.Array, p: float, dtype: jnp.dtype) -> jax.Array:
         magnitude = x.astype(dtype)
         sq = magnitude * magnitude
     if p == 2.0:
-        return jnp.sum(sq)
+        return jnp.sum(sq, axis=axes)
     absx = jnp.sqrt(sq) if magnitude is None else jnp.abs(magnitude)
     if math.isinf(p):
-        return jnp.max(absx, initial=0.0)
+        return jnp.max(absx, axis=axes, initial=0.0)
     if p == 1.0:
-        return jnp.sum(absx)
-    return jnp.sum(absx**p)
+        return jnp.sum(absx, axis=axes)
+    return jnp.sum(absx**p, axis=axes)
 
 
-def leaf_power_sums(leaves: Sequence[jax.Array], ord: float = 2.0) -> list[jax.Array]:
-    """Each leaf's sum of ``|x|**ord`` (its max for ``inf``), one fused reduction each."""
+def leaf_power_sums(
+    leaves: Sequence[jax.Array], ord: float = 2.0, grouping: Grouping | None = None
+) -> list[jax.Array]:
+    """Each leaf's sum of ``|x|**ord`` (its max for ``inf``), one fused reduction each.
+
+    With a ``grouping`` that has stacked leaves (:class:`Stacked`), a stacked
+    leaf gives one value per slice (``[layers]``), from the same one read.
+    """
     dtype = norm_dtype(leaves)
-    return [_power_sum(x, ord, dtype) for x in leaves]
+    stacks = _stacks(grouping, len(leaves))
+    return [
+        _power_sum(x, ord, dtype, None if st is None else st[0]) for x, st in zip(leaves, stacks)
+    ]
+
+
+def _stacks(grouping: Grouping | None, n: int) -> Sequence[tuple[int, tuple[int, ...]] | None]:
+    if grouping is None or not grouping.leaf_stacks:
+        return (None,) * n
+    return grouping.leaf_stacks
+
+
+def layer_views(leaves: Sequence[Any], grouping: Grouping) -> list[Any]:
+    """The leaves, a stacked one as the shape and dtype of one layer's slice."""
+    stacks = _stacks(grouping, len(leaves))
+    return [
+        x
+        if st is None
+        else jax.ShapeDtypeStruct(
+            tuple(d for a, d in enumerate(np.shape(x)) if a != st[0]), jnp.result_type(x)
+        )
+        for x, st in zip(leaves, stacks)
+    ]
+
+
+def _stacked_sums(
+    partial: Sequence[jax.Array], grouping: Grouping, ord: float, dtype: Any
+) -> jax.Array:
+    """The ``[groups]`` sums (maxima for ``inf``) of per-leaf and per-slice values.
+
+    One segment reduction over the concatenated values: a stacked leaf's
+    slices go to their groups with no loop over the slices.
+    """
+    values, ids = [], []
+    for p, group, stack in zip(partial, grouping.leaf_groups, grouping.leaf_stacks):
+        slices = (group,) if stack is None else stack[1]
+        values.append(jnp.broadcast_to(jnp.asarray(p, dtype), (len(slices),)))
+        ids.extend(slices)
+    flat = jnp.concatenate(values)
+    segments = np.asarray(ids, np.int32)
+    if math.isinf(ord):
+        # Empty groups (-inf from segment_max) have norm 0, like the other paths.
+        out = jax.ops.segment_max(flat, segments, num_segments=grouping.num_groups)
+        return jnp.maximum(out, jnp.zeros((), dtype))
+    return jax.ops.segment_sum(flat, segments, num_segments=grouping.num_groups)
 
 
 def group_norms(
@@ -277,14 +425,18 @@ def group_norms(
     if not leaves:
         return jnp.zeros((num_groups,), dtype)
     if partial is None:
-        partial = leaf_power_sums(leaves, ord)
-    if math.isinf(ord):
+        partial = leaf_power_sums(leaves, ord, grouping)
+    if grouping.leaf_stacks:
+        sums = _stacked_sums(partial, grouping, ord, dtype)
+        if math.isinf(ord):
+            return sums
+    elif math.isinf(ord):
         per_group = [
             functools.reduce(jnp.maximum, [partial[i] for i in m]) if m else jnp.zeros((), dtype)
             for m in grouping.members
         ]
         return jnp.stack(per_group)
-    if num_groups == 1:
+    elif num_groups == 1:
         total = jnp.sum(jnp.stack(partial)) if len(partial) > 1 else partial[0]
         sums = total[None]
     elif num_groups == len(leaves) and grouping.leaf_groups == tuple(range(num_groups)):
@@ -308,7 +460,12 @@ def leaf_index(grouping: Grouping) -> tuple[jax.Array, ...]:
     """
     if grouping.num_groups == 1:
         return ()
-    return tuple(jnp.asarray(g, jnp.int32) for g in grouping.leaf_groups)
+    stacks = _stacks(grouping, len(grouping.leaf_groups))
+    # A stacked leaf's entry is the [layers] vector of its slices' groups.
+    return tuple(
+        jnp.asarray(g if st is None else st[1], jnp.int32)
+        for g, st in zip(grouping.leaf_groups, stacks)
+    )
 
 
 def apply_scales(
@@ -328,19 +485,37 @@ def apply_scales(
     fusion, every fusion becomes distinct and code generation runs once per
     leaf; with runtime offsets fusions of one shape are identical and
     compiled once (for 1,000 leaves per_param: about 3x less compile time).
+
+    A stacked leaf (:class:`Stacked`) is multiplied by the ``[layers]``
+    vector of its slices' scales, broadcast along its layer axis.
     """
     if grouping.num_groups == 1:
         scales = [scale[0]] * len(leaves)
     elif index:
-        scales = [jax.lax.dynamic_index_in_dim(scale, i, keepdims=False) for i in index]
+        stacks = _stacks(grouping, len(leaves))
+        scales = [
+            jax.lax.dynamic_index_in_dim(scale, i, keepdims=False)
+            if st is None
+            else _along(jnp.take(scale, i), st[0], jnp.ndim(x))
+            for x, i, st in zip(leaves, index, stacks)
+        ]
     else:
         scales = leaf_scales(grouping, scale)
     return [x * s.astype(x.dtype) for x, s in zip(leaves, scales)]
 
 
+def _along(values: jax.Array, axis: int, ndim: int) -> jax.Array:
+    """A ``[layers]`` vector shaped to broadcast along a leaf's layer axis."""
+    return values.reshape(tuple(-1 if a == axis else 1 for a in range(ndim)))
+
+
 def leaf_scales(grouping: Grouping, scale: jax.Array) -> list[jax.Array]:
-    """The per-leaf view of a ``[groups]`` vector."""
-    return [scale[g] for g in grouping.leaf_groups]
+    """The per-leaf view of a ``[groups]`` vector (broadcastable along a stacked leaf)."""
+    stacks = _stacks(grouping, len(grouping.leaf_groups))
+    return [
+        scale[g] if st is None else _along(scale[np.asarray(st[1])], st[0], len(shape))
+        for g, st, shape in zip(grouping.leaf_groups, stacks, grouping.leaf_shapes)
+    ]
 
 
 def fused_sums(*terms: jax.Array) -> tuple[jax.Array, ...]:
@@ -353,3 +528,72 @@ def fused_sums(*terms: jax.Array) -> tuple[jax.Array, ...]:
     flat = tuple(t.reshape(-1) for t in terms)
     zeros = tuple(jnp.zeros((), t.dtype) for t in flat)
     return tuple(jax.lax.reduce(flat, zeros, lambda a, b: tuple(x + y for x, y in zip(a, b)), (0,)))
+
+
+def stacked(
+    scope: Literal["per_param", "per_layer"] | ScopeFn = "per_layer",
+    layers: str | Callable[[KeyPath, Any], bool] = "layers",
+    axis: int = 0,
+) -> Stacked:
+    """A scope that splits layer-stacked leaves into one group per layer.
+
+    Models that scan over their layers (flax ``nn.scan`` and ``nnx.scan``,
+    MaxText, Levanter's ``Stacked``) store every layer of a block in one leaf
+    with a layer axis: ``params/layers/attn/kernel`` of shape ``[layers,
+    ...]``. ``scope="per_layer"`` would see one group for the whole stack.
+    ``stacked(scope, layers, axis)`` reads slice ``k`` of a stacked leaf as a
+    leaf of its own at the path with ``k`` inserted, and groups it by
+    ``scope``: with the default ``layers="layers"``, slice 3 of
+    ``params/layers/attn/kernel`` is ``params/layers/3/attn/kernel``, the path
+    the same model has with its layers unstacked into a list. So
+    ``stacked("per_layer")`` gives group ``params/layers/3/attn``, and every
+    group norm, statistic, scale and metric equals that of the unstacked
+    model's ``"per_layer"`` group of the same name.
+
+    Which leaves are stacked is declared: every leaf below a key named
+    ``layers`` (the layer index goes after that key), or the leaves for which
+    the callable ``layers(path, leaf)`` is True (the index goes before the
+    leaf's own key: ``params/blocks/mlp/3/kernel``). Other leaves are grouped
+    by ``scope`` as they are. flax records no layer axis in a gradient tree
+    (``nn.scan``'s ``variable_axes={"params": 0}`` and ``nnx.scan`` over
+    ``nnx.vmap``-created layers put it at 0; MaxText's ``param_scan_axis`` is
+    1): give it as ``axis``.
+
+    A clipper's leaf filter (``agc(exclude_bias_bn=True)``) also judges one
+    slice. The group norms are one segment reduction over per-slice sums
+    (each leaf is still read once), and a stacked leaf is scaled by the
+    vector of its slices' scales in one multiply. Works for every norm-based clipper with a
+    ``scope`` (not for the element-wise ``clip_by_value`` and
+    ``clip_by_percentile``), under ``jit``, ``shard_map`` and with sharded
+    leaves.
+
+    Args:
+      scope: how each slice (and each unstacked leaf) is grouped:
+        ``"per_layer"``, ``"per_param"`` or a callable ``(path, leaf) -> str``
+        that receives the slice's path (and, as ``leaf``, a
+        ``jax.ShapeDtypeStruct`` of one slice).
+      layers: the key under which leaves are stacked, or a callable ``(path,
+        leaf) -> bool`` that says which leaves are.
+      axis: the layer axis of the stacked leaves.
+
+    Returns:
+      A scope to pass as ``scope=`` to a clipper.
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> params = {"layers": {"mlp": {"kernel": jnp.ones((4, 3, 2))}}, "head": jnp.ones(2)}
+      >>> tx = clipjax.zclip(scope=clipjax.stacked("per_layer"))
+      >>> state = tx.init(params)
+      >>> state.info.groups
+      ('root', 'layers/0/mlp', 'layers/1/mlp', 'layers/2/mlp', 'layers/3/mlp')
+      >>> _, state = tx.update(params, state)
+      >>> float(clipjax.metrics(state)["zclip/layers/2/mlp/grad_norm"])  # sqrt(3 * 2)
+      2.449...
+    """
+    if not isinstance(layers, str) and not callable(layers):
+        raise ValueError(f"layers must be a key name (str) or a callable, got {layers!r}")
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise ValueError(f"axis must be an int, got {axis!r}")
+    scope_ = Stacked(scope, layers, int(axis))
+    validate_scope(scope_)
+    return scope_

@@ -175,6 +175,7 @@ API_PAGES = {
             ("Skipping steps", ["skip_on_spike"]),
             ("Optimizers that skip without a conditional", ["adam", "adamw", "chain"]),
             ("Spike-aware optimizers (SPAM, Stable-SPAM)", ["spam", "stable_spam"]),
+            ("StableAdamW's update clipping", ["UpdateClippingState"]),
         ],
     ),
     "static": (
@@ -192,7 +193,7 @@ API_PAGES = {
         "Reading the metrics, and the functions the clippers are built from.",
         [
             ("Metrics", ["metrics", "GroupInfo"]),
-            ("Norms and group names", ["global_norm", "path_name"]),
+            ("Norms, group names and scopes", ["global_norm", "path_name", "stacked"]),
             ("Percentiles", ["exact_percentile", "approx_percentile", "approx_relative_error"]),
         ],
     ),

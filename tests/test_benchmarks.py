@@ -125,7 +125,8 @@ def test_adam_step_has_no_full_size_copy() -> None:
 def test_skip_on_spike_steps_have_no_full_size_copy() -> None:
     skip = [g for g in common.new_groups() if g.title.startswith("skip_on_spike")]
     labels = [(g, label) for g in skip for label in g.configs if "clipjax.skip_on_spike" in label]
-    assert len(labels) == 4  # around adam and chain(zclip, adam): optax's and clipjax's
+    # around adam and chain(zclip, adam): optax's and clipjax's; around StableAdamW
+    assert len(labels) == 5
     for group, label in labels:
         assert common.copies(label, group, SHAPES) == 0, label
 
