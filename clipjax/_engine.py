@@ -421,7 +421,6 @@ def transform(
         warmup = warmup.configure(scope=scope, axis_name=axis_name)
 
     def init_fn(params: Any) -> Any:
-        _metrics.ensure_serializable()
         placeholder = _is_placeholder(params)
         leaves, _, _ = _grouping.leaves_with_names(params)
         grouping = _grouping.make_grouping(params, scope)
