@@ -221,19 +221,44 @@ def run_if(
       too, because the parameter update then recomputes the new moments from
       the old ones after they were overwritten in place. The conditional
       still writes the updates out and reads them back (it cannot fuse with
-      ``apply_updates``): about two passes over the updates.
+      ``apply_updates``): about two passes over the updates. The branches
+      return the inner update's own output types (``jax.eval_shape``): where
+      it changes a dtype (``optax.adam(mu_dtype=jnp.float32)`` on bfloat16
+      gradients returns float32 updates), the pass-through branch casts its
+      operands to them; where the dtypes agree it casts nothing and stays
+      copy-free.
     """
     update_if = getattr(tx, "update_if", None)
     if update_if is not None:
         return update_if(pred, updates, state, params, **extra_args)
     if isinstance(tx, ClipTransform):
         return run_and_select(pred, tx, updates, state, params, **extra_args)
-    return jax.lax.cond(
-        pred,
-        lambda operands: tx.update(operands[0], operands[1], params, **extra_args),
-        lambda operands: operands,
-        (updates, state),
-    )
+
+    def run(operands: Any) -> Any:
+        return tx.update(operands[0], operands[1], params, **extra_args)
+
+    # The branches must return the same types: the inner update's, which may
+    # differ from its inputs' (optax.adam(mu_dtype=float32) on bfloat16
+    # gradients returns float32 updates; bfloat16 params with float32
+    # gradients give bfloat16 moments...). The pass-through branch casts its
+    # operands to them, which is no operation (and no copy) where they agree.
+    out_types = jax.eval_shape(run, (updates, state))
+    if jax.tree.structure(out_types) != jax.tree.structure((updates, state)):
+        raise ValueError(
+            "a transform run on some steps only returns updates and a state of another "
+            f"tree structure than it was given ({jax.tree.structure((updates, state))} in, "
+            f"{jax.tree.structure(out_types)} out), so a step it does not run cannot pass "
+            "its inputs through"
+        )
+
+    def pass_through(operands: Any) -> Any:
+        return jax.tree.map(_cast_like, operands, out_types)
+
+    return jax.lax.cond(pred, run, pass_through, (updates, state))
+
+
+def _cast_like(x: Any, like: jax.ShapeDtypeStruct) -> Any:
+    return x if jnp.result_type(x) == like.dtype else jnp.asarray(x).astype(like.dtype)
 
 
 def run_and_select(

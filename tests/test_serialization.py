@@ -121,9 +121,7 @@ def test_orbax_round_trip(name: str, tmp_path: Path) -> None:
     with ocp.PyTreeCheckpointer() as checkpointer:
         checkpointer.save(tmp_path / "pytree", state)
         restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-        restored = checkpointer.restore(
-            tmp_path / "pytree", item=target, restore_args=restore_args
-        )
+        restored = checkpointer.restore(tmp_path / "pytree", item=target, restore_args=restore_args)
     assert_same_state(restored, state)
 
 
