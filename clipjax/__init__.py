@@ -29,7 +29,12 @@ from clipjax._hist_clip import (
 )
 from clipjax._metrics import GroupInfo, metrics
 from clipjax._percentile import approx_percentile, approx_relative_error, exact_percentile
-from clipjax._skip import SkipOnSpikeState, skip_on_spike
+from clipjax._skip import (
+    ConditionalRouteWarning,
+    SkipOnSpikeState,
+    SkipOnSpikeTransform,
+    skip_on_spike,
+)
 from clipjax._static import (
     ClipByGlobalNormState,
     NormalizePerParamState,
@@ -52,11 +57,13 @@ __all__ = [
     "ClipByPercentileState",
     "ClipByValueState",
     "ClipTransform",
+    "ConditionalRouteWarning",
     "Criterion",
     "GroupInfo",
     "HistClipState",
     "NormalizePerParamState",
     "SkipOnSpikeState",
+    "SkipOnSpikeTransform",
     "SkippableTransform",
     "ZClipState",
     "ZScoreClipState",

@@ -21,6 +21,7 @@ Both kinds share one state layout (see :func:`transform`) and one
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -189,6 +190,69 @@ def own_buffers(state: Any) -> Any:
     return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
 
 
+class FoldClaim:
+    """A predicate handed to the :class:`clipjax.SkippableTransform` inside a wrapper.
+
+    ``optax.inject_hyperparams(clipjax.adamw)`` or
+    ``optax.MultiSteps(clipjax.adamw(...))`` has no ``update_if`` of its own,
+    but it calls its inner optimizer's ``update``. While a claim is active
+    (``with claim:``), a ``SkippableTransform``'s ``update`` runs its
+    ``update_if(claim.pred, ...)`` instead, records that it did and which
+    state leaves it returned (already selected), and the wrapper's own
+    bookkeeping around it is then selected by :func:`run_if`.
+    """
+
+    def __init__(self, pred: Any) -> None:
+        self.pred = pred
+        self.claimed = False
+        self.selected: list[Any] = []
+        self.previous: Any = None
+
+    def __enter__(self) -> FoldClaim:
+        self.previous = getattr(_PENDING, "claim", None)
+        _PENDING.claim = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _PENDING.claim = self.previous
+
+
+_PENDING = threading.local()
+
+
+def fold_or_update(
+    update: Callable[..., Any], update_if: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    """A ``SkippableTransform``'s ``update``: ``update_if`` under an active claim."""
+    claim = getattr(_PENDING, "claim", None)
+    if claim is None:
+        return update(*args, **kwargs)
+    claim.claimed = True
+    _PENDING.claim = None  # the members inside fold through their own update_if
+    try:
+        out, new_state = update_if(claim.pred, *args, **kwargs)
+    finally:
+        _PENDING.claim = claim
+    claim.selected.extend(jax.tree.leaves(new_state))
+    return out, new_state
+
+
+def route(tx: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> str:
+    """How :func:`run_if` runs ``tx`` on some steps only: ``fold``, ``select`` or ``cond``.
+
+    Traces ``tx.update`` abstractly (``jax.eval_shape``) where ``tx`` is
+    neither a :class:`clipjax.SkippableTransform` nor a clipjax clipper.
+    """
+    if getattr(tx, "update_if", None) is not None:
+        return "fold"
+    if isinstance(tx, ClipTransform):
+        return "select"
+    claim = FoldClaim(jnp.ones((), bool))
+    with claim:
+        jax.eval_shape(lambda u, s: tx.update(u, s, params, **extra_args), updates, state)
+    return "fold" if claim.claimed else "cond"
+
+
 def run_if(
     pred: Array, tx: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
 ) -> tuple[Any, Any]:
@@ -237,12 +301,25 @@ def run_if(
     def run(operands: Any) -> Any:
         return tx.update(operands[0], operands[1], params, **extra_args)
 
+    claim = FoldClaim(pred)
+    with claim:
+        out_types = jax.eval_shape(run, (updates, state))
+    if claim.claimed:
+        # A wrapper around a SkippableTransform: it runs every step, its inner
+        # optimizer folds pred in, and the rest of its state is selected.
+        claim = FoldClaim(pred)
+        with claim:
+            out, new_state = run((updates, state))
+        selected = {id(leaf) for leaf in claim.selected}
+        return out, jax.tree.map(
+            lambda n, o: n if id(n) in selected else _select(pred, n, o), new_state, state
+        )
+
     # The branches must return the same types: the inner update's, which may
     # differ from its inputs' (optax.adam(mu_dtype=float32) on bfloat16
     # gradients returns float32 updates; bfloat16 params with float32
     # gradients give bfloat16 moments...). The pass-through branch casts its
     # operands to them, which is no operation (and no copy) where they agree.
-    out_types = jax.eval_shape(run, (updates, state))
     if jax.tree.structure(out_types) != jax.tree.structure((updates, state)):
         raise ValueError(
             "a transform run on some steps only returns updates and a state of another "
@@ -255,6 +332,10 @@ def run_if(
         return jax.tree.map(_cast_like, operands, out_types)
 
     return jax.lax.cond(pred, run, pass_through, (updates, state))
+
+
+def _select(pred: Array, new: Any, old: Any) -> Array:
+    return jnp.where(pred, new, jnp.asarray(old, jnp.result_type(new)))
 
 
 def _cast_like(x: Any, like: jax.ShapeDtypeStruct) -> Any:

@@ -61,7 +61,14 @@ def _skippable(
     update: Callable[..., Any],
     update_if: Callable[..., tuple[Any, Any]],
 ) -> SkippableTransform:
-    tx = SkippableTransform(init, update)
+    def update_or_fold(
+        updates: Any, state: Any, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, Any]:
+        # Inside a wrapper (inject_hyperparams, MultiSteps) that skip_on_spike
+        # runs, fold its decision in (see _engine.FoldClaim); otherwise update.
+        return _engine.fold_or_update(update, update_if, updates, state, params, **extra_args)
+
+    tx = SkippableTransform(init, update_or_fold)
     tx.update_if = update_if
     return tx
 
@@ -281,7 +288,8 @@ def adamw(
       weight_decay: the decoupled weight decay rate (a schedule too, where the
         installed optax takes one).
       mask: a tree of bools (or a function of the params returning one): the
-        leaves to decay; None decays all.
+        leaves to decay; None decays all. Given with ``weight_decay=0`` it
+        would have no effect, and raises ``ValueError``.
       nesterov: use Nesterov momentum (NAdamW).
 
     Returns:
@@ -297,6 +305,11 @@ def adamw(
       Loshchilov and Hutter, `Decoupled Weight Decay Regularization
       <https://arxiv.org/abs/1711.05101>`_, 2019.
     """
+    if mask is not None and isinstance(weight_decay, (int, float)) and weight_decay == 0:
+        raise ValueError(
+            "mask has no effect with weight_decay=0 (no leaf is decayed): pass a "
+            "weight_decay > 0, or drop mask"
+        )
     return chain(
         _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov),
         _selecting(optax.add_decayed_weights(weight_decay, mask)),
