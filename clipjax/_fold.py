@@ -44,6 +44,14 @@ class SkippableTransform(optax.GradientTransformationExtraArgs):
     :func:`clipjax.adam`, :func:`clipjax.adamw` and :func:`clipjax.chain`
     return one.
 
+    Inside a wrapper that has no ``update_if`` of its own
+    (``optax.inject_hyperparams(clipjax.adamw)(...)``,
+    ``optax.MultiSteps(clipjax.adamw(...), k)``), the wrapper calls
+    ``update``; while :func:`clipjax.skip_on_spike` runs that wrapper,
+    ``update`` computes ``update_if`` with skip_on_spike's decision instead,
+    and skip_on_spike selects the wrapper's own state, so the skip still
+    folds in. Anywhere else ``update`` is optax's.
+
     Examples:
       >>> import jax.numpy as jnp, clipjax
       >>> tx = clipjax.adam(0.1)
