@@ -37,7 +37,7 @@ class SkipOnSpikeTransform(optax.GradientTransformationExtraArgs):
     ``route``: how a skipped step leaves the inner transform's state as it
     was (``"fold"``, ``"select"`` or ``"cond"``, see
     :func:`clipjax.skip_on_spike`), or ``None`` while it is not known yet
-    (an inner transform clipjax cannot see through before ``init``).
+    (an inner transform whose route its first ``update`` finds).
     """
 
     route: str | None = None
@@ -196,13 +196,14 @@ def skip_on_spike(
 
     The returned transform says which route it took in its ``route``
     attribute: ``"fold"``, ``"select"`` or ``"cond"``. It is known at
-    construction for the first and the clipjax clippers, and otherwise found
-    by ``init`` (which traces the inner update abstractly, with the params
-    standing for the gradients) or, where that needs extra args such as a
-    loss, by the first ``update``. ``init`` warns with
-    :class:`clipjax.ConditionalRouteWarning` (once per calling line, like any
-    Python warning) when the route is ``"cond"`` around an optimizer whose
-    state holds full-size buffers, such as ``optax.adam``.
+    construction around a :class:`clipjax.SkippableTransform` or a clipjax
+    clipper, and is otherwise found when ``update`` is first called (or
+    traced), since only the inner update itself shows whether a
+    ``SkippableTransform`` runs inside; until then it is ``None``. When the
+    route is ``"cond"`` around an optimizer whose state holds full-size
+    buffers (``optax.adam``), that first ``update`` warns with
+    :class:`clipjax.ConditionalRouteWarning` (once: the route is found once
+    per transform).
 
     Differences from ``optax.apply_if_finite``: a non-finite step is skipped
     even after ``max_consecutive_skips`` (``apply_if_finite`` applies it after
@@ -275,7 +276,9 @@ def skip_on_spike(
       'cond'
       >>> inner = optax.inject_hyperparams(clipjax.adamw)(learning_rate=1e-3)
       >>> tx = clipjax.skip_on_spike(inner)
-      >>> _ = tx.init(params)
+      >>> tx.route is None
+      True
+      >>> _ = tx.update({"w": jnp.ones(2)}, tx.init(params), params)
       >>> tx.route
       'fold'
 
@@ -304,8 +307,7 @@ def skip_on_spike(
     inner = optax.with_extra_args_support(inner)
     info = GroupInfo(algo=ALGO, name=name, groups=("global",))
 
-    def settle_route(updates: Any, inner_state: Any, params: Any, **extra_args: Any) -> None:
-        route = _engine.route(inner, updates, inner_state, params, **extra_args)
+    def settle_route(route: str, inner_state: Any, updates: Any) -> None:
         tx.route = route
         if route == "cond" and _has_full_size(inner_state, updates):
             warnings.warn(
@@ -319,14 +321,6 @@ def skip_on_spike(
             )
 
     def init_fn(params: Any) -> Any:
-        inner_state = inner.init(params)
-        if tx.route is None and not _engine._is_placeholder(params):
-            # Where the update needs extra args (a loss), the probe cannot run
-            # it: the first update settles the route instead.
-            try:
-                settle_route(params, inner_state, params)
-            except Exception:
-                tx.route = None
         f32 = lambda x: jnp.full((1,), x, jnp.float32)
         i32 = lambda: jnp.zeros((1,), jnp.int32)
         metrics = {
@@ -342,7 +336,7 @@ def skip_on_spike(
             "count": i32(),
         }
         return SkipOnSpikeState(
-            inner_state=inner_state,
+            inner_state=inner.init(params),
             grad_norm_window=jnp.zeros((window_size,), jnp.float32),
             value_window=jnp.zeros((window_size,), jnp.float32),
             grad_norm_seen=jnp.zeros((), jnp.int32),
@@ -396,11 +390,11 @@ def skip_on_spike(
         inner_args = dict(extra_args)
         if has_value:
             inner_args["value"] = value
-        if tx.route is None:
-            settle_route(updates, state.inner_state, params, **inner_args)
-        new_updates, inner_state = _engine.run_if(
+        route, new_updates, inner_state = _engine.run_if_routed(
             take, inner, updates, state.inner_state, params, **inner_args
         )
+        if tx.route != route:
+            settle_route(route, state.inner_state, updates)
         # On a skipped step the updates passed through: zero them. The select
         # fuses into whatever consumes the updates (apply_updates), and, unlike
         # a multiply by 0, keeps a NaN gradient out.
