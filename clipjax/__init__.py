@@ -29,7 +29,12 @@ from clipjax._hist_clip import (
 )
 from clipjax._metrics import GroupInfo, metrics
 from clipjax._percentile import approx_percentile, approx_relative_error, exact_percentile
-from clipjax._skip import SkipOnSpikeState, skip_on_spike
+from clipjax._skip import (
+    ConditionalRouteWarning,
+    SkipOnSpikeState,
+    SkipOnSpikeTransform,
+    skip_on_spike,
+)
 from clipjax._spam import SpamState, spam
 from clipjax._stable_spam import AdaClipState, AdaNormState, ada_norm, adaclip, stable_spam
 from clipjax._static import (
@@ -56,11 +61,13 @@ __all__ = [
     "ClipByPercentileState",
     "ClipByValueState",
     "ClipTransform",
+    "ConditionalRouteWarning",
     "Criterion",
     "GroupInfo",
     "HistClipState",
     "NormalizePerParamState",
     "SkipOnSpikeState",
+    "SkipOnSpikeTransform",
     "SkippableTransform",
     "SpamState",
     "UpdateClippingState",

@@ -21,7 +21,9 @@ Both kinds share one state layout (see :func:`transform`) and one
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -195,6 +197,53 @@ def own_buffers(state: Any) -> Any:
     return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
 
 
+class FoldClaim:
+    """A predicate handed to the :class:`clipjax.SkippableTransform` inside a wrapper.
+
+    ``optax.inject_hyperparams(clipjax.adamw)`` or
+    ``optax.MultiSteps(clipjax.adamw(...))`` has no ``update_if`` of its own,
+    but it calls its inner optimizer's ``update``. While a claim is active
+    (``with claim:``), a ``SkippableTransform``'s ``update`` runs its
+    ``update_if(claim.pred, ...)`` instead, records that it did and which
+    state leaves it returned (already selected), and the wrapper's own
+    bookkeeping around it is then selected by :func:`run_if`.
+    """
+
+    def __init__(self, pred: Any) -> None:
+        self.pred = pred
+        self.claimed = False
+        self.selected: list[Any] = []
+        self.previous: Any = None
+
+    def __enter__(self) -> FoldClaim:
+        self.previous = getattr(_PENDING, "claim", None)
+        _PENDING.claim = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _PENDING.claim = self.previous
+
+
+_PENDING = threading.local()
+
+
+def fold_or_update(
+    update: Callable[..., Any], update_if: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    """A ``SkippableTransform``'s ``update``: ``update_if`` under an active claim."""
+    claim = getattr(_PENDING, "claim", None)
+    if claim is None:
+        return update(*args, **kwargs)
+    claim.claimed = True
+    _PENDING.claim = None  # the members inside fold through their own update_if
+    try:
+        out, new_state = update_if(claim.pred, *args, **kwargs)
+    finally:
+        _PENDING.claim = claim
+    claim.selected.extend(jax.tree.leaves(new_state))
+    return out, new_state
+
+
 def run_if(
     pred: Array, tx: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
 ) -> tuple[Any, Any]:
@@ -214,6 +263,12 @@ def run_if(
       ``pred`` is False. No conditional: the whole step fuses with
       ``apply_updates`` and costs no pass over the updates beyond the
       optimizer's own;
+    * a transform that calls a ``SkippableTransform``'s ``update`` inside it
+      (``optax.inject_hyperparams(clipjax.adamw)(...)``,
+      ``optax.MultiSteps(clipjax.adamw(...), k)``) runs every step under a
+      :class:`FoldClaim`: the optimizer inside folds ``pred`` in, and the
+      rest of the wrapper's state is selected. This is found by tracing its
+      update once (the same trace then runs it);
     * a clipjax transform holds only small ``[groups]`` arrays: it runs on
       every step and its state is selected. Its norms are the ones the caller
       computes anyway (XLA merges the identical reductions) and its scaling
@@ -227,19 +282,98 @@ def run_if(
       too, because the parameter update then recomputes the new moments from
       the old ones after they were overwritten in place. The conditional
       still writes the updates out and reads them back (it cannot fuse with
-      ``apply_updates``): about two passes over the updates.
+      ``apply_updates``): about two passes over the updates. The branches
+      return the inner update's own output types (from the one trace of
+      it, ``jax.make_jaxpr``, which the taken branch then runs): where
+      it changes a dtype (``optax.adam(mu_dtype=jnp.float32)`` on bfloat16
+      gradients returns float32 updates), the pass-through branch casts its
+      operands to them; where the dtypes agree it casts nothing and stays
+      copy-free.
     """
+    _, out, new_state = run_if_routed(pred, tx, updates, state, params, **extra_args)
+    return out, new_state
+
+
+def run_if_routed(
+    pred: Array, tx: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
+) -> tuple[str, Any, Any]:
+    """:func:`run_if`, also saying which route it took: ``fold``, ``select`` or ``cond``."""
     update_if = getattr(tx, "update_if", None)
     if update_if is not None:
-        return update_if(pred, updates, state, params, **extra_args)
+        return ("fold", *update_if(pred, updates, state, params, **extra_args))
     if isinstance(tx, ClipTransform):
-        return run_and_select(pred, tx, updates, state, params, **extra_args)
-    return jax.lax.cond(
-        pred,
-        lambda operands: tx.update(operands[0], operands[1], params, **extra_args),
-        lambda operands: operands,
-        (updates, state),
-    )
+        return ("select", *run_and_select(pred, tx, updates, state, params, **extra_args))
+
+    # One trace of the update, under a claim: a SkippableTransform inside it
+    # (a wrapper's optimizer) folds pred in and marks the state it selected.
+    operands, in_tree = jax.tree.flatten((updates, state))
+    claim = FoldClaim(pred)
+    folded: list[bool] = []
+
+    def run(*leaves: Any) -> Any:
+        out = tx.update(*jax.tree.unflatten(in_tree, leaves), params, **extra_args)
+        active = getattr(_PENDING, "claim", None)
+        selected = {id(leaf) for leaf in active.selected} if active is not None else set()
+        folded[:] = [id(leaf) in selected for leaf in jax.tree.leaves(out[1])]
+        return out
+
+    with claim:
+        traced, out_types = jax.make_jaxpr(run, return_shape=True)(*operands)
+    out_tree = jax.tree.structure(out_types)
+    update = _jaxpr_as_fun(traced)
+    if jax.config.jax_disable_jit:
+        # Op by op, as the transform's own update runs there (its Python may
+        # compute on concrete values where the traced program cannot).
+        def update(*leaves: Any) -> list[Any]:
+            with FoldClaim(pred) if claim.claimed else contextlib.nullcontext():
+                return jax.tree.leaves(run(*leaves))
+
+    if claim.claimed:
+        # A wrapper around a SkippableTransform runs every step; the rest of
+        # its state (its count, hyperparameters, accumulators) is selected.
+        out, new_state = jax.tree.unflatten(out_tree, update(*operands))
+        kept = iter(folded)
+        new_state = jax.tree.map(
+            lambda n, o: n if next(kept) else _select(pred, n, o), new_state, state
+        )
+        return "fold", out, new_state
+
+    # The branches must return the same types: the inner update's, which may
+    # differ from its inputs' (optax.adam(mu_dtype=float32) on bfloat16
+    # gradients returns float32 updates; bfloat16 params with float32
+    # gradients give bfloat16 moments...). The pass-through branch casts its
+    # operands to them, which is no operation (and no copy) where they agree.
+    if out_tree != in_tree:
+        raise ValueError(
+            "a transform run on some steps only returns updates and a state of another "
+            f"tree structure than it was given ({in_tree} in, {out_tree} out), so a step "
+            "it does not run cannot pass its inputs through"
+        )
+
+    def taken(leaves: list[Any]) -> list[Any]:
+        return update(*leaves)
+
+    def pass_through(leaves: list[Any]) -> list[Any]:
+        return [_cast_like(x, t) for x, t in zip(leaves, jax.tree.leaves(out_types))]
+
+    out_leaves = jax.lax.cond(pred, taken, pass_through, operands)
+    return ("cond", *jax.tree.unflatten(out_tree, out_leaves))
+
+
+def _jaxpr_as_fun(closed: Any) -> Callable[..., Any]:
+    try:
+        from jax.extend.core import jaxpr_as_fun
+    except ImportError:  # jax < 0.4.38
+        from jax.core import jaxpr_as_fun  # type: ignore[no-redef]
+    return jaxpr_as_fun(closed)
+
+
+def _select(pred: Array, new: Any, old: Any) -> Array:
+    return jnp.where(pred, new, jnp.asarray(old, jnp.result_type(new)))
+
+
+def _cast_like(x: Any, like: jax.ShapeDtypeStruct) -> Any:
+    return x if jnp.result_type(x) == like.dtype else jnp.asarray(x).astype(like.dtype)
 
 
 def run_and_select(
@@ -438,7 +572,6 @@ def transform(
         warmup = warmup.configure(scope=scope, axis_name=axis_name)
 
     def init_fn(params: Any) -> Any:
-        _metrics.ensure_serializable()
         placeholder = _is_placeholder(params)
         leaves, _, _ = _grouping.leaves_with_names(params)
         grouping = _grouping.make_grouping(params, scope)

@@ -44,6 +44,14 @@ class SkippableTransform(optax.GradientTransformationExtraArgs):
     :func:`clipjax.adam`, :func:`clipjax.adamw` and :func:`clipjax.chain`
     return one.
 
+    Inside a wrapper that has no ``update_if`` of its own
+    (``optax.inject_hyperparams(clipjax.adamw)(...)``,
+    ``optax.MultiSteps(clipjax.adamw(...), k)``), the wrapper calls
+    ``update``; while :func:`clipjax.skip_on_spike` runs that wrapper,
+    ``update`` computes ``update_if`` with skip_on_spike's decision instead,
+    and skip_on_spike selects the wrapper's own state, so the skip still
+    folds in. Anywhere else ``update`` is optax's.
+
     Examples:
       >>> import jax.numpy as jnp, clipjax
       >>> tx = clipjax.adam(0.1)
@@ -61,7 +69,14 @@ def _skippable(
     update: Callable[..., Any],
     update_if: Callable[..., tuple[Any, Any]],
 ) -> SkippableTransform:
-    tx = SkippableTransform(init, update)
+    def update_or_fold(
+        updates: Any, state: Any, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, Any]:
+        # Inside a wrapper (inject_hyperparams, MultiSteps) that skip_on_spike
+        # runs, fold its decision in (see _engine.FoldClaim); otherwise update.
+        return _engine.fold_or_update(update, update_if, updates, state, params, **extra_args)
+
+    tx = SkippableTransform(init, update_or_fold)
     tx.update_if = update_if
     return tx
 
@@ -223,7 +238,6 @@ def _scale_by_stable_adam(
     decay = None if decay is None else optax.with_extra_args_support(decay)
 
     def init(params: Any) -> UpdateClippingState:
-        _metrics.ensure_serializable()
         grouping = _grouping.make_grouping(params, "per_param")
         leaves, _, _ = _grouping.leaves_with_names(params)
         dtype = _grouping.norm_dtype(leaves)
@@ -486,7 +500,8 @@ def adamw(
       weight_decay: the decoupled weight decay rate (a schedule too, where the
         installed optax takes one).
       mask: a tree of bools (or a function of the params returning one): the
-        leaves to decay; None decays all.
+        leaves to decay; None decays all. Given with ``weight_decay=0`` it
+        would have no effect, and raises ``ValueError``.
       nesterov: use Nesterov momentum (NAdamW).
       update_clipping: StableAdamW's per-tensor update clipping (above).
 
@@ -513,6 +528,11 @@ def adamw(
       vision-language models <https://arxiv.org/abs/2304.13013>`_, 2023
       (StableAdamW).
     """
+    if mask is not None and isinstance(weight_decay, (int, float)) and weight_decay == 0:
+        raise ValueError(
+            "mask has no effect with weight_decay=0 (no leaf is decayed): pass a "
+            "weight_decay > 0, or drop mask"
+        )
     if update_clipping:
         return chain(
             _scale_by_stable_adam(

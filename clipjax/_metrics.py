@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.abc
+import importlib.util
 import sys
 import types
 import warnings
@@ -96,12 +98,6 @@ def is_clipjax_state(x: Any) -> bool:
     )
 
 
-# flax.serialization turns NamedTuples into dicts field by field and keeps an
-# unknown object as it is, which msgpack cannot write. GroupInfo is static: it
-# serialises to an empty dict and is restored from the target state.
-_flax_registered = False
-
-
 class StateMismatchError(ValueError):
     """A checkpointed clipjax state does not fit the restore target's tree."""
 
@@ -162,21 +158,27 @@ def _checked_restore(restore: Any, current_path: Any) -> Any:
     return restore_namedtuple
 
 
-def ensure_serializable() -> None:
-    """Registers :class:`GroupInfo` with flax.serialization once flax is loaded.
+# flax.serialization walks a state with its own registry, not jax's pytree
+# registry: it turns NamedTuples and dicts into dicts field by field and keeps
+# an object of an unregistered type as it is, which msgpack then cannot write
+# ("can not serialize 'GroupInfo' object"). GroupInfo (and PlaceholderInfo,
+# which flax looks up by its exact type) are static: they serialise to an empty
+# dict and are restored from the target state. flax is optional, so the
+# registration runs at clipjax's import when flax.serialization is loaded
+# already, and otherwise when it is first imported (_RegisterWithFlax).
+_FLAX_MODULE = "flax.serialization"
 
-    Also makes a restore that does not fit a clipjax state say which transform
-    and which trees: flax's own message names the internal field that failed
-    (``./0/leaf_index``). flax has no public hook for NamedTuples, so its
-    NamedTuple handler is wrapped where it is found, and left alone otherwise.
-    """
-    global _flax_registered
-    if _flax_registered or "flax.serialization" not in sys.modules:
-        return
-    serialization = sys.modules["flax.serialization"]
-    serialization.register_serialization_state(
-        GroupInfo, lambda info: {}, lambda target, state: target, override=True
-    )
+
+def _register_with_flax(serialization: Any) -> None:
+    """Registers the static names with one loaded ``flax.serialization`` module."""
+    for info_class in (GroupInfo, PlaceholderInfo):
+        serialization.register_serialization_state(
+            info_class, lambda info: {}, lambda target, state: target, override=True
+        )
+    # A restore that does not fit a clipjax state says which transform and
+    # which trees (flax's own message names the internal field that failed,
+    # ``./0/leaf_index``). flax has no public hook for NamedTuples, so its
+    # NamedTuple handler is wrapped where it is found, and left alone otherwise.
     marker = getattr(serialization, "_NamedTuple", None)
     registry = getattr(serialization, "_STATE_DICT_REGISTRY", None)
     current_path = getattr(serialization, "current_path", None)
@@ -186,7 +188,61 @@ def ensure_serializable() -> None:
             serialization.register_serialization_state(
                 marker, to_state_dict, _checked_restore(restore, current_path), override=True
             )
-    _flax_registered = True
+
+
+class _RegistersOnLoad(importlib.abc.Loader):
+    """Runs flax.serialization's own loader, then registers clipjax's names."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.loader.exec_module(module)
+        _register_with_flax(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_resource_reader, ...
+        return getattr(self.loader, name)
+
+
+class _RegisterWithFlax(importlib.abc.MetaPathFinder):
+    """An import hook: registers clipjax with flax.serialization once it loads.
+
+    It answers only for ``flax.serialization``, by asking the finders after
+    it for the module and wrapping its loader; every other import passes by.
+    """
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != _FLAX_MODULE:
+            return None
+        finders = sys.meta_path
+        for finder in finders[finders.index(self) + 1 :] if self in finders else ():
+            find_spec = getattr(finder, "find_spec", None)
+            spec = find_spec(fullname, path, target) if find_spec is not None else None
+            if spec is not None:
+                if spec.loader is not None and not isinstance(spec.loader, _RegistersOnLoad):
+                    spec.loader = _RegistersOnLoad(spec.loader)
+                return spec
+        return None
+
+
+def register_serialization() -> None:
+    """Makes every clipjax state serialisable by flax, now or when flax loads.
+
+    Called once, at clipjax's import. With ``flax.serialization`` loaded, it
+    registers :class:`GroupInfo` with it at once; in every case it installs an
+    import hook that registers it when ``flax.serialization`` is (re)loaded.
+    clipjax never imports flax itself.
+    """
+    if not any(isinstance(finder, _RegisterWithFlax) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterWithFlax())
+    if _FLAX_MODULE in sys.modules:
+        _register_with_flax(sys.modules[_FLAX_MODULE])
+
+
+register_serialization()
 
 
 def unwrap(x: Any) -> Any:

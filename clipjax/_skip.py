@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -15,6 +16,31 @@ from clipjax._stats import ring_mean_std
 
 ALGO = "skip_on_spike"
 FEEDBACKS = ("clipped", "skip", "raw")
+ROUTES = ("fold", "select", "cond")
+
+
+class ConditionalRouteWarning(UserWarning):
+    """skip_on_spike runs an optimizer with full-size moments under ``lax.cond``.
+
+    The step is correct, but the conditional's boundary costs about two extra
+    passes over the updates. :func:`clipjax.adam`, :func:`clipjax.adamw` and
+    :func:`clipjax.chain` (also inside ``optax.inject_hyperparams`` or
+    ``optax.MultiSteps``) fold the skip in instead. Silence it with
+    ``warnings.filterwarnings("ignore", category=clipjax.ConditionalRouteWarning)``.
+    """
+
+
+class SkipOnSpikeTransform(optax.GradientTransformationExtraArgs):
+    """The transform :func:`clipjax.skip_on_spike` returns.
+
+    An ``optax.GradientTransformationExtraArgs`` with one more attribute,
+    ``route``: how a skipped step leaves the inner transform's state as it
+    was (``"fold"``, ``"select"`` or ``"cond"``, see
+    :func:`clipjax.skip_on_spike`), or ``None`` while it is not known yet
+    (an inner transform whose route its first ``update`` finds).
+    """
+
+    route: str | None = None
 
 
 class SkipOnSpikeState(NamedTuple):
@@ -93,7 +119,7 @@ def skip_on_spike(
     feedback: str = "clipped",
     axis_name: str | None = None,
     name: str | None = None,
-) -> optax.GradientTransformationExtraArgs:
+) -> SkipOnSpikeTransform:
     """Skips a whole optimizer step when its gradient norm or loss spikes.
 
     Wraps a transform (usually the whole optimizer) like
@@ -147,12 +173,37 @@ def skip_on_spike(
       ``skip_on_spike(clipjax.chain(clipjax.zclip(...), clipjax.adamw(...)))``
       then costs the gradient norm and nothing more: no conditional, no
       copy, one fused loop per leaf with ``apply_updates``;
+    * an optax wrapper around them, ``optax.inject_hyperparams(clipjax.adamw)
+      (learning_rate=...)`` or ``optax.MultiSteps(clipjax.adamw(...), k)``
+      (or any transform that calls a :class:`clipjax.SkippableTransform`'s
+      ``update``), folds too: the wrapper runs every step, the optimizer
+      inside folds the decision in, and the wrapper's own state (its step
+      count, hyperparameters, ``MultiSteps``' accumulated gradients) is
+      selected. The result is exactly that of the conditional route (the
+      state bit for bit, the taken updates up to the last bit of a fused
+      multiply-add);
     * clipjax clippers run every step and have their small state selected;
     * any other transform (``optax.adamw(...)`` itself) runs under
       ``jax.lax.cond`` only on taken steps, and a skipped step passes the
       gradients through and zeroes them with a select that fuses into the
       parameter update. The compiled step copies no optimizer state, but the
       conditional's boundary costs about two extra passes over the updates.
+      The step returns exactly the types the inner update returns (where
+      ``optax.adam(mu_dtype=jnp.float32)`` turns bfloat16 gradients into
+      float32 updates, a skipped step returns float32 zeros too), and a
+      skipped step passes the inner state through cast to them, which
+      changes nothing where the inner update keeps its state's dtypes.
+
+    The returned transform says which route it took in its ``route``
+    attribute: ``"fold"``, ``"select"`` or ``"cond"``. It is known at
+    construction around a :class:`clipjax.SkippableTransform` or a clipjax
+    clipper, and is otherwise found when ``update`` is first called (or
+    traced), since only the inner update itself shows whether a
+    ``SkippableTransform`` runs inside; until then it is ``None``. When the
+    route is ``"cond"`` around an optimizer whose state holds full-size
+    buffers (``optax.adam``), that first ``update`` warns with
+    :class:`clipjax.ConditionalRouteWarning` (once: the route is found once
+    per transform).
 
     Differences from ``optax.apply_if_finite``: a non-finite step is skipped
     even after ``max_consecutive_skips`` (``apply_if_finite`` applies it after
@@ -194,7 +245,9 @@ def skip_on_spike(
       name: metrics prefix (default ``skip_on_spike``).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose ``update(updates,
+      A :class:`clipjax.SkipOnSpikeTransform` (an
+      ``optax.GradientTransformationExtraArgs`` with a ``route`` attribute)
+      whose ``update(updates,
       state, params=None, *, value=None, **extra_args)`` takes the step's loss
       as ``value``; ``value`` and the other extra args are passed on to
       ``inner``. Its state, :class:`SkipOnSpikeState`, records under
@@ -219,6 +272,15 @@ def skip_on_spike(
       ...     updates, state = tx.update({"w": jnp.ones(2)}, state, params, value=loss)
       >>> bool(state.metrics["skipped"][0]), updates["w"].tolist()
       (True, [0.0, 0.0])
+      >>> tx.route
+      'cond'
+      >>> inner = optax.inject_hyperparams(clipjax.adamw)(learning_rate=1e-3)
+      >>> tx = clipjax.skip_on_spike(inner)
+      >>> tx.route is None
+      True
+      >>> _ = tx.update({"w": jnp.ones(2)}, tx.init(params), params)
+      >>> tx.route
+      'fold'
 
     References:
       OLMo-core ``SkipStepOptimizer``
@@ -244,6 +306,19 @@ def skip_on_spike(
 
     inner = optax.with_extra_args_support(inner)
     info = GroupInfo(algo=ALGO, name=name, groups=("global",))
+
+    def settle_route(route: str, inner_state: Any, updates: Any) -> None:
+        tx.route = route
+        if route == "cond" and _has_full_size(inner_state, updates):
+            warnings.warn(
+                f"{name or ALGO}: the inner transform has full-size state and no update_if, "
+                "so a skipped step goes through lax.cond (route 'cond'), which costs about "
+                "two extra passes over the updates per step. clipjax.adam, clipjax.adamw and "
+                "clipjax.chain (also inside optax.inject_hyperparams or optax.MultiSteps) "
+                "fold the skip into the update instead (route 'fold').",
+                ConditionalRouteWarning,
+                stacklevel=3,
+            )
 
     def init_fn(params: Any) -> Any:
         f32 = lambda x: jnp.full((1,), x, jnp.float32)
@@ -315,9 +390,11 @@ def skip_on_spike(
         inner_args = dict(extra_args)
         if has_value:
             inner_args["value"] = value
-        new_updates, inner_state = _engine.run_if(
+        route, new_updates, inner_state = _engine.run_if_routed(
             take, inner, updates, state.inner_state, params, **inner_args
         )
+        if tx.route != route:
+            settle_route(route, state.inner_state, updates)
         # On a skipped step the updates passed through: zero them. The select
         # fuses into whatever consumes the updates (apply_updates), and, unlike
         # a multiply by 0, keeps a NaN gradient out.
@@ -364,7 +441,18 @@ def skip_on_spike(
         )
         return new_updates, new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    tx = SkipOnSpikeTransform(init_fn, update_fn)
+    if getattr(inner, "update_if", None) is not None:
+        tx.route = "fold"
+    elif isinstance(inner, _engine.ClipTransform):
+        tx.route = "select"
+    return tx
+
+
+def _has_full_size(state: Any, params: Any) -> bool:
+    """Whether ``state`` holds a leaf shaped like a (non-scalar) parameter: moments."""
+    shapes = {jnp.shape(x) for x in jax.tree.leaves(params) if jnp.size(x) > 1}
+    return any(jnp.shape(x) in shapes for x in jax.tree.leaves(state))
 
 
 def _check_inner(inner: Any) -> None:

@@ -192,7 +192,6 @@ def scale_by_spam(
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
 
     def init_fn(params: Any) -> Any:
-        _metrics.ensure_serializable()
         adam = optax.scale_by_adam(mu_dtype=mu_dtype).init(params)
         grouping = _grouping.make_grouping(params, "global")
         # On optax's params placeholder (tree_map_params) the names are a leaf.

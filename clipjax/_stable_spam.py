@@ -82,7 +82,6 @@ class AdaNormState(NamedTuple):
 
 def _start(algo: str, name: str | None, params: Any, scope: Scope) -> tuple[GroupInfo, Any, Any]:
     """``init``'s common part: the names, the statistics dtype and ``zeros(dtype)``."""
-    _metrics.ensure_serializable()
     grouping = _grouping.make_grouping(params, scope)
     # On optax's params placeholder (tree_map_params) the names are a leaf.
     info_class = _metrics.PlaceholderInfo if _engine._is_placeholder(params) else GroupInfo

@@ -346,3 +346,11 @@ def test_composes_with_inject_hyperparams_multisteps_and_low_precision_params() 
     skipped, kept = jax.jit(tx.update_if)(False, g, state, params)
     chex.assert_trees_all_equal(kept, state, strict=True)
     chex.assert_trees_all_equal(skipped, jax.tree.map(jnp.zeros_like, g), strict=True)
+
+
+def test_an_argument_without_effect_raises() -> None:
+    with pytest.raises(ValueError, match="mask has no effect with weight_decay=0"):
+        clipjax.adamw(1e-3, weight_decay=0.0, mask={"w": True})
+    # A schedule or an injected value may be zero at some steps only: allowed.
+    clipjax.adamw(1e-3, weight_decay=optax.constant_schedule(0.0), mask={"w": True})
+    clipjax.adamw(1e-3, weight_decay=0.0)
