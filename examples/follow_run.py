@@ -74,7 +74,7 @@ class Row(NamedTuple):
 
 # One list: add a row here and it appears in the tables and the loss figure.
 ROWS: list[Row] = [
-    Row("none", optax.identity, "no clipping"),
+    Row("none", optax.identity, "optax.identity() (no clipping)"),
     Row(
         "static",
         lambda: optax.clip_by_global_norm(STATIC_MAX_NORM),
