@@ -13,20 +13,23 @@ weights and the batches), all seeds at once under ``jax.vmap``.
 
 Two sizes: ``--config gpu`` (the default; the configuration the comment above
 ``Config`` describes, about five minutes for the table on one H200) and
-``--config cpu`` (2 layers, d_model 64, 400 steps, lr 1e-1, for two CPU cores).
+``--config cpu`` (2 layers, d_model 64, 300 steps, adamw b2 0.9999 warmed up
+over 50 steps to lr 0.3, for two CPU cores: unclipped, it blows up by itself
+some 100 steps later; at half the learning rate it trains).
 
 The model's loss and gradient are one jitted function compiled once for all
 settings; each setting adds one small jitted update that also reads, from
 ``clipjax.metrics(opt_state)``, whether the clipper clipped this step. The
 tables give, per seed, the final held-out loss and its ratio to the best
 static clip of the sweep, loss set-backs, the largest loss jump, gradient
-spikes, steps clipped and skipped (skip_on_spike's ``skipped_count``), and
-diverged runs. The script writes ``lm_spikes_<config>.md`` (the tables, headed
-by the command, machine, versions and date; rewritten after each setting) and
-``lm_spikes_<config>.png`` (loss curves) under ``--out`` (default
-``docs/generated``); ``--npz`` adds the per-step loss, gradient norm and clip
-flags of every run. Settings the installed clipjax does not offer are listed
-as unavailable.
+spikes, the share of steps clipped, steps skipped (skip_on_spike's
+``skipped_count``), and diverged runs (one definition: ``DIVERGED_LOSS``).
+The script writes ``lm_spikes_<config>.md`` (the tables, headed by the
+command, machine, versions and date; rewritten after each setting) and
+``lm_spikes_<config>.png`` (batch loss curves, one panel per group of
+settings) under ``--out`` (default ``docs/generated``); ``--npz`` adds the
+per-step loss, gradient norm and clip flags of every run. Settings the
+installed clipjax does not offer are listed as unavailable.
 
 Usage::
 
@@ -103,16 +106,33 @@ class Config:
     weight_decay: float = 0.1
     eps: float = 1e-8
     static_sweep: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0)  # clip_by_global_norm max_norms
-    diverged_loss: float = 1.6  # a run ending above this held-out loss counts as diverged
 
 
 # --config gpu: the configuration above (one GPU, about five minutes for the table).
-# --config cpu: a model small enough for two CPU cores, at a learning rate ten
-# times the GPU one after a 5-step warm-up, so that its unclipped runs spike by
-# themselves too: unclipped (3 seeds, 400 steps) they end at 2.98 ± 0.10 with
-# 0.7 set-backs and 1.0 gradient spikes above 10x per run (largest set-back 0.26
-# nats); the same model at lr 3e-2 (d_model 32) never spiked, and d_model 32 at
-# lr 1e-1 stayed on a 3.0 plateau.
+# --config cpu: a model small enough for two CPU cores (2 layers, d_model 64,
+# context 32, batch 16, 300 steps) whose unclipped adamw blows up by itself
+# some 100 steps after its warm-up. How it was chosen (3 seeds; per seed: largest loss
+# jump over the median of the 50 batch losses before it, final held-out loss):
+# * b2 0.999, weight decay 0.1, eps 1e-8, 5 warm-up steps (the former CPU
+#   configuration): lr 1e-1 ends on the ~3.0 plateau, largest jump x1.2-1.3 on
+#   every seed and every setting: no spike.
+# * b2 0.9999, eps 1e-12, no weight decay, 5 warm-up steps: lr 3e-2, 1e-1 and
+#   3e-1 never jump more than x1.3 (gradient spikes up to 100x pass without a
+#   loss jump); lr 0.5 and 1.0 diverge from the first steps (losses of 80-700,
+#   every seed), with every clipper: a learning rate no clipper can help.
+# * The same with a 50-step warm-up to lr 0.4: the model first learns, then,
+#   as the warm-up ends, unclipped adamw jumps x19.4 / x9.6 / x14.7 (steps
+#   70-101) and diverges on 3 of 3 seeds (held-out 46 / 34 / 75 at 300 steps);
+#   half the learning rate trains (x1.2; 3.10 / 3.16 / 3.17). Every adaptive
+#   clipper follows that rise and diverges too; static clips at <= 1 do not.
+# * The same at lr 0.3 (below): the model trains for ~100 steps at the peak
+#   learning rate, then unclipped adamw jumps x21.6 / x13.8 / x36.0 (steps 176,
+#   147, 225; batch losses of 78-161) and ends at held-out 42.6 / 31.2 / 110.2:
+#   diverged on 3 of 3 seeds. Half the learning rate (0.15) trains on every
+#   seed (largest jump x1.2 / x1.3 / x1.1; 3.17 / 3.10 / 3.07), and
+#   optax.clip_by_global_norm(1) keeps lr 0.3 from diverging on every seed
+#   (x1.4 / x1.6 / x1.2; 3.18 / 3.20 / 3.31), zclip(feedback="clipped") and
+#   hist_clip(feedback="clipped") on 2 of 3: a blow-up that clipping can stop.
 CONFIGS = {
     "gpu": Config(),
     "cpu": Config(
@@ -121,12 +141,15 @@ CONFIGS = {
         n_heads=2,
         context=32,
         batch=16,
-        steps=400,
+        steps=300,
         eval_every=50,
         eval_windows=64,
-        lr=1e-1,
-        warmup=5,
-        diverged_loss=4.0,
+        lr=0.3,
+        low_lr_factor=0.5,
+        warmup=50,
+        b2=0.9999,
+        eps=1e-12,
+        weight_decay=0.0,
     ),
 }
 # --quick: the same model as --config cpu, 40 steps: a smoke test, numbers mean nothing.
@@ -142,12 +165,15 @@ GRAD_SPIKE = 10.0
 # within 0.1 nats; the unclipped runs that spike go 0.27-0.32 nats back.
 SMOOTH = 20
 LOSS_SPIKE = 0.15
-# A diverged run: final held-out loss not finite, or above this many nats per
-# byte: Config.diverged_loss (GPU configuration: healthy runs end at 1.2-1.45,
-# the plateau of a model that has learnt only byte n-gram statistics is ~2.5).
+# A diverged run: some batch loss is not finite, or the final held-out loss is
+# above DIVERGED_LOSS = ln 256 nats per byte, worse than a uniform guess over
+# the 256 bytes (the loss of the model at initialisation).
+DIVERGED_LOSS = math.log(256)
 # A loss jump: a batch loss divided by the median of the JUMP_WINDOW batch
 # losses before it; the table gives the largest over a setting's runs.
 JUMP_WINDOW = 50
+# The figure averages the batch loss over this many steps.
+PLOT_SMOOTH = 10
 
 
 class Setting(NamedTuple):
@@ -159,12 +185,14 @@ class Setting(NamedTuple):
       needs_value: update() takes the batch loss as ``value=`` (skip_on_spike).
       static_max_norm: for optax's clip_by_global_norm, which keeps no metrics:
         a step counts as clipped when the global norm exceeds it.
+      panel: the figure's panel that draws it (a key of PANELS).
     """
 
     make: Callable[[Config], optax.GradientTransformation]
     about: str
     needs_value: bool = False
     static_max_norm: float | None = None
+    panel: str = "clipped"
 
 
 def clipjax_metrics(opt_state: Any) -> dict[str, Any]:
@@ -187,73 +215,125 @@ def clipped_adamw(clipper: Callable[[], optax.GradientTransformation]) -> Callab
     return lambda cfg: optax.chain(clipper(), adamw(cfg))
 
 
+# The figure draws the settings in these panels (Setting.panel).
+PANELS = {
+    "baselines": "adamw alone, half its learning rate, static clips",
+    "reference": "adaptive clippers, reference defaults",
+    "clipped": 'adaptive clippers, feedback="clipped"; adagc; recommended',
+    "skip": "skip_on_spike",
+}
+
+
 def static(max_norm: float) -> Setting:
     return Setting(
         clipped_adamw(lambda: optax.clip_by_global_norm(max_norm)),
         f"optax.clip_by_global_norm({max_norm:g}), then adamw",
         static_max_norm=max_norm,
+        panel="baselines",
     )
 
 
+# The setting the documentation recommends: the "recommended" and
+# "skip_recommended" rows. Change it here, in one place.
+RECOMMENDED = 'zclip(feedback="clipped")'
+
+
 def recommended() -> optax.GradientTransformation:
-    """The clipper the documentation recommends (the "recommended" row)."""
-    return clipjax.zclip(max_grad_norm=None, warmup_steps=10)
+    return clipjax.zclip(feedback="clipped")
 
 
-RECOMMENDED = "zclip(max_grad_norm=None, warmup_steps=10)"
+def clipper(code: str, make: Callable[[], optax.GradientTransformation], panel: str) -> Setting:
+    """A clipjax clipper in front of adamw; `code` is how the page shows it."""
+    return Setting(clipped_adamw(make), f"{code}, then adamw", panel=panel)
 
 
 def skipping(about: str, inner: Callable[[Config], Any], **kwargs: Any) -> Setting:
-    return Setting(lambda cfg: clipjax.skip_on_spike(inner(cfg), **kwargs), about, needs_value=True)
+    return Setting(
+        lambda cfg: clipjax.skip_on_spike(inner(cfg), **kwargs),
+        about,
+        needs_value=True,
+        panel="skip",
+    )
 
 
-SETTINGS: dict[str, Setting] = {
-    "none": Setting(adamw, "adamw alone"),
-    "recommended": Setting(clipped_adamw(recommended), f"{RECOMMENDED}, then adamw"),
-    "skip_recommended": skipping(
-        f"skip_on_spike(chain({RECOMMENDED}, adamw)) (defaults)",
-        lambda cfg: optax.chain(recommended(), adamw(cfg)),
+# Every row of the table but the static sweep, in the order they run (the sweep
+# goes after "none"): one (name, Setting) entry per row; add a row here.
+ROWS: list[tuple[str, Setting]] = [
+    ("none", Setting(adamw, "adamw alone", panel="baselines")),
+    (
+        "low_lr",
+        Setting(
+            lambda cfg: adamw(cfg, cfg.lr * cfg.low_lr_factor),
+            "adamw alone at lr x low_lr_factor (CPU configuration: half the learning rate)",
+            panel="baselines",
+        ),
     ),
-    "skip": skipping("skip_on_spike(adamw) (defaults)", adamw),
-    "zclip": Setting(clipped_adamw(clipjax.zclip), "zclip() (defaults), then adamw"),
-    "autoclip_fb": Setting(
-        clipped_adamw(lambda: clipjax.autoclip(feedback="clipped")),
-        'autoclip(feedback="clipped"), then adamw',
+    ("recommended", clipper(f"{RECOMMENDED} (the recommended setting)", recommended, "clipped")),
+    (
+        "skip_recommended",
+        skipping(
+            f"skip_on_spike(chain({RECOMMENDED}, adamw)) (defaults)",
+            lambda cfg: optax.chain(recommended(), adamw(cfg)),
+        ),
     ),
-    "autoclip_fb_window": Setting(
-        clipped_adamw(lambda: clipjax.autoclip(feedback="clipped", history="window")),
-        'autoclip(feedback="clipped", history="window") (median and std of the last 100), '
-        "then adamw",
+    ("skip", skipping("skip_on_spike(adamw) (defaults)", adamw)),
+    (
+        "skip_fb_skip",
+        skipping(
+            'skip_on_spike(adamw, feedback="skip") (0.2\'s behaviour)', adamw, feedback="skip"
+        ),
     ),
-    "zscore_clip_fb": Setting(
-        clipped_adamw(lambda: clipjax.zscore_clip(feedback="clipped")),
-        'zscore_clip(feedback="clipped"), then adamw',
+    ("autoclip", clipper("autoclip() (defaults)", clipjax.autoclip, "reference")),
+    (
+        "autoclip_fb",
+        clipper(
+            'autoclip(feedback="clipped")',
+            lambda: clipjax.autoclip(feedback="clipped"),
+            "clipped",
+        ),
     ),
-    "hist_clip_fb": Setting(
-        clipped_adamw(lambda: clipjax.hist_clip(feedback="clipped")),
-        'hist_clip(feedback="clipped"), then adamw',
+    (
+        "autoclip_fb_window",
+        clipper(
+            'autoclip(feedback="clipped", history="window")',
+            lambda: clipjax.autoclip(feedback="clipped", history="window"),
+            "clipped",
+        ),
     ),
-    "adagc": Setting(clipped_adamw(lambda: clipjax.adagc()), "adagc() (defaults), then adamw"),
-    "low_lr": Setting(
-        lambda cfg: adamw(cfg, cfg.lr * cfg.low_lr_factor), "adamw alone at lr x low_lr_factor"
+    ("zscore_clip", clipper("zscore_clip() (defaults)", clipjax.zscore_clip, "reference")),
+    (
+        "zscore_clip_fb",
+        clipper(
+            'zscore_clip(feedback="clipped")',
+            lambda: clipjax.zscore_clip(feedback="clipped"),
+            "clipped",
+        ),
     ),
-    "zclip_fb": Setting(
-        clipped_adamw(lambda: clipjax.zclip(feedback="clipped")),
-        'zclip(feedback="clipped") (= its default), then adamw',
+    ("zclip", clipper("zclip() (defaults)", clipjax.zclip, "reference")),
+    (
+        "zclip_nocap_w10",
+        clipper(
+            "zclip(max_grad_norm=None, warmup_steps=10) (the former recommended setting)",
+            lambda: clipjax.zclip(max_grad_norm=None, warmup_steps=10),
+            "reference",
+        ),
     ),
-    "autoclip": Setting(clipped_adamw(clipjax.autoclip), "autoclip() (defaults), then adamw"),
-    "zscore_clip": Setting(
-        clipped_adamw(clipjax.zscore_clip), "zscore_clip() (defaults), then adamw"
+    (
+        "zclip_fb",
+        clipper('zclip(feedback="clipped")', lambda: clipjax.zclip(feedback="clipped"), "clipped"),
     ),
-    "hist_clip": Setting(clipped_adamw(clipjax.hist_clip), "hist_clip() (defaults), then adamw"),
-    "skip_zclip": skipping(
-        "skip_on_spike(chain(zclip(), adamw)) (defaults)",
-        lambda cfg: optax.chain(clipjax.zclip(), adamw(cfg)),
+    ("hist_clip", clipper("hist_clip() (defaults)", clipjax.hist_clip, "reference")),
+    (
+        "hist_clip_fb",
+        clipper(
+            'hist_clip(feedback="clipped")',
+            lambda: clipjax.hist_clip(feedback="clipped"),
+            "clipped",
+        ),
     ),
-    "skip_fb_skip": skipping(
-        'skip_on_spike(adamw, feedback="skip") (0.2\'s behaviour)', adamw, feedback="skip"
-    ),
-}
+    ("adagc", clipper("adagc() (defaults)", clipjax.adagc, "clipped")),
+]
+SETTINGS: dict[str, Setting] = dict(ROWS)
 
 
 def static_name(max_norm: float) -> str:
@@ -263,9 +343,9 @@ def static_name(max_norm: float) -> str:
 def settings_for(cfg: Config) -> dict[str, Setting]:
     """Every setting of the table, in the order they run: adamw alone, the static
     clip sweep (the reference of the "x best static" column), then the rest."""
-    out = dict(list(SETTINGS.items())[:1])
+    out = dict(ROWS[:1])
     out.update({static_name(v): static(v) for v in cfg.static_sweep})
-    out.update(list(SETTINGS.items())[1:])
+    out.update(ROWS[1:])
     return out
 
 
@@ -495,10 +575,15 @@ class Summary(NamedTuple):
     largest: np.ndarray  # [seeds] largest set-back (nats)
     jump: np.ndarray  # [seeds] largest loss jump (ratio)
     grad_spikes: np.ndarray  # [seeds]
-    clipped: np.ndarray  # [seeds] steps on which the clipper clipped
+    clipped: np.ndarray  # [seeds] share of the steps on which the clipper clipped
     skipped: np.ndarray | None  # [seeds] skip_on_spike's skipped_count
-    diverged: int
+    diverged: np.ndarray  # [seeds] bool: see DIVERGED_LOSS
     seconds: float
+
+
+def diverged(loss: np.ndarray, final: np.ndarray) -> np.ndarray:
+    """[seeds] bool: a batch loss not finite, or the final held-out loss above DIVERGED_LOSS."""
+    return ~np.isfinite(loss).all(axis=1) | ~(final <= DIVERGED_LOSS)
 
 
 def summarize(run: Run, cfg: Config) -> Summary:
@@ -511,9 +596,9 @@ def summarize(run: Run, cfg: Config) -> Summary:
         largest=np.array([j for _, j, _ in spikes]),
         jump=np.array([largest_jump(loss) for loss in run.loss]),
         grad_spikes=np.array([g for _, _, g in spikes]),
-        clipped=run.clipped.sum(axis=1),
+        clipped=run.clipped.mean(axis=1),
         skipped=None if skipped is None else skipped.reshape(len(final), -1)[:, 0],
-        diverged=int(np.sum(~np.isfinite(final) | (final > cfg.diverged_loss))),
+        diverged=diverged(run.loss, final),
         seconds=run.seconds,
     )
 
@@ -540,14 +625,14 @@ SPIKE_HEADER = [
     "largest set-back",
     "largest jump",
     "grad spikes",
-    "steps clipped",
+    "share clipped",
     "steps skipped",
     "wall s",
 ]
 
 
 def best_static(summaries: dict[str, Summary]) -> tuple[str, float] | None:
-    """The static_<max_norm> row with the lowest mean final held-out loss."""
+    """The static_<max_norm> row with the lowest mean final held-out loss (finite)."""
     means = {
         name: float(np.mean(s.final))
         for name, s in summaries.items()
@@ -567,16 +652,22 @@ def table_rows(
     for name, s in summaries.items():
         ratio = "-" if best is None else f"{np.mean(s.final) / best[1]:.3f}"
         loss_rows.append(
-            [name, mean_spread(s.final), ratio, per_seed(s.final, ".3f"), f"{s.diverged} / {seeds}"]
+            [
+                name,
+                mean_spread(s.final),
+                ratio,
+                per_seed(s.final, ".3f"),
+                f"{int(np.sum(s.diverged))} / {seeds}",
+            ]
         )
         spike_rows.append(
             [
                 name,
                 per_seed(s.events, "d"),
                 f"{np.max(s.largest):.2f}",
-                f"x{np.max(s.jump):.2f}",
+                " / ".join(f"x{v:.1f}" for v in s.jump),
                 per_seed(s.grad_spikes, "d"),
-                per_seed(s.clipped, "d"),
+                " / ".join(f"{v:.0%}" for v in s.clipped),
                 "-" if s.skipped is None else per_seed(s.skipped.astype(int), "d"),
                 f"{s.seconds:.0f}",
             ]
@@ -636,8 +727,9 @@ def versions() -> str:
     )
 
 
-def command(argv: list[str]) -> str:
-    """The command line, without --out (where the page goes does not change it)."""
+def command(argv: list[str], script: str = "lm_spikes.py") -> str:
+    """The command line of examples/<script>, without --out (where the page goes
+    does not change it)."""
     shown, skip = [], False
     for arg in argv:
         if skip:
@@ -646,25 +738,40 @@ def command(argv: list[str]) -> str:
             skip = True
         elif not arg.startswith("--out="):
             shown.append(arg)
-    return " ".join(["python examples/lm_spikes.py", *shown])
+    return " ".join([f"python examples/{script}", *shown])
 
 
-def table_notes(cfg: Config) -> str:
+def page_header(argv: list[str], script: str = "lm_spikes.py") -> list[str]:
+    """The lines that head a generated page: command, machine, versions, date."""
+    return [
+        f"Command: `{command(argv, script)}`",
+        "",
+        f"Machine: {machine()}",
+        "",
+        f"Versions: {versions()}",
+        "",
+        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        "",
+    ]
+
+
+def table_notes() -> str:
     return f"""\
 *final held-out loss*: mean ± std over seeds of the next-byte cross-entropy (nats) on the
 held-out files after the last step; *x best static*: that mean over the best mean of the
-static_<max_norm> rows (the static clip sweep); *diverged*: final held-out loss NaN or above
-{cfg.diverged_loss:g}. *loss spikes*: the batch loss averaged over {SMOOTH} steps rises more
-than {LOSS_SPIKE} nats above its lowest value so far (a set-back; it ends once back within
-{LOSS_SPIKE / 3:.2f}); *largest set-back*: the largest such rise over all seeds, in nats;
-*largest jump*: the largest batch loss over the median of the {JUMP_WINDOW} batch losses
-before it, over all seeds. *grad spikes*: steps whose raw gradient norm exceeds
-{GRAD_SPIKE:g}x the median of the {SPIKE_WINDOW} before it. *steps clipped*: steps on which
-the clipper scaled a gradient down, read every step from `clipjax.metrics(opt_state)` (for
-optax.clip_by_global_norm: global norm above max_norm). *steps skipped*:
-`skip_on_spike/global/skipped_count` of the final state. Figures separated by `/` are per
-seed. *wall s*: all seeds (vmapped), compilation included. *unavailable*: a setting the
-installed clipjax does not offer."""
+static_<max_norm> rows (the static clip sweep); *diverged*: runs on which some batch loss
+was not finite or the final held-out loss is above ln 256 = {DIVERGED_LOSS:.3f} (worse than a
+uniform guess over the 256 bytes). *loss spikes*: the batch loss averaged over {SMOOTH} steps
+rises more than {LOSS_SPIKE} nats above its lowest value so far (a set-back; it ends once back
+within {LOSS_SPIKE / 3:.2f}); *largest set-back*: the largest such rise over all seeds, in
+nats; *largest jump*: the largest batch loss over the median of the {JUMP_WINDOW} batch losses
+before it (inf: a loss not finite). *grad spikes*: steps whose raw gradient norm exceeds
+{GRAD_SPIKE:g}x the median of the {SPIKE_WINDOW} before it. *share clipped*: the share of
+steps on which the clipper scaled a gradient down, read every step from
+`clipjax.metrics(opt_state)` (for optax.clip_by_global_norm: global norm above max_norm).
+*steps skipped*: `skip_on_spike/global/skipped_count` of the final state. Figures separated
+by `/` are per seed. *wall s*: all seeds (vmapped), compilation included. *unavailable*: a
+setting the installed clipjax does not offer."""
 
 
 def markdown(
@@ -684,18 +791,12 @@ def markdown(
     lines = [
         f"# Natural loss spikes, {config.upper()} configuration",
         "",
-        f"Command: `{command(argv)}`",
-        "",
-        f"Machine: {machine()}",
-        "",
-        f"Versions: {versions()}",
-        "",
-        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-        "",
+        *page_header(argv),
         f"Model: byte-level transformer, {cfg.n_layers} layers, d_model {cfg.d_model}, "
         f"{cfg.n_heads} heads, context {cfg.context}, batch {cfg.batch}; adamw(lr {cfg.lr:g}, "
-        f"b1 {cfg.b1:g}, b2 {cfg.b2:g}, weight decay {cfg.weight_decay:g}), {cfg.warmup} "
-        f"warm-up steps then constant; {cfg.steps} steps; seeds {seeds}. Data: {text_info}.",
+        f"b1 {cfg.b1:g}, b2 {cfg.b2:g}, eps {cfg.eps:g}, weight decay {cfg.weight_decay:g}), "
+        f"{cfg.warmup} warm-up steps then constant; {cfg.steps} steps; seeds {seeds}. "
+        f"Data: {text_info}.",
         "",
         f"## Final held-out loss, {config.upper()} configuration",
         "",
@@ -706,7 +807,7 @@ def markdown(
         "",
         *markdown_table(SPIKE_HEADER, spike_rows),
         "",
-        table_notes(cfg),
+        table_notes(),
         "",
         f"## Settings, {config.upper()} configuration",
         "",
@@ -715,50 +816,54 @@ def markdown(
     ]
     if figure:
         lines += [
-            f"![held-out loss and batch loss of every setting, {config} configuration]({figure})",
+            f"![batch loss of every setting by group, {config} configuration]({figure})",
             "",
         ]
     return "\n".join(lines)
 
 
-def plot(path: Path, runs: dict[str, Run], cfg: Config) -> None:
-    """Top: held-out loss of every setting (mean over seeds), one colour and line
-    style per setting. Below: one panel per setting with each seed's batch loss."""
+def plot(path: Path, runs: dict[str, Run], settings: dict[str, Setting], cfg: Config) -> None:
+    """One panel per group of settings (PANELS): the batch loss of each setting,
+    median over seeds, averaged over PLOT_SMOOTH steps; adamw alone (black) in
+    every panel; legends below the panels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(runs)
-    cols = min(5, len(names))
-    grid_rows = math.ceil(len(names) / cols)
-    fig = plt.figure(figsize=(3.6 * cols, 5.0 + 2.3 * grid_rows), layout="constrained")
-    grid = fig.add_gridspec(1 + grid_rows, cols, height_ratios=[2.2] + [1] * grid_rows)
-    finite = np.concatenate([r.loss[np.isfinite(r.loss)] for r in runs.values()])
-    floor = float(np.min(finite)) if len(finite) else 1.0
-    colours = plt.get_cmap("tab20").colors
-
-    ax = fig.add_subplot(grid[0, :])
-    for i, (name, run) in enumerate(runs.items()):
-        style = {"color": colours[i % 20], "linestyle": ["-", "--", ":"][i // 20 % 3]}
-        if name == "none":
-            style = {"color": "black", "linewidth": 2}
-        ax.plot(run.eval_steps, np.nanmean(run.eval_loss, axis=0), label=name, **style)
-    ax.set(yscale="log", xlabel="step", ylabel="held-out loss (nats/byte)")
-    ax.set_ylim(0.9 * floor, 6.0)
-    ax.set_title("Held-out loss, mean over seeds")
-    ax.legend(ncol=5, fontsize="small")
-
+    panels = [key for key in PANELS if any(settings[n].panel == key for n in runs)]
+    cols = 2 if len(panels) > 1 else 1
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(5.2 * cols, 5.0 * rows), layout="constrained", squeeze=False
+    )
     steps = np.arange(cfg.steps)
-    for i, (name, run) in enumerate(runs.items()):
-        ax = fig.add_subplot(grid[1 + i // cols, i % cols])
-        for k, seed_loss in enumerate(run.loss):
-            ax.plot(steps, seed_loss, linewidth=0.6, color=f"C{k}", alpha=0.8)
-        ax.set(yscale="log", ylim=(0.9 * floor, 6.0))
-        ax.set_title(name, fontsize="medium")
-        if i % cols == 0:
-            ax.set_ylabel("batch loss")
-    fig.savefig(path, dpi=80)
+    kernel = np.ones(PLOT_SMOOTH) / PLOT_SMOOTH
+
+    def curve(run: Run) -> np.ndarray:
+        loss = np.nanmedian(np.where(np.isfinite(run.loss), run.loss, np.nan), axis=0)
+        if len(loss) < PLOT_SMOOTH:
+            return loss
+        smooth = np.convolve(loss, kernel, mode="valid")
+        return np.concatenate([loss[: PLOT_SMOOTH - 1], smooth])
+
+    for ax, key in zip(axes.flat, panels):
+        names = [n for n in runs if settings[n].panel == key and n != "none"]
+        if "none" in runs:
+            ax.plot(steps, curve(runs["none"]), color="black", lw=2, label="none")
+        for i, name in enumerate(names):
+            style = ["-", "--"][i // 10 % 2]
+            ax.plot(steps, curve(runs[name]), style, color=f"C{i % 10}", lw=1.2, label=name)
+        ax.set(yscale="log", xlabel="step", ylabel="batch loss (nats/byte)")
+        ax.set_title(PANELS[key], fontsize="medium")
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize="small")
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    fig.suptitle(
+        f"Batch loss, median over {runs[next(iter(runs))].loss.shape[0]} seeds, "
+        f"{PLOT_SMOOTH}-step mean"
+    )
+    fig.savefig(path, dpi=70)
     plt.close(fig)
 
 
@@ -777,7 +882,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=sorted(CONFIGS),
         default="gpu",
         help="gpu: 4 layers, d_model 256, 2000 steps (one GPU); cpu: 2 layers, d_model 64, "
-        "400 steps (two CPU cores)",
+        "300 steps (two CPU cores)",
     )
     parser.add_argument("--seeds", type=int, default=3, help="seeds per setting (0, 1, ...)")
     parser.add_argument("--steps", type=int, default=None, help="steps per run (config's)")
@@ -873,7 +978,7 @@ def write_page(
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"lm_spikes_{args.config}"
     if figure and runs:
-        plot(args.out / f"{stem}.png", runs, cfg)
+        plot(args.out / f"{stem}.png", runs, args.settings, cfg)
     summaries = {name: summarize(run, cfg) for name, run in runs.items()}
     page = markdown(
         args.config,
@@ -941,7 +1046,7 @@ def main(argv: list[str] | None = None) -> dict[str, Run]:
     print()
     print_table(SPIKE_HEADER, spike_rows)
     print()
-    print(table_notes(cfg))
+    print(table_notes())
 
     total_s = sum(r.seconds for r in runs.values())
     stem = f"lm_spikes_{args.config}"

@@ -73,8 +73,23 @@ def test_cpu_quick_run_writes_the_page(tmp_path: Path) -> None:
         assert len(rows[name]) == 2, page  # one row in each table
         assert "unavailable" not in rows[name][0]
         assert name in result.stdout
-    # Per-seed figures: the final loss of both seeds in the loss table.
+    # Per-seed figures: the final loss of both seeds in the loss table; the
+    # largest jump and the share of steps clipped of both seeds in the other.
     assert rows["recommended"][0].split("|")[4].count(" / ") == 1
+    spike_cells = [c.strip() for c in rows["static_1"][1].split("|")[1:-1]]
+    header = [
+        c.strip()
+        for c in tables[
+            [r.startswith("| setting | loss spikes") for r in tables].index(True)
+        ].split("|")[1:-1]
+    ]
+    jump, share = (
+        spike_cells[header.index("largest jump")],
+        spike_cells[header.index("share clipped")],
+    )
+    assert jump.count(" / ") == 1 and jump.startswith("x")
+    assert share.count(" / ") == 1 and share.count("%") == 2
+    assert "ln 256" in page
     assert "Best static clip: `static_1`" in page
     assert "(lm_spikes_cpu.png)" in page
     assert (tmp_path / "lm_spikes_cpu.png").stat().st_size > 10_000
@@ -93,14 +108,23 @@ def test_command_and_unavailable_rows() -> None:
         "python examples/lm_spikes.py --config cpu --seeds 3"
     )
     assert lm.command(["--out=/x"]) == "python examples/lm_spikes.py"
-    names = list(lm.settings_for(lm.CONFIGS["cpu"]))
+    settings = lm.settings_for(lm.CONFIGS["cpu"])
+    names = list(settings)
     assert names[:5] == ["none", "static_0.25", "static_0.5", "static_1", "static_2"]
     for required in (
         "autoclip", "autoclip_fb", "autoclip_fb_window", "zscore_clip", "zscore_clip_fb",
-        "zclip", "zclip_fb", "hist_clip", "hist_clip_fb", "adagc", "low_lr",
-        "skip", "skip_recommended", "recommended",
+        "zclip", "zclip_fb", "zclip_nocap_w10", "hist_clip", "hist_clip_fb", "adagc", "low_lr",
+        "skip", "skip_recommended", "skip_fb_skip", "recommended",
     ):  # fmt: skip
         assert required in names
+    # One row list; every row in a panel of the figure; the recommended rows
+    # name the one RECOMMENDED constant.
+    assert [n for n, _ in lm.ROWS] == list(lm.SETTINGS)
+    assert {s.panel for s in settings.values()} <= set(lm.PANELS)
+    assert lm.RECOMMENDED in settings["recommended"].about
+    assert lm.RECOMMENDED in settings["skip_recommended"].about
+    # The CPU configuration's half-learning-rate row.
+    assert lm.CONFIGS["cpu"].low_lr_factor == 0.5
     loss_rows, spike_rows = lm.table_rows({}, ["skip_fb_skip"], 3)
     assert loss_rows[0][:2] == ["skip_fb_skip", "unavailable"]
     assert len(loss_rows[0]) == len(lm.LOSS_HEADER)
@@ -134,6 +158,15 @@ def test_spike_measures_on_synthetic_curves() -> None:
     loss[300:] = np.nan
     assert lm.spike_events(loss, norm)[0] == 1
     assert lm.largest_jump(loss) == np.inf
+
+
+def test_one_definition_of_diverged() -> None:
+    lm = load_script()
+    loss = np.full((4, 10), 2.0)
+    loss[1, 5] = np.nan  # a batch loss not finite
+    final = np.array([2.0, 2.0, np.log(256) + 0.01, np.inf])
+    np.testing.assert_array_equal(lm.diverged(loss, final), [False, True, True, True])
+    assert not lm.diverged(loss[:1], np.array([np.log(256)]))[0]
 
 
 def test_largest_jump_against_a_direct_computation() -> None:
