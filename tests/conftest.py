@@ -144,6 +144,8 @@ SLOW_FILES = {
     "test_long_run.py": "long scans",
     # Trains the byte-level transformer of examples/lm_spikes.py.
     "test_lm_spikes.py": "trains a small language model",
+    # Runs examples/follow_run.py (closed-loop regressions, every row).
+    "test_follow_run.py": "runs the follow-a-run example",
     # Runs examples/demo.py in a subprocess (13 training runs at full size).
     "test_demo.py": "runs the demo",
     # Builds the wheel and installs it into a fresh virtual environment.
