@@ -202,13 +202,22 @@ def clipjax_metrics(opt_state: Any) -> dict[str, Any]:
         return clipjax.metrics(opt_state)
 
 
-def adamw(cfg: Config, lr: float | None = None) -> optax.GradientTransformation:
+def schedule(cfg: Config, lr: float | None = None) -> optax.Schedule:
+    """Linear warm-up to the peak learning rate, then constant."""
     peak = cfg.lr if lr is None else lr
-    schedule = optax.join_schedules(
+    return optax.join_schedules(
         [optax.linear_schedule(0.0, peak, max(cfg.warmup, 1)), optax.constant_schedule(peak)],
         [max(cfg.warmup, 1)],
     )
-    return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def adam_kwargs(cfg: Config) -> dict[str, Any]:
+    """The run's adamw hyperparameters, for the optimizers of the same family."""
+    return dict(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def adamw(cfg: Config, lr: float | None = None) -> optax.GradientTransformation:
+    return optax.adamw(schedule(cfg, lr), **adam_kwargs(cfg))
 
 
 def clipped_adamw(clipper: Callable[[], optax.GradientTransformation]) -> Callable:
@@ -221,6 +230,7 @@ PANELS = {
     "reference": "adaptive clippers, reference defaults",
     "clipped": 'adaptive clippers, feedback="clipped"; adagc; recommended',
     "skip": "skip_on_spike",
+    "other": "SPAM, Stable-SPAM, StableAdamW",
 }
 
 
@@ -332,6 +342,34 @@ ROWS: list[tuple[str, Setting]] = [
         ),
     ),
     ("adagc", clipper("adagc() (defaults)", clipjax.adagc, "clipped")),
+    # The field's other defences, with their own defaults and the run's adam
+    # hyperparameters (reported, not tuned).
+    (
+        "spam",
+        Setting(
+            lambda cfg: clipjax.spam(schedule(cfg), **adam_kwargs(cfg)),
+            "spam(run's lr schedule, b1, b2, eps, weight decay; SPAM's defaults otherwise)",
+            panel="other",
+        ),
+    ),
+    (
+        "stable_spam",
+        Setting(
+            lambda cfg: clipjax.stable_spam(schedule(cfg), **adam_kwargs(cfg)),
+            "stable_spam(run's lr schedule, b1, b2, eps, weight decay; Stable-SPAM's defaults)",
+            panel="other",
+        ),
+    ),
+    ("adaclip", clipper("adaclip() (defaults)", clipjax.adaclip, "other")),
+    ("ada_norm", clipper("ada_norm() (defaults)", clipjax.ada_norm, "other")),
+    (
+        "stable_adamw",
+        Setting(
+            lambda cfg: clipjax.adamw(schedule(cfg), **adam_kwargs(cfg), update_clipping=True),
+            "clipjax.adamw(..., update_clipping=True) (StableAdamW)",
+            panel="other",
+        ),
+    ),
 ]
 SETTINGS: dict[str, Setting] = dict(ROWS)
 
