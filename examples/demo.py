@@ -78,11 +78,14 @@ class Setting(NamedTuple):
       about: one line for the legend.
       static_max_norm: for optax's clip_by_global_norm, which keeps no metrics:
         the demo computes the same fields itself so that every run plots alike.
+      optimizer: a whole optimizer that replaces ``chain(make(), adam)`` (the
+        spike-aware optimizers SPAM, Stable-SPAM, StableAdamW).
     """
 
     make: Callable[[], optax.GradientTransformation]
     about: str
     static_max_norm: float | None = None
+    optimizer: Callable[[], optax.GradientTransformation] | None = None
 
 
 SETTINGS: dict[str, Setting] = {
@@ -166,6 +169,24 @@ SETTINGS: dict[str, Setting] = {
         lambda: clipjax.hist_clip(feedback="clipped"),
         "hist_clip(feedback='clipped'): judge first, learn min(g, boundary)",
     ),
+    # The field's other defences, with their own defaults (reported, not tuned).
+    "adaclip": Setting(clipjax.adaclip, "adaclip(): Stable-SPAM's element-wise bound, then adam"),
+    "ada_norm": Setting(clipjax.ada_norm, "ada_norm(): Stable-SPAM's norm EMA, then adam"),
+    "spam": Setting(
+        optax.identity,
+        f"spam({LEARNING_RATE:g}): SPAM, element-wise clip against v and moment resets",
+        optimizer=lambda: clipjax.spam(LEARNING_RATE),
+    ),
+    "stable_spam": Setting(
+        optax.identity,
+        f"stable_spam({LEARNING_RATE:g}): AdaClip, AdaGN, Adam with moment resets",
+        optimizer=lambda: clipjax.stable_spam(LEARNING_RATE),
+    ),
+    "stable_adamw": Setting(
+        optax.identity,
+        f"adam({LEARNING_RATE:g}, update_clipping=True): StableAdamW's per-tensor step bound",
+        optimizer=lambda: clipjax.adam(LEARNING_RATE, update_clipping=True),
+    ),
     # AdaGC clips each tensor against an EMA of its own clipped norms.
     "adagc": Setting(
         lambda: clipjax.adagc(warmup_steps=WARMUP),
@@ -192,6 +213,11 @@ DEFAULT_SETTINGS = (
     "hist_clip+clipped",
     "adagc",
     "agc",
+    "adaclip",
+    "ada_norm",
+    "spam",
+    "stable_spam",
+    "stable_adamw",
 )
 
 
@@ -280,9 +306,11 @@ def train(
     """
     x_train, y_train, x_eval, y_eval = (jnp.asarray(a) for a in data)
     model = MLP(nnx.Rngs(seed))
-    optimizer = nnx.Optimizer(
-        model, optax.chain(setting.make(), optax.adam(LEARNING_RATE)), wrt=nnx.Param
-    )
+    if setting.optimizer is not None:
+        tx = setting.optimizer()
+    else:
+        tx = optax.chain(setting.make(), optax.adam(LEARNING_RATE))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     # cached_partial skips re-walking the model graph on every call.
     step_fn = nnx.cached_partial(train_step, model, optimizer)
 
