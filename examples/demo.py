@@ -54,7 +54,8 @@ WARMUP = 25  # steps of history before the adaptive clippers act: short, for a s
 TABLE_NOTES = """
 final loss: eval MSE on {eval_size} clean samples after the last step.
 worst jump: the highest eval loss between a spike and the next, over the eval loss just before it.
-spike norm passed: the gradient norm that reached adam at the worst spike, after clipping.
+spike norm passed: the gradient norm that reached adam at the worst spike, after clipping
+(n/a: an optimizer that reports no gradient norm).
 steps clipped: steps on which the clipper scaled any gradient down.
 ms/step: median wall time of a step (call overhead dominates for a model this small).
 
@@ -372,6 +373,8 @@ def applied_norm(row: dict[str, float]) -> float:
     field = limit_field(row)
     norms = series(row, "grad_norm")
     groups = series(row, field) if field else norms
+    if not groups:  # an optimizer that reports no gradient norm (spam, StableAdamW)
+        return math.nan
     return math.sqrt(sum((norms[g] * row.get(f"{g}/scale", 1.0)) ** 2 for g in groups))
 
 
@@ -416,7 +419,7 @@ def table(
                 f"{s.final_loss:.4f}",
                 f"{s.final_loss / clean_loss:.2f}",
                 f"x{s.worst_jump:.2f}" if spike_steps else "-",
-                f"{s.passed:.3g}" if spike_steps else "-",
+                "-" if not spike_steps else "n/a" if math.isnan(s.passed) else f"{s.passed:.3g}",
                 f"{s.steps_clipped} / {len(rows)}",
                 f"{s.ms_per_step:.2f}",
             ]
