@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import re
 import sys
 import time
 import warnings
@@ -600,6 +601,36 @@ def update_docs(table: Path) -> None:
     before, rest = readme.read_text().split(start, 1)
     _, after = rest.split(end, 1)
     readme.write_text(f"{before}{start}\n{text}{end}{after}")
+    for page in [readme, *sorted((root / "docs").glob("*.md"))]:
+        quoted = quote_table(page.read_text(), text)
+        if quoted != page.read_text():
+            page.write_text(quoted)
+
+
+QUOTE = re.compile(
+    r"(<!-- from: docs/generated/demo_table\.md; (.+?); (.+?) -->)(.*?)(<!-- end -->)"
+)
+
+
+def quote_table(prose: str, table: str) -> str:
+    """Rewrites the figures that prose quotes from the demo table (marked spans
+    ``<!-- from: docs/generated/demo_table.md; ROW; COLUMN -->1.02x<!-- end -->``)
+    with the table's current value, keeping a trailing ``x``."""
+    lines = [line for line in table.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    cells = {}
+    for line in lines[2:]:
+        row = [c.strip() for c in line.strip("|").split("|")]
+        cells.update({(row[0], h): v for h, v in zip(header, row)})
+
+    def fill(m: re.Match) -> str:
+        value = cells.get((m.group(2), m.group(3)))
+        if value is None:
+            return m.group(0)
+        suffix = "x" if m.group(4).endswith(("x", "×")) else ""
+        return f"{m.group(1)}{value}{suffix}{m.group(5)}"
+
+    return QUOTE.sub(fill, prose)
 
 
 def parse_args() -> argparse.Namespace:
