@@ -166,8 +166,16 @@ MUST_BE_STATIC = [
     ("hist_clip", clipjax.hist_clip, {}, "warmup_steps"),
 ]
 if hasattr(clipjax, "autoclip"):
-    # window_size defaults to None (1024 or 100 by mode): pass a number to inject it
-    MUST_BE_STATIC.append(("autoclip", clipjax.autoclip, {"window_size": 1024}, "window_size"))
+    # window_size defaults to None (1024 or 100 by mode): pass a number to inject it, in
+    # a mode whose history reads it (with the whole history it has no effect: a ValueError)
+    MUST_BE_STATIC.append(
+        (
+            "autoclip",
+            clipjax.autoclip,
+            {"mode": "percentile", "window_size": 1024},
+            "window_size",
+        )
+    )
 
 
 @pytest.mark.parametrize(
