@@ -91,13 +91,18 @@ def differs(value: Any, default: float) -> bool:
     """Whether a hyperparameter is a concrete number other than ``default``.
 
     A tracer (an injected hyperparameter inside ``jit``) cannot be compared
-    and counts as not differing.
+    and counts as not differing; an array is compared at its own precision
+    (``optax.inject_hyperparams`` makes the default 0.99 a float32 array).
     """
     try:
         x = _concrete(value)
     except ValueError:
         return True
-    return x is not None and x != default
+    if x is None:
+        return False
+    dtype = np.asarray(value).dtype if not isinstance(value, (int, float)) else np.float64
+    tolerance = float(np.finfo(dtype).eps) if np.issubdtype(dtype, np.floating) else 0.0
+    return not math.isclose(x, default, rel_tol=tolerance, abs_tol=0.0)
 
 
 def choice(name: str, value: Any, options: tuple[str, ...]) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import drive
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import references as R
 
@@ -153,3 +155,31 @@ def test_gate_counts_per_group() -> None:
 def test_invalid_hyperparameters(kwargs: dict, arg: str) -> None:
     with pytest.raises(ValueError, match=arg):
         clipjax.autoclip(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, arg",
+    [
+        ({"percentile": 90.0}, "percentile"),
+        ({"window_size": 50}, "window_size"),
+        ({"ema_decay": 0.9}, "ema_decay"),
+        ({"mode": "percentile", "quantile_lr": 0.1}, "quantile_lr"),
+        ({"mode": "percentile", "history": "geometric", "window_size": 64}, "window_size"),
+    ],
+)
+def test_an_argument_without_effect_in_the_mode_names_itself(kwargs, arg) -> None:
+    with pytest.raises(ValueError, match=f"{arg}=.* has no effect with mode="):
+        clipjax.autoclip(**kwargs)
+
+
+def test_auto_mode_ema_history_says_what_smartclip_does() -> None:
+    with pytest.raises(ValueError, match="smartclip accepts history='ema' in auto mode"):
+        clipjax.autoclip(mode="auto", history="ema")
+
+
+@pytest.mark.parametrize("mode", ["auto", "percentile"])
+def test_injected_defaults_are_not_taken_for_other_values(mode) -> None:
+    """optax.inject_hyperparams turns every numeric default into a float32 array."""
+    tx = optax.inject_hyperparams(clipjax.autoclip, static_args=("window_size",))(mode=mode)
+    params = {"w": jnp.zeros(2)}
+    tx.update({"w": jnp.ones(2)}, tx.init(params), params)
