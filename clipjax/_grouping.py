@@ -329,17 +329,23 @@ def apply_scales(
     leaf; with runtime offsets fusions of one shape are identical and
     compiled once (for 1,000 leaves per_param: about 3x less compile time).
     """
-    if grouping.num_groups == 1:
-        scales = [scale[0]] * len(leaves)
-    elif index:
-        scales = [jax.lax.dynamic_index_in_dim(scale, i, keepdims=False) for i in index]
-    else:
-        scales = leaf_scales(grouping, scale)
+    scales = leaf_scales(grouping, scale, index)
     return [x * s.astype(x.dtype) for x, s in zip(leaves, scales)]
 
 
-def leaf_scales(grouping: Grouping, scale: jax.Array) -> list[jax.Array]:
-    """The per-leaf view of a ``[groups]`` vector."""
+def leaf_scales(
+    grouping: Grouping, scale: jax.Array, index: Sequence[jax.Array] = ()
+) -> list[jax.Array]:
+    """The per-leaf view of a ``[groups]`` vector: each leaf's group's entry.
+
+    With ``index`` (from :func:`leaf_index`, carried in the state) each entry
+    is read at a runtime offset, so that the fusions consuming it are the same
+    for every leaf of a shape (see :func:`apply_scales`).
+    """
+    if grouping.num_groups == 1:
+        return [scale[0]] * len(grouping.leaf_groups)
+    if index:
+        return [jax.lax.dynamic_index_in_dim(scale, i, keepdims=False) for i in index]
     return [scale[g] for g in grouping.leaf_groups]
 
 
