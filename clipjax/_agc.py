@@ -221,6 +221,9 @@ def _unitwise(
             parts["clipped_fraction"].append(clipped_units / units)
             parts["clipped"].append(smallest < 1)
             order += members
+        # Each leaf's unit scales are formed once, not in every fusion that reads
+        # the scaled leaf: those then multiply each element by one stored scale.
+        scales = _grouping.materialize(scales)
         out = [x * s.astype(x.dtype) for x, s in zip(leaves, scales)]
         num = grouping.num_groups
         if order:

@@ -511,6 +511,7 @@ def transform(
             if axis_name is not None:
                 norm, aux, leaf_metrics = jax.lax.pmean((norm, aux, leaf_metrics), axis_name)
             scale, stats, metrics, judgement = _norm_step(rule, state, norm, aux, guard_nans)
+            scale = _grouping.materialize(scale)
             new_state = state._replace(stats=stats, metrics=metrics)
             if keep is not None:
                 scale_leaves = _grouping.apply_scales(leaves, grouping, scale, state.leaf_index)

@@ -359,3 +359,24 @@ def fused_sums(*terms: jax.Array) -> tuple[jax.Array, ...]:
     flat = tuple(t.reshape(-1) for t in terms)
     zeros = tuple(jnp.zeros((), t.dtype) for t in flat)
     return tuple(jax.lax.reduce(flat, zeros, lambda a, b: tuple(x + y for x, y in zip(a, b)), (0,)))
+
+
+def materialize(tree: Any) -> Any:
+    """``tree`` itself, computed once where XLA would copy its computation into every consumer.
+
+    XLA fuses a chain of cheap operations (compares, selects) into each
+    fusion that reads its result: a group's scale, a skip decision or a
+    leaf's per-unit scales are then recomputed in every fusion that reads
+    them (per element, for a per-unit scale), and compiled once per leaf.
+    XLA:CPU drops ``lax.optimization_barrier``; a conditional keeps the
+    values' computation apart. It returns ones where every value is one and
+    ``tree`` otherwise: the same bits either way. For small arrays only
+    (``[groups]``, unit scales): the conditional may copy its operands.
+    """
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return tree
+    flat = jnp.concatenate([jnp.ravel(x) for x in leaves]) if len(leaves) > 1 else leaves[0]
+    return jax.lax.cond(
+        jnp.all(flat == 1), lambda t: jax.tree.map(jnp.ones_like, t), lambda t: t, tree
+    )
