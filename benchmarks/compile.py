@@ -10,7 +10,7 @@ figure is the best of the repeats. Two trees per leaf count: identical small
 first eager ``clipjax.metrics()`` call on a state of 250 groups, in a fresh
 process.
 
-    python benchmarks/compile.py [--quick] [--out benchmarks/COMPILE.md]
+    python benchmarks/compile.py [--quick] [--sizes 50,500] [--out benchmarks/COMPILE.md]
     python benchmarks/compile.py --body          # the section only, to stdout
 """
 
@@ -104,7 +104,7 @@ class Plan:
 
 FULL = Plan(
     sizes=(
-        (50, tuple(CLIPJAX), ("identical", "transformer"), 2),
+        (50, tuple(CLIPJAX), ("identical", "transformer"), 1),
         (500, tuple(CLIPJAX), ("identical", "transformer"), 1),
         (2000, LARGE_ROWS, ("identical",), 1),
     )
@@ -181,8 +181,12 @@ def metrics_seconds() -> tuple[int, float, float]:
     return int(out[0]), float(out[1]), float(out[2])
 
 
-def section(quick: bool) -> tuple[str, list[tuple[str, str, bool]]]:
+def section(quick: bool, only: str | None = None) -> tuple[str, list[tuple[str, str, bool]]]:
     plan = QUICK if quick else FULL
+    if only:
+        keep = {int(n) for n in only.split(",")}
+        plan = Plan(sizes=tuple(p for p in plan.sizes if p[0] in keep))
+    repeats = ", ".join(f"{p[3]} at {p[0]} leaves" for p in plan.sizes)
     rows, worst = [], (0.0, "")
     for leaves, labels, trees, reps in plan.sizes:
         for kind in trees:
@@ -244,8 +248,8 @@ def section(quick: bool) -> tuple[str, list[tuple[str, str, bool]]]:
         "`apply_updates`, params and state donated) from abstract shapes, seconds. Every "
         "measurement builds its transform and step function anew and runs after "
         "`jax.clear_caches()`; a clipjax configuration and its counterparts are measured "
-        "alternately and each figure is the best of the repeats (2 at the smallest size, "
-        "1 above). Trees: `identical` is N leaves of shape [32, 32]; `transformer` is a "
+        "alternately, and each figure is the best of its repeats "
+        f"({repeats}). Trees: `identical` is N leaves of shape [32, 32]; `transformer` is a "
         "decoder-like tree of mixed shapes (d=64, 12 leaves a block: kernels, biases, norm "
         "scales, plus embedding and final norm). Clippers in their default scope (and zclip "
         f"per_param), each `optax.chain(clipper, optax.adamw)`. Total s: wall seconds of "
@@ -289,9 +293,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer sizes, rows and repeats")
     parser.add_argument("--out", default=os.path.join(common.ROOT, "benchmarks", "COMPILE.md"))
     parser.add_argument("--body", action="store_true", help="print the section only")
+    parser.add_argument("--sizes", help="comma-separated leaf counts of the plan to run")
     args = parser.parse_args()
     t0 = time.perf_counter()
-    text, checks = section(args.quick)
+    text, checks = section(args.quick, args.sizes)
     if args.body:
         print(text)
         return

@@ -223,7 +223,7 @@ def _unitwise(
             order += members
         # Each leaf's unit scales are formed once, not in every fusion that reads
         # the scaled leaf: those then multiply each element by one stored scale.
-        scales = _grouping.materialize(scales)
+        scales = _grouping.materialize_all(scales)
         out = [x * s.astype(x.dtype) for x, s in zip(leaves, scales)]
         num = grouping.num_groups
         if order:

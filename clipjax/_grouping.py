@@ -361,17 +361,27 @@ def fused_sums(*terms: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(jax.lax.reduce(flat, zeros, lambda a, b: tuple(x + y for x, y in zip(a, b)), (0,)))
 
 
-def materialize(tree: Any) -> Any:
-    """``tree`` itself, computed once where XLA would copy its computation into every consumer.
+def materialize(x: jax.Array) -> jax.Array:
+    """``x`` itself, computed once where XLA would copy its computation into every consumer.
 
     XLA fuses a chain of cheap operations (compares, selects) into each
-    fusion that reads its result: a group's scale, a skip decision or a
-    leaf's per-unit scales are then recomputed in every fusion that reads
-    them (per element, for a per-unit scale), and compiled once per leaf.
-    XLA:CPU drops ``lax.optimization_barrier``; a conditional keeps the
-    values' computation apart. It returns ones where every value is one and
-    ``tree`` otherwise: the same bits either way. For small arrays only
-    (``[groups]``, unit scales): the conditional may copy its operands.
+    fusion that reads its result: a group's scale or a skip decision is then
+    recomputed in every leaf's fusions and compiled once per leaf. XLA:CPU
+    drops ``lax.optimization_barrier``; a sort is never fused into its
+    consumers. Sorting two copies of ``x`` along a new axis returns ``x``'s
+    own bits (the elements it permutes are equal), for a small ``[groups]``
+    array or a scalar.
+    """
+    return jnp.sort(jnp.stack([x, x]), axis=0)[0]
+
+
+def materialize_all(tree: Any) -> Any:
+    """:func:`materialize` for many small arrays at once, with one conditional.
+
+    It returns ones where every value is one and ``tree`` otherwise: the same
+    bits either way, and XLA keeps the conditional's operands apart from
+    their consumers. One conditional instead of one sort per array (agc's
+    per-leaf unit scales); it may copy its operands, so small arrays only.
     """
     leaves = jax.tree.leaves(tree)
     if not leaves:

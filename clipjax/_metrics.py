@@ -314,6 +314,10 @@ def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
     Works on any optax state (``chain``, ``named_chain``,
     ``inject_hyperparams``, ``MultiSteps``, ``masked``, ``partition``,
     ``apply_if_finite``, flax optimizer wrappers), inside or outside ``jit``.
+    Outside ``jit`` each metric field is read from the device once and the
+    values are NumPy arrays (no jax operation, so nothing is compiled, even
+    for hundreds of groups); inside ``jit`` they are traced jax arrays, and
+    arrays that span other processes' devices stay jax arrays.
 
     Args:
       opt_state: an optimizer state, or any pytree containing one.
