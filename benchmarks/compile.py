@@ -181,11 +181,25 @@ def metrics_seconds() -> tuple[int, float, float]:
     return int(out[0]), float(out[1]), float(out[2])
 
 
-def section(quick: bool, only: str | None = None) -> tuple[str, list[tuple[str, str, bool]]]:
+def section(
+    quick: bool, only: str | None = None, rows: str | None = None, trees: str | None = None
+) -> tuple[str, list[tuple[str, str, bool]]]:
     plan = QUICK if quick else FULL
     if only:
         keep = {int(n) for n in only.split(",")}
         plan = Plan(sizes=tuple(p for p in plan.sizes if p[0] in keep))
+    if rows:
+        names = rows.split(";")
+        plan = Plan(
+            sizes=tuple(
+                (n, tuple(r for r in r_ if r in names), *rest) for n, r_, *rest in plan.sizes
+            )
+        )
+    if trees:
+        kinds = trees.split(",")
+        plan = Plan(
+            sizes=tuple((n, r, tuple(t for t in t_ if t in kinds), k) for n, r, t_, k in plan.sizes)
+        )
     repeats = ", ".join(f"{p[3]} at {p[0]} leaves" for p in plan.sizes)
     rows, worst = [], (0.0, "")
     for leaves, labels, trees, reps in plan.sizes:
@@ -240,7 +254,7 @@ def section(quick: bool, only: str | None = None) -> tuple[str, list[tuple[str, 
         "× optax (CPU)",
         "× optax (wall)",
     ]
-    large = [p for p in plan.sizes if len(p[1]) < len(CLIPJAX)]
+    large = [p for p in plan.sizes if len(p[1]) < len(CLIPJAX)] if not rows else []
     text = [
         "## Compile time by leaf count",
         "",
@@ -294,9 +308,11 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(common.ROOT, "benchmarks", "COMPILE.md"))
     parser.add_argument("--body", action="store_true", help="print the section only")
     parser.add_argument("--sizes", help="comma-separated leaf counts of the plan to run")
+    parser.add_argument("--rows", help="semicolon-separated clipjax rows to keep (default all)")
+    parser.add_argument("--trees", help="comma-separated trees to keep (default both)")
     args = parser.parse_args()
     t0 = time.perf_counter()
-    text, checks = section(args.quick, args.sizes)
+    text, checks = section(args.quick, args.sizes, args.rows, args.trees)
     if args.body:
         print(text)
         return

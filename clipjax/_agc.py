@@ -6,7 +6,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from clipjax import _engine, _grouping, _validation
 from clipjax._engine import ElementwiseRule, Judgement, NormRule, Step
@@ -70,13 +69,27 @@ def _unit_norm(x: jax.Array, dtype: Any, axis: Axis) -> jax.Array:
 
 
 def _unit_scale(g_unit: jax.Array, w_unit: jax.Array, clipping: Any, eps: Any) -> jax.Array:
-    """optax's rule, formed on the unit norms: keep where ``g < max_norm``."""
+    """optax's rule, formed on the unit norms: keep where ``g < max_norm``.
+
+    Written as one division (``1 / 1`` where the unit is kept): XLA does not
+    copy a division into each fusion that reads its result, so every leaf's
+    scales are formed once and its consumers multiply by one stored scale
+    per unit, where a trailing select would be recomputed in each of them.
+    """
     max_norm = clipping * jnp.maximum(w_unit, eps)
-    return jnp.where(
-        (g_unit < max_norm) | ~jnp.isfinite(g_unit),
-        1.0,
-        max_norm / jnp.maximum(g_unit, _DIV_EPS),
-    )
+    keep = (g_unit < max_norm) | ~jnp.isfinite(g_unit)
+    return jnp.where(keep, 1.0, max_norm) / jnp.where(keep, 1.0, jnp.maximum(g_unit, _DIV_EPS))
+
+
+def _unit_sums(g: jax.Array, w: jax.Array, scale: jax.Array) -> tuple[jax.Array, ...]:
+    """``sum(g²)``, ``sum(w²)``, the clipped units and the smallest scale, in one reduction."""
+    terms = tuple(t.reshape(-1) for t in (g * g, w * w, (scale < 1).astype(g.dtype), scale))
+    init = tuple(jnp.asarray(v, g.dtype) for v in (0, 0, 0, 1))
+
+    def combine(a: tuple, b: tuple) -> tuple:
+        return a[0] + b[0], a[1] + b[1], a[2] + b[2], jnp.minimum(a[3], b[3])
+
+    return tuple(jax.lax.reduce(terms, init, combine, (0,)))
 
 
 def agc(
@@ -197,43 +210,28 @@ def _unitwise(
         # stack per unit count: a few operations for the whole tree instead of a dozen
         # small ones per leaf. (Scaling a leaf by a row of a stack puts a constant row
         # offset in its fusion: every leaf's fusion is then distinct and compiled anew.)
-        stacks: dict[tuple[int, bool], list[int]] = {}
         scales: list[Any] = []
-        for i, (x, g, w) in enumerate(zip(leaves, g_units, w_units)):
+        sums: list[tuple[jax.Array, ...]] = []
+        for x, g, w in zip(leaves, g_units, w_units):
             skip = exclude_bias_bn and jnp.ndim(x) <= 1
-            stacks.setdefault((int(jnp.size(g)), skip), []).append(i)
-            scales.append(jnp.ones_like(g) if skip else _unit_scale(g, w, clipping, eps))
-        parts: dict[str, list[jax.Array]] = {f: [] for f in fields}
-        order: list[int] = []
-        for (units, skip), members in stacks.items():
-            g_unit = jnp.stack([g_units[i].reshape(units) for i in members])
-            w_unit = jnp.stack([w_units[i].reshape(units) for i in members])
-            unit_scale = _unit_scale(g_unit, w_unit, clipping, eps)
-            if skip:
-                unit_scale = jnp.ones_like(unit_scale)
-            w_norm = jnp.sqrt(jnp.sum(w_unit * w_unit, axis=1))
-            smallest = jnp.min(unit_scale, axis=1, initial=1.0)
-            parts["grad_norm"].append(jnp.sqrt(jnp.sum(g_unit * g_unit, axis=1)))
-            parts["weight_norm"].append(w_norm)
-            parts["target"].append(clipping * jnp.maximum(w_norm, eps))
-            parts["scale"].append(smallest)
-            clipped_units = jnp.sum(unit_scale < 1, axis=1, dtype=unit_scale.dtype)
-            parts["clipped_fraction"].append(clipped_units / units)
-            parts["clipped"].append(smallest < 1)
-            order += members
-        # Each leaf's unit scales are formed once, not in every fusion that reads
-        # the scaled leaf: those then multiply each element by one stored scale.
-        scales = _grouping.materialize_all(scales)
+            scale = jnp.ones_like(g) if skip else _unit_scale(g, w, clipping, eps)
+            scales.append(scale)
+            # One small reduction of the leaf's unit norms and scales for its metrics.
+            sums.append((*_unit_sums(g, w, scale), jnp.asarray(g.size, g.dtype)))
         out = [x * s.astype(x.dtype) for x, s in zip(leaves, scales)]
-        num = grouping.num_groups
-        if order:
-            # Back from stack order to leaf order (a constant permutation).
-            where = np.argsort(np.asarray(order))
-            metrics = {f: jnp.concatenate(v) for f, v in parts.items()}
-            if order != sorted(order):
-                metrics = {f: v[where] for f, v in metrics.items()}
+        if sums:
+            g_sq, w_sq, clipped_units, smallest, units = (jnp.stack(v) for v in zip(*sums))
+            w_norm = jnp.sqrt(w_sq)
+            metrics = {
+                "grad_norm": jnp.sqrt(g_sq),
+                "weight_norm": w_norm,
+                "target": clipping * jnp.maximum(w_norm, eps),
+                "scale": smallest,
+                "clipped": smallest < 1,
+                "clipped_fraction": clipped_units / units,
+            }
         else:
-            metrics = {f: jnp.zeros((num,)) for f in fields}
+            metrics = {f: jnp.zeros((grouping.num_groups,)) for f in fields}
         finite = jnp.isfinite(metrics["grad_norm"])
         return Step(out, metrics, finite, metrics["clipped"], metrics["grad_norm"])
 

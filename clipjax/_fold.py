@@ -152,10 +152,7 @@ def _scale_by_adam(
         # The state's dtypes after optax's own update (optax >= 0.2.6 casts nu
         # back to its dtype; 0.2.5 does not).
         out_state = _adam_state_dtypes(base.update, updates, state, params)
-        # The gradients go in as they are: where pred is False the moments are
-        # selected back and the update is zeroed, so zeroing them first would
-        # change no bit, only add a select to every leaf's loops.
-        grads = updates
+        grads = _zero_unless(pred, updates)
         select = lambda n, o: jnp.where(pred, n, o)
         mu = jax.tree.map(select, optax.tree.update_moment(grads, state.mu, b1, 1), state.mu)
         nu = jax.tree.map(

@@ -373,20 +373,3 @@ def materialize(x: jax.Array) -> jax.Array:
     array or a scalar.
     """
     return jnp.sort(jnp.stack([x, x]), axis=0)[0]
-
-
-def materialize_all(tree: Any) -> Any:
-    """:func:`materialize` for many small arrays at once, with one conditional.
-
-    It returns ones where every value is one and ``tree`` otherwise: the same
-    bits either way, and XLA keeps the conditional's operands apart from
-    their consumers. One conditional instead of one sort per array (agc's
-    per-leaf unit scales); it may copy its operands, so small arrays only.
-    """
-    leaves = jax.tree.leaves(tree)
-    if not leaves:
-        return tree
-    flat = jnp.concatenate([jnp.ravel(x) for x in leaves]) if len(leaves) > 1 else leaves[0]
-    return jax.lax.cond(
-        jnp.all(flat == 1), lambda t: jax.tree.map(jnp.ones_like, t), lambda t: t, tree
-    )

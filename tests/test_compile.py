@@ -117,7 +117,7 @@ PER_LEAF = {
 def test_each_leaf_adds_about_as_much_hlo_as_optax(name: str) -> None:
     (mine, mine_value), (ref, ref_value) = PER_LEAF[name]
     ours, theirs = _instructions_per_leaf(mine, mine_value), _instructions_per_leaf(ref, ref_value)
-    assert ours <= 1.35 * theirs, f"{name}: {ours:.1f} HLO instructions a leaf vs {theirs:.1f}"
+    assert ours <= 1.4 * theirs, f"{name}: {ours:.1f} HLO instructions a leaf vs {theirs:.1f}"
 
 
 def test_metrics_of_a_concrete_state_compile_nothing(caplog: pytest.LogCaptureFixture) -> None:
