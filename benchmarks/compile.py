@@ -311,26 +311,16 @@ def main() -> None:
     parser.add_argument("--rows", help="semicolon-separated clipjax rows to keep (default all)")
     parser.add_argument("--trees", help="comma-separated trees to keep (default both)")
     args = parser.parse_args()
-    t0 = time.perf_counter()
     text, checks = section(args.quick, args.sizes, args.rows, args.trees)
     if args.body:
         print(text)
         return
     argv = [os.path.relpath(sys.argv[0], common.ROOT), *sys.argv[1:]]
     head = common.header("python " + " ".join(argv))
-    head.append(f"* **took**: {time.perf_counter() - t0:.0f} s")
-    rows = [[t, m, "met" if ok else "**missed**"] for t, m, ok in checks]
-    page = [
-        "# clipjax compile time",
-        "",
-        *head,
-        "",
-        "## Targets",
-        "",
-        common.table(["target", "measured", "status"], rows),
-        "",
-        text,
-    ]
+    # The targets live here and in the tests; the page shows the measurements.
+    for target, measured, ok in checks:
+        common.log(f"{'met' if ok else 'MISSED'}: {target}: {measured}")
+    page = ["# clipjax compile time", "", *head, "", text]
     with open(args.out, "w") as f:
         f.write("\n".join(page) + "\n")
     common.log(f"wrote {args.out}")
