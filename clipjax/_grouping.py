@@ -603,6 +603,8 @@ def stacked(
     scope_ = Stacked(scope, layers, int(axis))
     validate_scope(scope_)
     return scope_
+
+
 def materialize(x: jax.Array) -> jax.Array:
     """``x`` itself, computed once where XLA would copy its computation into every consumer.
 
