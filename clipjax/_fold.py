@@ -160,7 +160,8 @@ def _adam_state_dtypes(update: Callable[..., Any], updates: Any, state: Any, par
         return jax.eval_shape(update, updates, state, params)[1]
 
     def sig(x: Any) -> tuple[Any, bool]:
-        aval = jax.typeof(x)
+        # jax.typeof is newer than the oldest jax clipjax supports (0.4.36).
+        aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
         return aval.dtype, bool(getattr(aval, "weak_type", False))
 
     keys = [tuple(sig(x) for x in row) for row in zip(u, m, v, *([p] if p is not None else []))]
