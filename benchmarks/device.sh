@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Bytes accessed, step time and the smartclip comparison on the first jax device (the GPU,
-# when jax sees one), written as one Markdown file.
+# Bytes accessed, step time, the smartclip comparison and compile time by leaf count
+# (benchmarks/compile.py) on the first jax device (the GPU, when jax sees one), written as one
+# Markdown file.
 #
 #   bash benchmarks/device.sh [OUTFILE] [run.py options, e.g. --quick]
 #
@@ -35,4 +36,10 @@ if ! "$PY" -c 'import smartclip' 2>/dev/null; then
     echo "== smartclip is not importable (carry its wheel in .whl/): its section is left out"
 fi
 "$PY" benchmarks/run.py --only "$sections" --out "$out" "$@"
+compile_args=()
+for arg in "$@"; do
+    if [ "$arg" = --quick ]; then compile_args+=(--quick); fi
+done
+echo "== compile time by leaf count (benchmarks/compile.py)"
+{ echo; "$PY" benchmarks/compile.py --body ${compile_args[@]+"${compile_args[@]}"}; } >>"$out"
 echo "== wrote $out"

@@ -6,7 +6,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from clipjax import _engine, _grouping, _validation
 from clipjax._engine import ElementwiseRule, Judgement, NormRule, Step
@@ -69,24 +68,28 @@ def _unit_norm(x: jax.Array, dtype: Any, axis: Axis) -> jax.Array:
     return jnp.sqrt(jnp.sum(sq, axis=unit_axes(x, axis), keepdims=True))
 
 
-def _unit_norms(leaves: list[Any], dtype: Any, axis: Axis) -> list[jax.Array]:
-    """Each leaf's unit norms; leaves that are one unit each are reduced together by shape."""
-    out: list[Any] = [None] * len(leaves)
-    whole: dict[tuple, list[int]] = {}
-    for i, x in enumerate(leaves):
-        if axis is None and jnp.ndim(x) == 1:
-            whole.setdefault((jnp.shape(x), jnp.result_type(x)), []).append(i)
-        else:
-            out[i] = _unit_norm(x, dtype, axis)
-    for members in whole.values():
-        if len(members) == 1:
-            out[members[0]] = _unit_norm(leaves[members[0]], dtype, axis)
-            continue
-        # One [k, n] reduction instead of k small ones.
-        norms = _unit_norm(jnp.stack([leaves[i] for i in members]), dtype, 1)
-        for row, i in enumerate(members):
-            out[i] = norms[row]
-    return out
+def _unit_scale(g_unit: jax.Array, w_unit: jax.Array, clipping: Any, eps: Any) -> jax.Array:
+    """optax's rule, formed on the unit norms: keep where ``g < max_norm``.
+
+    Written as one division (``1 / 1`` where the unit is kept): XLA does not
+    copy a division into each fusion that reads its result, so every leaf's
+    scales are formed once and its consumers multiply by one stored scale
+    per unit, where a trailing select would be recomputed in each of them.
+    """
+    max_norm = clipping * jnp.maximum(w_unit, eps)
+    keep = (g_unit < max_norm) | ~jnp.isfinite(g_unit)
+    return jnp.where(keep, 1.0, max_norm) / jnp.where(keep, 1.0, jnp.maximum(g_unit, _DIV_EPS))
+
+
+def _unit_sums(g: jax.Array, w: jax.Array, scale: jax.Array) -> tuple[jax.Array, ...]:
+    """``sum(g²)``, ``sum(w²)``, the clipped units and the smallest scale, in one reduction."""
+    terms = tuple(t.reshape(-1) for t in (g * g, w * w, (scale < 1).astype(g.dtype), scale))
+    init = tuple(jnp.asarray(v, g.dtype) for v in (0, 0, 0, 1))
+
+    def combine(a: tuple, b: tuple) -> tuple:
+        return a[0] + b[0], a[1] + b[1], a[2] + b[2], jnp.minimum(a[3], b[3])
+
+    return tuple(jax.lax.reduce(terms, init, combine, (0,)))
 
 
 def agc(
@@ -197,55 +200,38 @@ def _unitwise(
 
     def kernel(leaves: list[jax.Array], params: Any, grouping: Grouping, dtype: Any) -> Step:
         _grouping.check_inexact(leaves, grouping, name or "agc")
-        # The per-unit rule and the metrics run on stacks of leaves that have the same
-        # number of units, one [leaves, units] array per unit count: a few operations for
-        # the whole tree instead of a dozen small ones per leaf, which dominate a CPU
-        # step. Each leaf then reads its row of scales back, fused into its consumer.
-        g_units, w_units = _unit_norms(leaves, dtype, axis), _unit_norms(params, dtype, axis)
-        stacks: dict[tuple[int, bool], list[int]] = {}
-        for i, (x, u) in enumerate(zip(leaves, g_units)):
+        g_units = [_unit_norm(x, dtype, axis) for x in leaves]
+        w_units = [_unit_norm(p, dtype, axis) for p in params]
+        if axis_name is not None:
+            # Every replica decides from the same (averaged) unit norms.
+            g_units = jax.lax.pmean(g_units, axis_name)
+        # Each leaf is scaled from its own unit norms: the same few operations for every
+        # leaf of a shape, which XLA compiles once. The metrics run on one [leaves, units]
+        # stack per unit count: a few operations for the whole tree instead of a dozen
+        # small ones per leaf. (Scaling a leaf by a row of a stack puts a constant row
+        # offset in its fusion: every leaf's fusion is then distinct and compiled anew.)
+        scales: list[Any] = []
+        sums: list[tuple[jax.Array, ...]] = []
+        for x, g, w in zip(leaves, g_units, w_units):
             skip = exclude_bias_bn and jnp.ndim(x) <= 1
-            stacks.setdefault((int(jnp.size(u)), skip), []).append(i)
-        scales: list[Any] = [None] * len(leaves)
-        parts: dict[str, list[jax.Array]] = {f: [] for f in fields}
-        order: list[int] = []
-        for (units, skip), members in stacks.items():
-            g_unit = jnp.stack([g_units[i].reshape(units) for i in members])
-            w_unit = jnp.stack([w_units[i].reshape(units) for i in members])
-            if axis_name is not None:
-                # Every replica decides from the same (averaged) unit norms.
-                g_unit = jax.lax.pmean(g_unit, axis_name)
-            max_norm = clipping * jnp.maximum(w_unit, eps)
-            # optax's rule, formed on the unit norms: keep where g < max_norm.
-            unit_scale = jnp.where(
-                (g_unit < max_norm) | ~jnp.isfinite(g_unit),
-                1.0,
-                max_norm / jnp.maximum(g_unit, _DIV_EPS),
-            )
-            if skip:
-                unit_scale = jnp.ones_like(unit_scale)
-            for row, i in enumerate(members):
-                scales[i] = unit_scale[row].reshape(jnp.shape(g_units[i]))
-            w_norm = jnp.sqrt(jnp.sum(w_unit * w_unit, axis=1))
-            smallest = jnp.min(unit_scale, axis=1, initial=1.0)
-            parts["grad_norm"].append(jnp.sqrt(jnp.sum(g_unit * g_unit, axis=1)))
-            parts["weight_norm"].append(w_norm)
-            parts["target"].append(clipping * jnp.maximum(w_norm, eps))
-            parts["scale"].append(smallest)
-            clipped_units = jnp.sum(unit_scale < 1, axis=1, dtype=unit_scale.dtype)
-            parts["clipped_fraction"].append(clipped_units / units)
-            parts["clipped"].append(smallest < 1)
-            order += members
+            scale = jnp.ones_like(g) if skip else _unit_scale(g, w, clipping, eps)
+            scales.append(scale)
+            # One small reduction of the leaf's unit norms and scales for its metrics.
+            sums.append((*_unit_sums(g, w, scale), jnp.asarray(g.size, g.dtype)))
         out = [x * s.astype(x.dtype) for x, s in zip(leaves, scales)]
-        num = grouping.num_groups
-        if order:
-            # Back from stack order to leaf order (a constant permutation).
-            where = np.argsort(np.asarray(order))
-            metrics = {f: jnp.concatenate(v) for f, v in parts.items()}
-            if order != sorted(order):
-                metrics = {f: v[where] for f, v in metrics.items()}
+        if sums:
+            g_sq, w_sq, clipped_units, smallest, units = (jnp.stack(v) for v in zip(*sums))
+            w_norm = jnp.sqrt(w_sq)
+            metrics = {
+                "grad_norm": jnp.sqrt(g_sq),
+                "weight_norm": w_norm,
+                "target": clipping * jnp.maximum(w_norm, eps),
+                "scale": smallest,
+                "clipped": smallest < 1,
+                "clipped_fraction": clipped_units / units,
+            }
         else:
-            metrics = {f: jnp.zeros((num,)) for f in fields}
+            metrics = {f: jnp.zeros((grouping.num_groups,)) for f in fields}
         finite = jnp.isfinite(metrics["grad_norm"])
         return Step(out, metrics, finite, metrics["clipped"], metrics["grad_norm"])
 

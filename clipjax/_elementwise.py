@@ -101,7 +101,7 @@ def _group_sizes(grouping: Grouping) -> np.ndarray:
 
 
 def _norms_and_clipped(
-    leaves: list[Array], grouping: Grouping, bound: Array, dtype: Any
+    leaves: list[Array], grouping: Grouping, bound: Array, dtype: Any, index: Any = ()
 ) -> tuple[Array, Array, Array]:
     """Per group, the L2 norm and the number of elements with ``|x| > b``; per leaf the norm.
 
@@ -109,8 +109,8 @@ def _norms_and_clipped(
     clamp uses). All come from one read of each leaf.
     """
     squares, over = [], []
-    for x, group in zip(leaves, grouping.leaf_groups):
-        b = bound[group].astype(jnp.abs(x).dtype)
+    for x, b in zip(leaves, _grouping.leaf_scales(grouping, bound, index)):
+        b = b.astype(jnp.abs(x).dtype)
         square, count = _grouping.fused_sums(
             _grouping.abs_squared(x, dtype), (jnp.abs(x) > b).astype(jnp.int32)
         )
@@ -121,19 +121,19 @@ def _norms_and_clipped(
     return norm, _group_sum(over, grouping, dtype), leaf_norm
 
 
-def _clamp(leaves: list[Array], grouping: Grouping, bound: Array) -> list[Array]:
+def _clamp(leaves: list[Array], grouping: Grouping, bound: Array, index: Any = ()) -> list[Array]:
     """``clip(x, -b, b)`` per leaf, ``b`` its group's bound cast to the leaf's dtype.
 
     A complex element keeps its phase: its magnitude is clamped to ``b``.
     """
     out = []
-    for x, g in zip(leaves, grouping.leaf_groups):
+    for x, b in zip(leaves, _grouping.leaf_scales(grouping, bound, index)):
         if jnp.iscomplexobj(x):
-            b = bound[g].astype(jnp.abs(x).dtype)
+            b = b.astype(jnp.abs(x).dtype)
             magnitude = jnp.abs(x)
             out.append(jnp.where(magnitude > b, x * (b / jnp.maximum(magnitude, b)), x))
         else:
-            out.append(jnp.clip(x, -bound[g].astype(x.dtype), bound[g].astype(x.dtype)))
+            out.append(jnp.clip(x, -b.astype(x.dtype), b.astype(x.dtype)))
     return out
 
 
@@ -275,19 +275,21 @@ def clip_by_percentile(
     _validation.choice("method", method, PERCENTILE_METHODS)
     _grouping.validate_scope(scope, PERCENTILE_SCOPES)
 
-    def kernel(leaves: list[Array], _: Any, grouping: Grouping, dtype: Any) -> Step:
+    def kernel(
+        leaves: list[Array], _: Any, grouping: Grouping, dtype: Any, index: Any = ()
+    ) -> Step:
         _grouping.check_inexact(leaves, grouping, name or "clip_by_percentile")
         bounds = [
             _percentile._select([leaves[i] for i in members], percentile, method)[0]
             for members in grouping.members
         ]
         bound = jnp.stack(bounds).astype(dtype) if bounds else jnp.zeros((0,), dtype)
-        norm, counts, leaf_norm = _norms_and_clipped(leaves, grouping, bound, dtype)
+        norm, counts, leaf_norm = _norms_and_clipped(leaves, grouping, bound, dtype, index)
         finite = jnp.isfinite(norm)
         # Selects on [groups] only: a non-finite group's leaves pass unchanged.
         bound = jnp.where(finite, bound, jnp.inf)
         fraction = _fraction(jnp.where(finite, counts, jnp.zeros_like(counts)), grouping, dtype)
-        out = _clamp(leaves, grouping, bound)
+        out = _clamp(leaves, grouping, bound, index)
         metrics = {
             "grad_norm": norm,
             "bound": bound,
@@ -297,7 +299,7 @@ def clip_by_percentile(
         return Step(out, metrics, finite, fraction > 0, leaf_norm)
 
     fields = {"grad_norm": None, "bound": None, "clipped_fraction": None, "clipped": jnp.bool_}
-    rule = ElementwiseRule("clip_by_percentile", kernel, fields)
+    rule = ElementwiseRule("clip_by_percentile", kernel, fields, indexed=True)
     return _engine.transform(
         rule, ClipByPercentileState, scope=scope, name=name, leaf_norms=leaf_norms
     )

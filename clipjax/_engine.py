@@ -135,14 +135,18 @@ class ElementwiseRule:
       needs_params: whether ``kernel`` needs ``params``.
       clipped_count: whether the state counts clipped steps.
       check_leaves: ``(leaves) -> None``, run at ``init``.
+      indexed: ``kernel`` also takes ``index=``, each leaf's group index as
+        a runtime int32 scalar (from the state), for
+        :func:`clipjax._grouping.leaf_scales`.
     """
 
     algo: str
-    kernel: Callable[[list[Array], list[Array] | None, Grouping, Any], Step]
+    kernel: Callable[..., Step]
     fields: dict[str, Any]
     needs_params: bool = False
     clipped_count: bool = True
     check_leaves: Callable[[list[Any]], None] | None = None
+    indexed: bool = False
 
 
 Rule = NormRule | ElementwiseRule
@@ -629,7 +633,8 @@ def transform(
             )
         leaf_metrics = state.leaf_metrics
         if isinstance(rule, ElementwiseRule):
-            step = rule.kernel(leaves, p_leaves, grouping, _grouping.norm_dtype(leaves))
+            index = {"index": state.leaf_index} if rule.indexed else {}
+            step = rule.kernel(leaves, p_leaves, grouping, _grouping.norm_dtype(leaves), **index)
             new_leaves = step.leaves
             new_state = state._replace(metrics=_elementwise_metrics(state, step))
             if leaf_norms:
@@ -660,6 +665,7 @@ def transform(
             if axis_name is not None:
                 norm, aux, leaf_metrics = jax.lax.pmean((norm, aux, leaf_metrics), axis_name)
             scale, stats, metrics, judgement = _norm_step(rule, state, norm, aux, guard_nans)
+            scale = _grouping.materialize(scale)
             new_state = state._replace(stats=stats, metrics=metrics)
             if keep is not None:
                 scale_leaves = _grouping.apply_scales(leaves, grouping, scale, state.leaf_index)
@@ -669,7 +675,14 @@ def transform(
             if warmup is not None and judgement.warming is not None:
                 warming = judgement.warming & jnp.isfinite(norm)
                 new_leaves, nested = _run_warmup(
-                    warmup, updates, state.nested, params, new_leaves, grouping, warming
+                    warmup,
+                    updates,
+                    state.nested,
+                    params,
+                    new_leaves,
+                    grouping,
+                    warming,
+                    state.leaf_index,
                 )
                 new_state = new_state._replace(nested=nested)
         # Returned through a copy, not passed through: a pass-through output
@@ -710,6 +723,7 @@ def _run_warmup(
     scaled: list[Array],
     grouping: Grouping,
     warming: Array,
+    index: tuple[Array, ...] = (),
 ) -> tuple[list[Array], Any]:
     """The warm-up transform on the groups that warm up, only while one does."""
 
@@ -728,7 +742,7 @@ def _run_warmup(
 
     out, new_nested = run_if(jnp.any(warming), warmup, updates, nested, params)
     out_leaves = jax.tree_util.tree_leaves(out)
-    mask = _grouping.leaf_scales(grouping, warming)
+    mask = _grouping.leaf_scales(grouping, warming, index)
     # A select with a per-leaf mask that fuses into the scaling multiply.
     leaves = [jnp.where(m, w, s) for m, w, s in zip(mask, out_leaves, scaled)]
     return leaves, quiet(select_groups_state(warming, new_nested, nested))

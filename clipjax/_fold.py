@@ -147,6 +147,42 @@ def _adam_arithmetic(
     return out, new_state
 
 
+def _adam_state_dtypes(update: Callable[..., Any], updates: Any, state: Any, params: Any) -> Any:
+    """The state ``update`` returns, as ``jax.ShapeDtypeStruct`` leaves (only dtypes are read).
+
+    ``jax.eval_shape`` of the whole update would trace it once more, leaf by
+    leaf; its dtypes depend only on each leaf's (gradient, mu, nu, param)
+    dtypes, so it is traced on one scalar per distinct combination.
+    """
+    u, m, v = (jax.tree.leaves(t) for t in (updates, state.mu, state.nu))
+    p = None if params is None else jax.tree.leaves(params)
+    if not len(u) == len(m) == len(v) or (p is not None and len(p) != len(u)):
+        return jax.eval_shape(update, updates, state, params)[1]
+
+    def sig(x: Any) -> tuple[Any, bool]:
+        # jax.typeof is newer than the oldest jax clipjax supports (0.4.36).
+        aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+        return aval.dtype, bool(getattr(aval, "weak_type", False))
+
+    keys = [tuple(sig(x) for x in row) for row in zip(u, m, v, *([p] if p is not None else []))]
+    unique = list(dict.fromkeys(keys))
+    small = lambda i: [jax.ShapeDtypeStruct((), k[i][0], weak_type=k[i][1]) for k in unique]
+    out = jax.eval_shape(
+        update, small(0), state._replace(mu=small(1), nu=small(2)), small(3) if p else None
+    )[1]
+    at = {k: i for i, k in enumerate(unique)}
+
+    def like(tree: Any, leaves: list[Any], new: list[Any]) -> Any:
+        typed = [jax.ShapeDtypeStruct(jnp.shape(x), new[at[k]].dtype) for x, k in zip(leaves, keys)]
+        return jax.tree.unflatten(jax.tree.structure(tree), typed)
+
+    return state._replace(
+        count=out.count,
+        mu=like(state.mu, m, jax.tree.leaves(out.mu)),
+        nu=like(state.nu, v, jax.tree.leaves(out.nu)),
+    )
+
+
 def _scale_by_adam(
     b1: Any, b2: Any, eps: Any, eps_root: Any, mu_dtype: Any, nesterov: bool
 ) -> SkippableTransform:
@@ -170,12 +206,15 @@ def _scale_by_adam(
     ) -> tuple[Any, Any]:
         del extra_args
         pred = jnp.asarray(pred, bool)
+        # The state's dtypes after optax's own update (optax >= 0.2.6 casts nu
+        # back to its dtype; 0.2.5 does not).
+        out_state = _adam_state_dtypes(base.update, updates, state, params)
         grads = _zero_unless(pred, updates)
         out, new_state = _adam_arithmetic(
             pred,
             grads,
             state,
-            jax.eval_shape(base.update, updates, state, params)[1],
+            out_state,
             b1,
             b2,
             eps,
@@ -374,6 +413,9 @@ def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
                 pred, member, updates, member_state, params, **extra_args
             )
             new_state.append(member_state)
+        if members and getattr(members[-1], "update_if", None) is not None:
+            # The last member's update_if returned zeros already where pred is False.
+            return updates, tuple(new_state)
         return _zero_unless(pred, updates), tuple(new_state)
 
     return _skippable(base.init, base.update, update_if)

@@ -489,18 +489,7 @@ def apply_scales(
     A stacked leaf (:class:`Stacked`) is multiplied by the ``[layers]``
     vector of its slices' scales, broadcast along its layer axis.
     """
-    if grouping.num_groups == 1:
-        scales = [scale[0]] * len(leaves)
-    elif index:
-        stacks = _stacks(grouping, len(leaves))
-        scales = [
-            jax.lax.dynamic_index_in_dim(scale, i, keepdims=False)
-            if st is None
-            else _along(jnp.take(scale, i), st[0], jnp.ndim(x))
-            for x, i, st in zip(leaves, index, stacks)
-        ]
-    else:
-        scales = leaf_scales(grouping, scale)
+    scales = leaf_scales(grouping, scale, index)
     return [x * s.astype(x.dtype) for x, s in zip(leaves, scales)]
 
 
@@ -509,9 +498,26 @@ def _along(values: jax.Array, axis: int, ndim: int) -> jax.Array:
     return values.reshape(tuple(-1 if a == axis else 1 for a in range(ndim)))
 
 
-def leaf_scales(grouping: Grouping, scale: jax.Array) -> list[jax.Array]:
-    """The per-leaf view of a ``[groups]`` vector (broadcastable along a stacked leaf)."""
+def leaf_scales(
+    grouping: Grouping, scale: jax.Array, index: Sequence[jax.Array] = ()
+) -> list[jax.Array]:
+    """The per-leaf view of a ``[groups]`` vector: each leaf's group's entry
+    (broadcastable along a stacked leaf's layer axis).
+
+    With ``index`` (from :func:`leaf_index`, carried in the state) each entry
+    is read at a runtime offset, so that the fusions consuming it are the same
+    for every leaf of a shape (see :func:`apply_scales`).
+    """
+    if grouping.num_groups == 1:
+        return [scale[0]] * len(grouping.leaf_groups)
     stacks = _stacks(grouping, len(grouping.leaf_groups))
+    if index:
+        return [
+            jax.lax.dynamic_index_in_dim(scale, i, keepdims=False)
+            if st is None
+            else _along(jnp.take(scale, i), st[0], len(shape))
+            for i, st, shape in zip(index, stacks, grouping.leaf_shapes)
+        ]
     return [
         scale[g] if st is None else _along(scale[np.asarray(st[1])], st[0], len(shape))
         for g, st, shape in zip(grouping.leaf_groups, stacks, grouping.leaf_shapes)
@@ -597,3 +603,17 @@ def stacked(
     scope_ = Stacked(scope, layers, int(axis))
     validate_scope(scope_)
     return scope_
+
+
+def materialize(x: jax.Array) -> jax.Array:
+    """``x`` itself, computed once where XLA would copy its computation into every consumer.
+
+    XLA fuses a chain of cheap operations (compares, selects) into each
+    fusion that reads its result: a group's scale or a skip decision is then
+    recomputed in every leaf's fusions and compiled once per leaf. XLA:CPU
+    drops ``lax.optimization_barrier``; a sort is never fused into its
+    consumers. Sorting two copies of ``x`` along a new axis returns ``x``'s
+    own bits (the elements it permutes are equal), for a small ``[groups]``
+    array or a scalar.
+    """
+    return jnp.sort(jnp.stack([x, x]), axis=0)[0]

@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.core import Tracer
 
@@ -258,11 +259,27 @@ def unwrap(x: Any) -> Any:
     return x
 
 
+def _host(values: Any) -> Any:
+    """``values`` as one NumPy array when it can be read here, else as it is.
+
+    Reading the metrics then costs one transfer per field and NumPy slicing,
+    where eager jax slicing compiles a program per field shape (seconds for a
+    few hundred groups). Tracers (inside ``jit``) and arrays that span
+    devices of other processes stay jax arrays.
+    """
+    values = unwrap(values)
+    if isinstance(values, Tracer):
+        return values
+    if isinstance(values, jax.Array) and not values.is_fully_addressable:
+        return values
+    return np.asarray(values)
+
+
 def _split(values: Any, n: int) -> list[Any]:
     # The group axis is the last one: a state stacked by pmap (replicas), vmap
     # or a scan over steps has [..., groups] metrics, read as [...] per group.
-    values = unwrap(values)
-    if isinstance(values, Tracer) or n == 1:
+    values = _host(values)
+    if isinstance(values, (np.ndarray, Tracer)) or n == 1:
         return [values[..., i] for i in range(n)]
     # One unstack instead of one slice per group.
     return list(jnp.moveaxis(jnp.asarray(values), -1, 0))
@@ -277,7 +294,9 @@ IDLE_VALUES = {"grad_norm": 0, "scale": 1, "clipped": False, "clipped_fraction":
 def _idle_view(values: Any, field: str, idle: Any) -> Any:
     if idle is None or field not in IDLE_VALUES:
         return values
-    values = unwrap(values)
+    values, idle = _host(values), _host(idle)
+    if isinstance(values, np.ndarray) and isinstance(idle, np.ndarray):
+        return np.where(idle, np.asarray(IDLE_VALUES[field], values.dtype), values)
     return jnp.where(idle, jnp.asarray(IDLE_VALUES[field], values.dtype), values)
 
 
@@ -299,7 +318,7 @@ def _skipped(node: Any, idle: Any) -> Any:
     if skipped is None:
         return idle
     # [..., 1]: broadcasts against the [..., groups] metrics inside.
-    skipped = unwrap(skipped)
+    skipped = _host(skipped)
     return skipped if idle is None else idle | skipped
 
 
@@ -373,6 +392,10 @@ def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
     Works on any optax state (``chain``, ``named_chain``,
     ``inject_hyperparams``, ``MultiSteps``, ``masked``, ``partition``,
     ``apply_if_finite``, flax optimizer wrappers), inside or outside ``jit``.
+    Outside ``jit`` each metric field is read from the device once and the
+    values are NumPy arrays (no jax operation, so nothing is compiled, even
+    for hundreds of groups); inside ``jit`` they are traced jax arrays, and
+    arrays that span other processes' devices stay jax arrays.
 
     Args:
       opt_state: an optimizer state, or any pytree containing one: with flax

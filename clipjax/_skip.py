@@ -385,7 +385,7 @@ def skip_on_spike(
             forced = finite & spike & (consecutive >= max_consecutive_skips)
             spike = spike & ~forced
         skip = jnp.logical_not(finite) | spike
-        take = jnp.logical_not(skip)
+        take = _grouping.materialize(jnp.logical_not(skip))
 
         inner_args = dict(extra_args)
         if has_value:
@@ -397,10 +397,12 @@ def skip_on_spike(
             settle_route(route, state.inner_state, updates)
         # On a skipped step the updates passed through: zero them. The select
         # fuses into whatever consumes the updates (apply_updates), and, unlike
-        # a multiply by 0, keeps a NaN gradient out.
-        new_updates = jax.tree.map(
-            lambda u: jnp.where(take, u, jnp.zeros((), u.dtype)), new_updates
-        )
+        # a multiply by 0, keeps a NaN gradient out. An inner update_if has
+        # zeroed them already.
+        if getattr(inner, "update_if", None) is None:
+            new_updates = jax.tree.map(
+                lambda u: jnp.where(take, u, jnp.zeros((), u.dtype)), new_updates
+            )
 
         x, enters = _observation(norm, grad_threshold, skip, forced, feedback)
         grad_norm_window, grad_norm_seen = _push(

@@ -206,15 +206,19 @@ def normalize_per_param(eps: float = 1e-8, *, name: str | None = None) -> _engin
     """
     _validation.non_negative("eps", eps)
 
-    def kernel(leaves: list[Array], _: Any, grouping: Grouping, dtype: Any) -> Step:
+    def kernel(
+        leaves: list[Array], _: Any, grouping: Grouping, dtype: Any, index: Any = ()
+    ) -> Step:
         _grouping.check_inexact(leaves, grouping, name or "normalize_per_param")
         norm = _grouping.group_norms(leaves, grouping)
         finite = jnp.isfinite(norm)
         scale = jnp.where(finite, 1 / (norm + jnp.asarray(eps, dtype)), jnp.ones_like(norm))
-        out = _grouping.apply_scales(leaves, grouping, scale)
+        out = _grouping.apply_scales(leaves, grouping, scale, index)
         return Step(out, {"grad_norm": norm}, finite)
 
-    rule = ElementwiseRule("normalize_per_param", kernel, {"grad_norm": None}, clipped_count=False)
+    rule = ElementwiseRule(
+        "normalize_per_param", kernel, {"grad_norm": None}, clipped_count=False, indexed=True
+    )
     return _engine.transform(rule, NormalizePerParamState, scope="per_param", name=name)
 
 

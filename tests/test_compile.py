@@ -1,0 +1,135 @@
+"""Compile cost does not grow faster with the number of leaves than optax's.
+
+Wall-clock compile times are measured in ``benchmarks/compile.py``; here only
+repeatable figures of the compiled HLO are asserted:
+
+* the number of distinct fusion bodies does not grow with the leaves: every
+  leaf of a shape gets the same fusions (a constant offset into a stacked
+  array, or a scalar decision copied into each leaf's fusion, made them
+  differ, and each was compiled anew);
+* the HLO instructions each extra leaf adds stay near those of the optax
+  counterpart (a decision recomputed in every leaf's fusion multiplied them).
+
+Also: reading the metrics of a concrete state compiles nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import clipjax
+
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%[\w.\-]+\s*=", re.M)
+_FEW, _MANY = 8, 24
+
+
+def _step_hlo(make: Callable[[], Any], leaves: int, value: bool = False) -> str:
+    shapes = {
+        "params": {f"w{i:03d}": jax.ShapeDtypeStruct((8, 8), jnp.float32) for i in range(leaves)}
+    }
+    tx = make()
+
+    def step(params: Any, state: Any, grads: Any, loss: Any) -> Any:
+        updates, state = tx.update(grads, state, params, **({"value": loss} if value else {}))
+        return optax.apply_updates(params, updates), state
+
+    loss = jax.ShapeDtypeStruct((), jnp.float32)
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    return jitted.lower(shapes, jax.eval_shape(tx.init, shapes), shapes, loss).compile().as_text()
+
+
+def _distinct_fusions(hlo: str) -> int:
+    bodies = set()
+    for block in re.split(r"\n(?=\S)", hlo):
+        head, _, body = block.partition("\n")
+        if "fused_computation" in head:
+            body = re.sub(r", metadata=\{[^}]*\}", "", body)
+            bodies.add(re.sub(r"%[\w.\-]+", "%x", body))
+    return len(bodies)
+
+
+def _instructions_per_leaf(make: Callable[[], Any], value: bool = False) -> float:
+    few = len(_INSTRUCTION.findall(_step_hlo(make, _FEW, value)))
+    many = len(_INSTRUCTION.findall(_step_hlo(make, _MANY, value)))
+    return (many - few) / (_MANY - _FEW)
+
+
+def _adamw(clipper: Callable[[], Any]) -> Callable[[], Any]:
+    return lambda: optax.chain(clipper(), optax.adamw(1e-3))
+
+
+def _skip_chain() -> Any:
+    return clipjax.skip_on_spike(clipjax.chain(clipjax.zclip(), clipjax.adamw(1e-3)))
+
+
+DISTINCT = {
+    "agc": (_adamw(lambda: clipjax.agc(0.01)), False),
+    "zclip[per_param]": (_adamw(lambda: clipjax.zclip(scope="per_param")), False),
+    "normalize_per_param": (_adamw(clipjax.normalize_per_param), False),
+    "clip_by_percentile": (_adamw(lambda: clipjax.clip_by_percentile(99.0)), False),
+    "hist_clip[per_param]": (_adamw(lambda: clipjax.hist_clip(scope="per_param")), False),
+    "skip_on_spike(chain(zclip, adamw))": (_skip_chain, True),
+}
+
+
+@pytest.mark.parametrize("name", DISTINCT)
+def test_distinct_fusions_do_not_grow_with_the_leaves(name: str) -> None:
+    make, value = DISTINCT[name]
+    few = _distinct_fusions(_step_hlo(make, _FEW, value))
+    many = _distinct_fusions(_step_hlo(make, _MANY, value))
+    assert many <= few, f"{name}: {few} distinct fusions at {_FEW} leaves, {many} at {_MANY}"
+
+
+def _optax_agc() -> Any:
+    return optax.chain(optax.adaptive_grad_clip(0.01), optax.adamw(1e-3))
+
+
+PER_LEAF = {
+    "agc vs optax.adaptive_grad_clip": (
+        (_adamw(lambda: clipjax.agc(0.01)), False),
+        (_optax_agc, False),
+    ),
+    "zclip vs optax.clip_by_global_norm": (
+        (_adamw(clipjax.zclip), False),
+        (_adamw(lambda: optax.clip_by_global_norm(1.0)), False),
+    ),
+    "skip_on_spike(clipjax.adamw) vs optax.apply_if_finite(adamw)": (
+        (lambda: clipjax.skip_on_spike(clipjax.adamw(1e-3)), True),
+        (lambda: optax.apply_if_finite(optax.adamw(1e-3), 10), False),
+    ),
+    "skip_on_spike(chain(zclip, adamw)) vs chain(zclip, optax.adamw)": (
+        (_skip_chain, True),
+        (_adamw(clipjax.zclip), False),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", PER_LEAF)
+def test_each_leaf_adds_about_as_much_hlo_as_optax(name: str) -> None:
+    (mine, mine_value), (ref, ref_value) = PER_LEAF[name]
+    ours, theirs = _instructions_per_leaf(mine, mine_value), _instructions_per_leaf(ref, ref_value)
+    assert ours <= 1.4 * theirs, f"{name}: {ours:.1f} HLO instructions a leaf vs {theirs:.1f}"
+
+
+def test_metrics_of_a_concrete_state_compile_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    params = {f"w{i}": jnp.full((3,), float(i)) for i in range(40)}
+    tx = optax.chain(clipjax.zclip(scope="per_param"), optax.adamw(1e-3))
+    state = jax.jit(tx.update)(params, tx.init(params), params)[1]
+    jax.block_until_ready(state)
+    with jax.log_compiles(True), caplog.at_level(logging.DEBUG):
+        values = clipjax.metrics(state)
+    compiled = [r.getMessage() for r in caplog.records if "ompil" in r.getMessage()]
+    assert not compiled, compiled[:3]
+    norms = np.asarray(state[0].metrics["grad_norm"])
+    for group, norm in zip(state[0].info.groups, norms, strict=True):
+        assert values[f"zclip/{group}/grad_norm"] == norm
+        assert values[f"zclip/{group}/grad_norm"].shape == ()
