@@ -325,7 +325,7 @@ def run_if_routed(
         traced, out_types = jax.make_jaxpr(run, return_shape=True)(*operands)
     out_tree = jax.tree.structure(out_types)
     update = _jaxpr_as_fun(traced)
-    if jax.config.jax_disable_jit:
+    if jax.config.jax_disable_jit:  # pyright: ignore[reportAttributeAccessIssue]
         # Op by op, as the transform's own update runs there (its Python may
         # compute on concrete values where the traced program cannot).
         def update(*leaves: Any) -> list[Any]:

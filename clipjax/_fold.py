@@ -11,7 +11,7 @@ from the selected moments. :func:`clipjax.skip_on_spike` uses it instead of
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -161,7 +161,7 @@ def _adam_state_dtypes(update: Callable[..., Any], updates: Any, state: Any, par
 
     def sig(x: Any) -> tuple[Any, bool]:
         # jax.typeof is newer than the oldest jax clipjax supports (0.4.36).
-        aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+        aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)  # pyright: ignore
         return aval.dtype, bool(getattr(aval, "weak_type", False))
 
     keys = [tuple(sig(x) for x in row) for row in zip(u, m, v, *([p] if p is not None else []))]
@@ -285,9 +285,8 @@ def _scale_by_stable_adam(
             "update_clipping", None, grouping.leaf_names, grouping.leaf_names, grouping.leaf_shapes
         )
         metrics = {"rms": jnp.zeros((n,), dtype), "divisor": jnp.ones((n,), dtype)}
-        return UpdateClippingState(
-            base.init(params), () if decay is None else decay.init(params), metrics, info
-        )
+        adam = cast(optax.ScaleByAdamState, base.init(params))
+        return UpdateClippingState(adam, () if decay is None else decay.init(params), metrics, info)
 
     def step(
         pred: Any, updates: Any, state: UpdateClippingState, params: Any
@@ -323,7 +322,7 @@ def _scale_by_stable_adam(
         # the bias-corrected second moment after this step (as both references), written
         # v_hat = nu / c: mean(g**2 / max(nu, c * eps**2)) * c reads the gradient and the
         # new moment the update writes anyway, not a materialised v_hat.
-        correction = 1 - jnp.asarray(b2, dtype) ** adam.count.astype(dtype)
+        correction = 1 - jnp.asarray(b2, dtype) ** jnp.asarray(adam.count).astype(dtype)
         floor = correction * jnp.asarray(eps, dtype) ** 2
         rms = [
             jnp.sqrt(

@@ -131,7 +131,7 @@ def _clip(g: Array, finite: Array, v: Array, a: _StepArgs) -> tuple[Array, Array
 
 def _leaf_step(
     g: Array, m: Array, v: Array, a: _StepArgs, count_clipped: bool
-) -> tuple[Array, Array, Array, tuple[Array, Array] | None]:
+) -> tuple[Array, Array, Array, tuple[Array, ...] | None]:
     """One leaf: the new moments (in their dtypes), the update, and the counts."""
     dtype = jnp.promote_types(jnp.promote_types(g.dtype, m.dtype), v.dtype)
     dtype = jnp.promote_types(dtype, jnp.float32)
@@ -211,13 +211,15 @@ def scale_by_spam(
         pred = jnp.asarray(pred, bool)
 
         count = adam.count
-        t = optax.safe_increment(count)  # this step's 1-based number, as the reference counts
+        t = jnp.asarray(
+            optax.safe_increment(count)
+        )  # this step's 1-based number, as the reference counts
         interval = jnp.asarray(reset_interval, t.dtype)
         since = t % interval
         reset = since == 0
         # The reference's warm-up starts at the first reset after step 1.
         reset_seen = t >= jnp.maximum(interval, 2)
-        steps_since_reset = jnp.where(reset_seen, since, t - 1)
+        steps_since_reset = jnp.asarray(jnp.where(reset_seen, since, t - 1))
         warm = jnp.where(reset_seen, warmup_factor(since, warmup_steps), 1.0)
         clip_on = (
             (jnp.asarray(threshold) != 0)
