@@ -122,6 +122,10 @@ def test_command_and_unavailable_rows() -> None:
     assert [n for n, _ in lm.ROWS] == list(lm.SETTINGS)
     assert {s.panel for s in settings.values()} <= set(lm.PANELS)
     assert lm.RECOMMENDED in settings["recommended"].about
+    # ... and that constant is the documentation's one recommended setting.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "generated", "recommended.md")) as f:
+        assert f"`clipjax.{lm.RECOMMENDED}`" in f.read()
     assert lm.RECOMMENDED in settings["skip_recommended"].about
     # The CPU configuration's half-learning-rate row.
     assert lm.CONFIGS["cpu"].low_lr_factor == 0.5
