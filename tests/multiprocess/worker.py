@@ -154,6 +154,13 @@ def read_metrics(state: Any) -> tuple[dict[str, float], list[str], int]:
     and how many are fully addressable (all on this process's devices)."""
     values, not_replicated, addressable = {}, [], 0
     for key, value in clipjax.metrics(state).items():
+        if isinstance(value, (np.ndarray, np.generic)):
+            # Read on this host already (clipjax.metrics copies what is addressable
+            # here): a scalar is readable by float() on every process.
+            if np.shape(value) != ():
+                not_replicated.append(key)
+            values[key] = float(value)
+            continue
         addressable += value.is_fully_addressable
         if not (
             isinstance(value, jax.Array)
