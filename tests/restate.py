@@ -314,6 +314,17 @@ def zscore_clip(
 _ZCLIP_DIV = 1e-6  # zclip's fixed guard in T / (g + 1e-6)
 
 
+def _observation(feedback: str, g: float, boundary: float, target: float, fired: bool) -> float:
+    """What a judge-first clip-then-observe step teaches the statistics (SPEC 9.1 as
+    amended): ``min(g, B)`` under "clipped", the clip target on a (high-side) fire
+    under "clip_target", the norm otherwise ("raw"; "skip" observes nothing)."""
+    if feedback == "clipped":
+        return min(g, boundary)
+    if feedback == "clip_target" and fired:
+        return target
+    return g
+
+
 def zclip(
     norms: Sequence[float],
     *,
@@ -367,12 +378,7 @@ def zclip(
         scale = applied / (g + _ZCLIP_DIV) if g > applied else 1.0
         observed = not (spike and feedback == "skip")
         if observed:
-            if feedback == "clipped":
-                v = min(g, boundary)
-            elif feedback == "clip_target" and spike:
-                v = clip_val
-            else:
-                v = g
+            v = _observation(feedback, g, boundary, clip_val, spike)
             new_mean = alpha * mean + (1 - alpha) * v
             var = alpha * var + (1 - alpha) * (v - new_mean) ** 2
             mean = new_mean
@@ -459,12 +465,7 @@ def hist_clip(
         high = fires and g > mu
         observed = not (high and feedback == "skip")
         if observed:
-            if feedback == "clipped":
-                x = min(g, boundary)
-            elif feedback == "clip_target" and high:
-                x = clip_val
-            else:
-                x = g
+            x = _observation(feedback, g, boundary, clip_val, high)
             if zstat:
                 v = alpha * v + (1 - alpha) * (x - mu) ** 2
             mu = alpha * mu + (1 - alpha) * x
