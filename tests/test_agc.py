@@ -113,9 +113,14 @@ def test_exclude_bias_bn(scope: str) -> None:
     out, state = tx.update(grads, tx.init(params), params)
     np.testing.assert_array_equal(out["bias"], grads["bias"])
     assert float(jnp.max(out["kernel"])) < 1.0
+    m = clipjax.metrics(state)
     if scope == "global":
-        m = clipjax.metrics(state)
         np.testing.assert_allclose(float(m["agc/global/grad_norm"]), 4.0, rtol=1e-6)
+    if scope == "unitwise":
+        # The excluded leaf's metrics say it was left alone; the kernel's say it was clipped.
+        assert float(m["agc/bias/scale"]) == 1.0 and not bool(m["agc/bias/clipped"])
+        assert float(m["agc/bias/clipped_fraction"]) == 0.0
+        assert float(m["agc/kernel/scale"]) < 1.0 and bool(m["agc/kernel/clipped"])
 
 
 @pytest.mark.parametrize("scope", ["unitwise", "per_layer"])
