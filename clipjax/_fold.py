@@ -68,7 +68,15 @@ def _skippable(
     init: Callable[..., Any],
     update: Callable[..., Any],
     update_if: Callable[..., tuple[Any, Any]],
+    keep_state_if: Callable[..., tuple[Any, Any]] | None = None,
 ) -> SkippableTransform:
+    """A ``SkippableTransform``; ``keep_state_if`` is ``update_if`` without zeroing the updates.
+
+    :func:`chain` runs its members through ``keep_state_if`` where they have
+    one and zeroes the updates once, after the last member: a select per
+    member would be compiled into every leaf's fused loop.
+    """
+
     def update_or_fold(
         updates: Any, state: Any, params: Any = None, **extra_args: Any
     ) -> tuple[Any, Any]:
@@ -78,7 +86,22 @@ def _skippable(
 
     tx = SkippableTransform(init, update_or_fold)
     tx.update_if = update_if
+    if keep_state_if is not None:
+        tx.keep_state_if = keep_state_if  # pyright: ignore[reportAttributeAccessIssue]
     return tx
+
+
+def _zeroing(keep_state_if: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[Any, Any]]:
+    """``update_if`` from ``keep_state_if``: the same, with zero updates where ``pred`` is False."""
+
+    def update_if(
+        pred: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, Any]:
+        pred = jnp.asarray(pred, bool)
+        out, new_state = keep_state_if(pred, updates, state, params, **extra_args)
+        return _zero_unless(pred, out), new_state
+
+    return update_if
 
 
 def _zero_unless(pred: Array, tree: Any) -> Any:
@@ -96,14 +119,13 @@ def _selecting(tx: optax.GradientTransformation) -> SkippableTransform:
     """
     tx = optax.with_extra_args_support(tx)
 
-    def update_if(
+    def keep_state_if(
         pred: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
     ) -> tuple[Any, Any]:
         pred = jnp.asarray(pred, bool)
-        out, new_state = _engine.run_and_select(pred, tx, updates, state, params, **extra_args)
-        return _zero_unless(pred, out), new_state
+        return _engine.run_and_select(pred, tx, updates, state, params, **extra_args)
 
-    return _skippable(tx.init, tx.update, update_if)
+    return _skippable(tx.init, tx.update, _zeroing(keep_state_if), keep_state_if)
 
 
 def _adam_arithmetic(
@@ -201,7 +223,7 @@ def _scale_by_adam(
         )
     )
 
-    def update_if(
+    def keep_state_if(
         pred: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
     ) -> tuple[Any, Any]:
         del extra_args
@@ -221,9 +243,9 @@ def _scale_by_adam(
             eps_root,
             nesterov,
         )
-        return _zero_unless(pred, out), new_state
+        return out, new_state
 
-    return _skippable(base.init, base.update, update_if)
+    return _skippable(base.init, base.update, _zeroing(keep_state_if), keep_state_if)
 
 
 class UpdateClippingState(NamedTuple):
@@ -291,7 +313,8 @@ def _scale_by_stable_adam(
     def step(
         pred: Any, updates: Any, state: UpdateClippingState, params: Any
     ) -> tuple[Any, UpdateClippingState]:
-        # pred None: every step is taken (update); else selected as in _scale_by_adam.
+        # pred None: every step is taken (update); else the state is selected as in
+        # _scale_by_adam and the updates are left for update_if to zero.
         info = state.info
         _grouping.make_grouping(updates, "per_param").check_matches(
             info.leaves, info.shapes, "update_clipping"
@@ -345,7 +368,6 @@ def _scale_by_stable_adam(
         metrics = {"rms": rms.astype(dtype), "divisor": divisor.astype(dtype)}
         if pred is not None:
             metrics = jax.tree.map(lambda n, o: jnp.where(pred, n, o), metrics, state.metrics)
-            out = _zero_unless(pred, out)
         return out, state._replace(adam=adam, decay=new_decay, metrics=metrics)
 
     def update(
@@ -354,13 +376,13 @@ def _scale_by_stable_adam(
         del extra_args
         return step(None, updates, state, params)
 
-    def update_if(
+    def keep_state_if(
         pred: Any, updates: Any, state: UpdateClippingState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, UpdateClippingState]:
         del extra_args
         return step(jnp.asarray(pred, bool), updates, state, params)
 
-    return _skippable(init, update, update_if)
+    return _skippable(init, update, _zeroing(keep_state_if), keep_state_if)
 
 
 def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
@@ -397,7 +419,7 @@ def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
     members = [optax.with_extra_args_support(t) for t in transforms]
     base = optax.chain(*members)
 
-    def update_if(
+    def keep_state_if(
         pred: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
     ) -> tuple[Any, Any]:
         pred = jnp.asarray(pred, bool)
@@ -408,16 +430,18 @@ def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
             )
         new_state = []
         for member, member_state in zip(members, state):
-            updates, member_state = _engine.run_if(
-                pred, member, updates, member_state, params, **extra_args
-            )
+            keep = getattr(member, "keep_state_if", None)
+            if keep is not None:
+                # Zeroed once, by update_if after the last member.
+                updates, member_state = keep(pred, updates, member_state, params, **extra_args)
+            else:
+                updates, member_state = _engine.run_if(
+                    pred, member, updates, member_state, params, **extra_args
+                )
             new_state.append(member_state)
-        if members and getattr(members[-1], "update_if", None) is not None:
-            # The last member's update_if returned zeros already where pred is False.
-            return updates, tuple(new_state)
-        return _zero_unless(pred, updates), tuple(new_state)
+        return updates, tuple(new_state)
 
-    return _skippable(base.init, base.update, update_if)
+    return _skippable(base.init, base.update, _zeroing(keep_state_if), keep_state_if)
 
 
 def adam(
