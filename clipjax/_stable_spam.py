@@ -40,6 +40,9 @@ class AdaClipState(NamedTuple):
         elements that were), and the counters ``count`` (finite steps
         observed), ``step``, ``clipped_count``, ``nonfinite_count``.
       info: static names, ``GroupInfo(algo="adaclip", ...)``.
+      leaf_index: each leaf's group index, int32 scalars (empty for one
+        group), read at run time so that every leaf of a shape compiles to the
+        same code.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -51,6 +54,7 @@ class AdaClipState(NamedTuple):
     max_ema: Array
     metrics: dict[str, Array]
     info: GroupInfo
+    leaf_index: tuple[Array, ...] = ()
 
 
 class AdaNormState(NamedTuple):
@@ -66,6 +70,7 @@ class AdaNormState(NamedTuple):
         grad_norm``), and the counters ``count`` (steps observed: finite,
         nonzero norms), ``step``, ``nonfinite_count``.
       info: static names, ``GroupInfo(algo="ada_norm", ...)``.
+      leaf_index: each leaf's group index, as in :class:`AdaClipState`.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -78,22 +83,33 @@ class AdaNormState(NamedTuple):
     square_ema: Array
     metrics: dict[str, Array]
     info: GroupInfo
+    leaf_index: tuple[Array, ...] = ()
 
 
-def _start(algo: str, name: str | None, params: Any, scope: Scope) -> tuple[GroupInfo, Any, Any]:
-    """``init``'s common part: the names, the statistics dtype and ``zeros(dtype)``."""
+def _start(
+    algo: str, name: str | None, params: Any, scope: Scope
+) -> tuple[GroupInfo, Any, Any, Any]:
+    """``init``'s common part: the names, the statistics dtype, ``zeros(dtype)``, the leaf index."""
     grouping = _grouping.make_grouping(params, scope)
-    # On optax's params placeholder (tree_map_params) the names are a leaf.
-    info_class = _metrics.PlaceholderInfo if _engine._is_placeholder(params) else GroupInfo
+    # On optax's params placeholder (tree_map_params) the names are a leaf, and
+    # the index one leaf standing for the tuple (as in the engine's states).
+    placeholder = _engine._is_placeholder(params)
+    info_class = _metrics.PlaceholderInfo if placeholder else GroupInfo
     info = info_class(algo, name, grouping.names, grouping.leaf_names, grouping.leaf_shapes)
     leaves, _, _ = _grouping.leaves_with_names(params)
     dtype = _grouping.norm_dtype(leaves)
-    return info, dtype, lambda kind: jnp.zeros((grouping.num_groups,), kind)
+    index = jnp.zeros((), jnp.int32) if placeholder else _grouping.leaf_index(grouping)
+    return info, dtype, lambda kind: jnp.zeros((grouping.num_groups,), kind), index
 
 
 def _own(state: Any) -> Any:
     """Each leaf its own buffer (a donated state), except on optax's placeholder."""
     return state if isinstance(state.info, _metrics.PlaceholderInfo) else _engine.own_buffers(state)
+
+
+def _copies(index: Any) -> Any:
+    # Returned through a copy: a pass-through output cannot reuse its donated buffer.
+    return jax.tree.map(jnp.copy, index)
 
 
 def _cast(metrics: dict[str, Any], like: dict[str, Array]) -> dict[str, Array]:
@@ -209,7 +225,7 @@ def adaclip(
 
     def make(scope: Scope, name: str | None) -> tuple[Any, Any]:
         def init_fn(params: Any) -> AdaClipState:
-            info, dtype, zeros = _start("adaclip", name, params, scope)
+            info, dtype, zeros, index = _start("adaclip", name, params, scope)
             metrics = {
                 "grad_norm": zeros(dtype),
                 "grad_max": zeros(dtype),
@@ -221,7 +237,7 @@ def adaclip(
                 "clipped_count": zeros(jnp.int32),
                 "nonfinite_count": zeros(jnp.int32),
             }
-            return _own(AdaClipState(zeros(dtype), metrics, info))
+            return _own(AdaClipState(zeros(dtype), metrics, info, index))
 
         def update_fn(updates: Any, state: AdaClipState, params: Any = None, **_: Any) -> Any:
             leaves, grouping, treedef = _prepare(updates, state.info, scope)
@@ -237,17 +253,22 @@ def adaclip(
             bound = max_ema / (1 - decay ** count.astype(dtype))
             clips = finite & (grad_max > bound)
             ratio = jnp.where(clips, bound / jnp.where(clips, grad_max, 1), 1)
+            # Each leaf reads its group's values at a runtime offset (the state's
+            # leaf index): with constant offsets every leaf's fusion is distinct and
+            # compiled anew. A clipped group's bound; +inf where nothing is clipped.
+            limit = jnp.where(clips, bound, jnp.inf)
+            limits = _grouping.leaf_scales(grouping, limit, state.leaf_index)
+            ratios = _grouping.leaf_scales(grouping, ratio, state.leaf_index)
             new_leaves, hits = [], []
-            for x, group in zip(leaves, grouping.leaf_groups):
+            for x, b, r in zip(leaves, limits, ratios):
                 # Not abs(x) > bound: XLA would share that abs with the max's
                 # and write it out.
                 if jnp.iscomplexobj(x):
-                    above_bound = _grouping.abs_squared(x, dtype) > bound[group] ** 2
+                    hit = _grouping.abs_squared(x, dtype) > b**2
                 else:
                     xb = x.astype(dtype)
-                    above_bound = (xb > bound[group]) | (xb < -bound[group])
-                hit = clips[group] & above_bound
-                new_leaves.append(jnp.where(hit, x * ratio[group].astype(x.dtype), x))
+                    hit = (xb > b) | (xb < -b)
+                new_leaves.append(jnp.where(hit, x * r.astype(x.dtype), x))
                 if count_clipped:
                     # A second pass: the bound needs this step's max. Two sums
                     # in one reduce: a lone sum has XLA:CPU write its input out.
@@ -276,7 +297,7 @@ def adaclip(
                 **_counters(state.metrics, finite, clips, finite),
             }
             metrics = _cast(metrics, state.metrics)
-            new_state = AdaClipState(max_ema, metrics, state.info)
+            new_state = AdaClipState(max_ema, metrics, state.info, _copies(state.leaf_index))
             return jax.tree_util.tree_unflatten(treedef, new_leaves), new_state
 
         return init_fn, update_fn
@@ -354,7 +375,7 @@ def ada_norm(
 
     def make(scope: Scope, name: str | None) -> tuple[Any, Any]:
         def init_fn(params: Any) -> AdaNormState:
-            info, dtype, zeros = _start("ada_norm", name, params, scope)
+            info, dtype, zeros, index = _start("ada_norm", name, params, scope)
             metrics = {
                 "grad_norm": zeros(dtype),
                 "mean": zeros(dtype),
@@ -365,7 +386,7 @@ def ada_norm(
                 "step": zeros(jnp.int32),
                 "nonfinite_count": zeros(jnp.int32),
             }
-            return _own(AdaNormState(zeros(dtype), zeros(dtype), metrics, info))
+            return _own(AdaNormState(zeros(dtype), zeros(dtype), metrics, info, index))
 
         def update_fn(updates: Any, state: AdaNormState, params: Any = None, **_: Any) -> Any:
             leaves, grouping, treedef = _prepare(updates, state.info, scope)
@@ -384,7 +405,7 @@ def ada_norm(
             mean_square = square_ema / (1 - g2**k)
             target = mean / (jnp.sqrt(mean_square) + jnp.asarray(eps, dtype))
             scale = jnp.where(active, target / jnp.where(active, norm, 1), 1).astype(dtype)
-            new_leaves = _grouping.apply_scales(leaves, grouping, scale)
+            new_leaves = _grouping.apply_scales(leaves, grouping, scale, state.leaf_index)
             metrics = {
                 "grad_norm": norm,
                 "mean": mean,
@@ -394,7 +415,9 @@ def ada_norm(
                 **_counters(state.metrics, active, active, finite),
             }
             metrics = _cast(metrics, state.metrics)
-            new_state = AdaNormState(norm_ema, square_ema, metrics, state.info)
+            new_state = AdaNormState(
+                norm_ema, square_ema, metrics, state.info, _copies(state.leaf_index)
+            )
             return jax.tree_util.tree_unflatten(treedef, new_leaves), new_state
 
         return init_fn, update_fn

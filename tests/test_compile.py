@@ -78,6 +78,10 @@ DISTINCT = {
     "clip_by_percentile": (_adamw(lambda: clipjax.clip_by_percentile(99.0)), False),
     "hist_clip[per_param]": (_adamw(lambda: clipjax.hist_clip(scope="per_param")), False),
     "skip_on_spike(chain(zclip, adamw))": (_skip_chain, True),
+    "adaclip": (_adamw(clipjax.adaclip), False),
+    "ada_norm": (_adamw(clipjax.ada_norm), False),
+    "stable_spam": (lambda: clipjax.stable_spam(1e-3), False),
+    "spam": (lambda: clipjax.spam(1e-3), False),
 }
 
 
