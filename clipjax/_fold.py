@@ -261,6 +261,8 @@ class UpdateClippingState(NamedTuple):
         ``update_clipping/{leaf path}/rms``.
       info: static names, ``GroupInfo(algo="update_clipping", ...)`` with one
         group per leaf.
+      leaf_index: each leaf's index, int32 scalars (empty for one leaf), read
+        at run time so that every leaf of a shape compiles to the same code.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -273,6 +275,7 @@ class UpdateClippingState(NamedTuple):
     decay: Any
     metrics: dict[str, jax.Array]
     info: _metrics.GroupInfo
+    leaf_index: tuple[jax.Array, ...] = ()
 
 
 def _scale_by_stable_adam(
@@ -308,7 +311,10 @@ def _scale_by_stable_adam(
         )
         metrics = {"rms": jnp.zeros((n,), dtype), "divisor": jnp.ones((n,), dtype)}
         adam = cast(optax.ScaleByAdamState, base.init(params))
-        return UpdateClippingState(adam, () if decay is None else decay.init(params), metrics, info)
+        index = _grouping.leaf_index(grouping)
+        return UpdateClippingState(
+            adam, () if decay is None else decay.init(params), metrics, info, index
+        )
 
     def step(
         pred: Any, updates: Any, state: UpdateClippingState, params: Any
@@ -316,9 +322,8 @@ def _scale_by_stable_adam(
         # pred None: every step is taken (update); else the state is selected as in
         # _scale_by_adam and the updates are left for update_if to zero.
         info = state.info
-        _grouping.make_grouping(updates, "per_param").check_matches(
-            info.leaves, info.shapes, "update_clipping"
-        )
+        grouping = _grouping.make_grouping(updates, "per_param")
+        grouping.check_matches(info.leaves, info.shapes, "update_clipping")
         grads = updates if pred is None else _zero_unless(pred, updates)
         out, adam = _adam_arithmetic(
             pred,
@@ -356,19 +361,22 @@ def _scale_by_stable_adam(
             )
             for g, v in zip(g_leaves, v_leaves)
         ]
-        rms = jnp.stack(rms) if rms else state.metrics["rms"]
         # A NaN RMS (a NaN gradient element) divides by 1, as torch-optimi's
         # max(1, rms.item()) does: the NaN stays in its own elements, as in Adam.
+        rms = jnp.stack(rms) if rms else state.metrics["rms"]
         divisor = jnp.where(jnp.isnan(rms), 1.0, jnp.maximum(rms, 1.0))
         out_leaves, treedef = jax.tree.flatten(out)
-        inverse = 1.0 / divisor
+        # Each leaf reads its divisor at a runtime offset (the state's leaf index):
+        # with constant offsets every leaf's fusion is distinct and compiled anew.
+        inverse = _grouping.leaf_scales(grouping, 1.0 / divisor, state.leaf_index)
         out = jax.tree.unflatten(
-            treedef, [o * inverse[i].astype(o.dtype) for i, o in enumerate(out_leaves)]
+            treedef, [o * inv.astype(o.dtype) for o, inv in zip(out_leaves, inverse)]
         )
         metrics = {"rms": rms.astype(dtype), "divisor": divisor.astype(dtype)}
         if pred is not None:
             metrics = jax.tree.map(lambda n, o: jnp.where(pred, n, o), metrics, state.metrics)
-        return out, state._replace(adam=adam, decay=new_decay, metrics=metrics)
+        index = jax.tree.map(jnp.copy, state.leaf_index)  # a donated buffer is not passed through
+        return out, state._replace(adam=adam, decay=new_decay, metrics=metrics, leaf_index=index)
 
     def update(
         updates: Any, state: UpdateClippingState, params: Any = None, **extra_args: Any

@@ -82,6 +82,7 @@ DISTINCT = {
     "ada_norm": (_adamw(clipjax.ada_norm), False),
     "stable_spam": (lambda: clipjax.stable_spam(1e-3), False),
     "spam": (lambda: clipjax.spam(1e-3), False),
+    "adamw(update_clipping=True)": (lambda: clipjax.adamw(1e-3, update_clipping=True), False),
 }
 
 
