@@ -94,8 +94,9 @@ def _leaf_metrics(
     The leaves with the same number of units are stacked into one ``[leaves,
     units]`` array of gradient and one of weight unit norms; the unit scales
     are formed again on the stacks (the same elementwise rule, so the same
-    values) and everything is reduced along the units, then put back in leaf
-    order by one gather. Reducing each leaf's units on its own compiles a small
+    values) and the four sums are taken in one reduction along the units
+    (the scales are not written out), then put back in leaf order by one
+    gather. Reducing each leaf's units on its own compiles a small
     reduction per leaf: at 500 leaves that doubled the step's compile time.
     """
     by_size: dict[int, list[int]] = {}
@@ -110,10 +111,15 @@ def _leaf_metrics(
         skip = np.asarray([excluded[i] for i in idx])
         if skip.any():
             s = jnp.where(skip[:, None], jnp.ones_like(s), s)
-        parts[0].append(jnp.sum(g * g, axis=1))
-        parts[1].append(jnp.sum(w * w, axis=1))
-        parts[2].append(jnp.sum((s < 1).astype(g.dtype), axis=1))
-        parts[3].append(jnp.min(s, axis=1))
+        # One pass over the stacks for all four sums (the scales are not written out).
+        sums = jax.lax.reduce(
+            (g * g, w * w, (s < 1).astype(g.dtype), s),
+            tuple(jnp.asarray(v, g.dtype) for v in (0, 0, 0, 1)),
+            lambda a, b: (a[0] + b[0], a[1] + b[1], a[2] + b[2], jnp.minimum(a[3], b[3])),
+            (1,),
+        )
+        for part, value in zip(parts, sums):
+            part.append(value)
         parts[4].append(jnp.full((len(idx),), size, g.dtype))
         order.extend(idx)
     inverse = np.argsort(np.asarray(order))
