@@ -91,7 +91,10 @@ def test_distinct_fusions_do_not_grow_with_the_leaves(name: str) -> None:
     make, value = DISTINCT[name]
     few = _distinct_fusions(_step_hlo(make, _FEW, value))
     many = _distinct_fusions(_step_hlo(make, _MANY, value))
-    assert many <= few, f"{name}: {few} distinct fusions at {_FEW} leaves, {many} at {_MANY}"
+    # A fusion that stacks one value per leaf differs with the leaf count (older XLA
+    # keeps the stack of per-leaf metrics in a fusion of its own): a slack of two, where
+    # fusions made per leaf would add one or more for each of the 16 extra leaves.
+    assert many <= few + 2, f"{name}: {few} distinct fusions at {_FEW} leaves, {many} at {_MANY}"
 
 
 def _optax_agc() -> Any:
