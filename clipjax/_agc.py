@@ -102,9 +102,9 @@ def _leaf_metrics(
     by_size: dict[int, list[int]] = {}
     for i, g in enumerate(g_units):
         by_size.setdefault(g.size, []).append(i)
-    parts: list[list[jax.Array]] = [[], [], [], [], []]
+    parts: list[list[jax.Array]] = [[], [], [], []]
     order: list[int] = []
-    for size, idx in by_size.items():
+    for idx in by_size.values():
         g = jnp.stack([g_units[i].reshape(-1) for i in idx])
         w = jnp.stack([w_units[i].reshape(-1) for i in idx])
         s = _unit_scale(g, w, clipping, eps)
@@ -120,10 +120,9 @@ def _leaf_metrics(
         )
         for part, value in zip(parts, sums):
             part.append(value)
-        parts[4].append(jnp.full((len(idx),), size, g.dtype))
         order.extend(idx)
     inverse = np.argsort(np.asarray(order))
-    g_sq, w_sq, clipped_units, smallest, units = (
+    g_sq, w_sq, clipped_units, smallest = (
         jnp.concatenate(p)[inverse] if len(by_size) > 1 else p[0] for p in parts
     )
     w_norm = jnp.sqrt(w_sq)
@@ -133,7 +132,7 @@ def _leaf_metrics(
         "target": clipping * jnp.maximum(w_norm, eps),
         "scale": smallest,
         "clipped": smallest < 1,
-        "clipped_fraction": clipped_units / units,
+        "clipped_fraction": clipped_units / np.asarray([g.size for g in g_units], g_sq.dtype),
     }
 
 

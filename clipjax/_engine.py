@@ -595,9 +595,7 @@ def transform(
             rule.algo, name, grouping.names, grouping.leaf_names, grouping.leaf_shapes
         )
         leaf_metrics = {"grad_norm": jnp.zeros((len(leaves),), dtype)} if leaf_norms else {}
-        # On optax's placeholder the index is one leaf standing for the tuple,
-        # so that this state is a prefix of the real one (tree_map_params).
-        index = jnp.zeros((), jnp.int32) if placeholder else _grouping.leaf_index(grouping)
+        index = _grouping.leaf_index(grouping, placeholder)
         fields = [stats, metrics, info, index, leaf_metrics]
         if warmup is not None:
             fields.append(warmup.init(params))
@@ -688,7 +686,7 @@ def transform(
         # Returned through a copy, not passed through: a pass-through output
         # cannot reuse its donated input buffer (and JAX warns about it).
         new_state = new_state._replace(
-            leaf_index=jax.tree.map(jnp.copy, state.leaf_index),
+            leaf_index=_grouping.returned_index(state.leaf_index),
             leaf_metrics={
                 k: jnp.asarray(v).astype(state.leaf_metrics[k].dtype)
                 for k, v in leaf_metrics.items()

@@ -375,7 +375,7 @@ def _scale_by_stable_adam(
         metrics = {"rms": rms.astype(dtype), "divisor": divisor.astype(dtype)}
         if pred is not None:
             metrics = jax.tree.map(lambda n, o: jnp.where(pred, n, o), metrics, state.metrics)
-        index = jax.tree.map(jnp.copy, state.leaf_index)  # a donated buffer is not passed through
+        index = _grouping.returned_index(state.leaf_index)
         return out, state._replace(adam=adam, decay=new_decay, metrics=metrics, leaf_index=index)
 
     def update(

@@ -452,12 +452,16 @@ def group_norms(
     return sums ** (1.0 / ord)
 
 
-def leaf_index(grouping: Grouping) -> tuple[jax.Array, ...]:
+def leaf_index(grouping: Grouping, placeholder: bool = False) -> Any:
     """Each leaf's group index as its own int32 scalar; empty for a single group.
 
     Carried in the state so that :func:`apply_scales` indexes the scale vector
-    with *runtime* values (see there).
+    with *runtime* values (see there). On optax's params placeholder
+    (``placeholder=True``, ``tree_map_params``) one scalar stands for the
+    tuple, so that the placeholder's state is a prefix of the real one.
     """
+    if placeholder:
+        return jnp.zeros((), jnp.int32)
     if grouping.num_groups == 1:
         return ()
     stacks = _stacks(grouping, len(grouping.leaf_groups))
@@ -466,6 +470,15 @@ def leaf_index(grouping: Grouping) -> tuple[jax.Array, ...]:
         jnp.asarray(g if st is None else st[1], jnp.int32)
         for g, st in zip(grouping.leaf_groups, stacks)
     )
+
+
+def returned_index(index: Any) -> Any:
+    """The state's leaf index for the new state: copies, not the inputs passed through.
+
+    An output that passes its input through cannot reuse that input's donated
+    buffer (and JAX warns about it).
+    """
+    return jax.tree.map(jnp.copy, index)
 
 
 def apply_scales(

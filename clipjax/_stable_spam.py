@@ -98,18 +98,13 @@ def _start(
     info = info_class(algo, name, grouping.names, grouping.leaf_names, grouping.leaf_shapes)
     leaves, _, _ = _grouping.leaves_with_names(params)
     dtype = _grouping.norm_dtype(leaves)
-    index = jnp.zeros((), jnp.int32) if placeholder else _grouping.leaf_index(grouping)
+    index = _grouping.leaf_index(grouping, placeholder)
     return info, dtype, lambda kind: jnp.zeros((grouping.num_groups,), kind), index
 
 
 def _own(state: Any) -> Any:
     """Each leaf its own buffer (a donated state), except on optax's placeholder."""
     return state if isinstance(state.info, _metrics.PlaceholderInfo) else _engine.own_buffers(state)
-
-
-def _copies(index: Any) -> Any:
-    # Returned through a copy: a pass-through output cannot reuse its donated buffer.
-    return jax.tree.map(jnp.copy, index)
 
 
 def _cast(metrics: dict[str, Any], like: dict[str, Array]) -> dict[str, Array]:
@@ -297,7 +292,9 @@ def adaclip(
                 **_counters(state.metrics, finite, clips, finite),
             }
             metrics = _cast(metrics, state.metrics)
-            new_state = AdaClipState(max_ema, metrics, state.info, _copies(state.leaf_index))
+            new_state = AdaClipState(
+                max_ema, metrics, state.info, _grouping.returned_index(state.leaf_index)
+            )
             return jax.tree_util.tree_unflatten(treedef, new_leaves), new_state
 
         return init_fn, update_fn
@@ -416,7 +413,11 @@ def ada_norm(
             }
             metrics = _cast(metrics, state.metrics)
             new_state = AdaNormState(
-                norm_ema, square_ema, metrics, state.info, _copies(state.leaf_index)
+                norm_ema,
+                square_ema,
+                metrics,
+                state.info,
+                _grouping.returned_index(state.leaf_index),
             )
             return jax.tree_util.tree_unflatten(treedef, new_leaves), new_state
 
