@@ -82,6 +82,11 @@ def _unit_scale(g_unit: jax.Array, w_unit: jax.Array, clipping: Any, eps: Any) -
     return jnp.where(keep, 1.0, max_norm) / jnp.where(keep, 1.0, jnp.maximum(g_unit, _DIV_EPS))
 
 
+def _scaled(x: jax.Array, g_unit: jax.Array, w_unit: jax.Array, clipping: Any, eps: Any) -> Any:
+    """``x`` times its unit scales, in its dtype."""
+    return x * _unit_scale(g_unit, w_unit, clipping, eps).astype(x.dtype)
+
+
 def _leaf_metrics(
     g_units: list[jax.Array],
     w_units: list[jax.Array],
@@ -244,8 +249,9 @@ def _unitwise(
 
     def kernel(leaves: list[jax.Array], params: Any, grouping: Grouping, dtype: Any) -> Step:
         _grouping.check_inexact(leaves, grouping, name or "agc")
-        g_units = [_unit_norm(x, dtype, axis) for x in leaves]
-        w_units = [_unit_norm(p, dtype, axis) for p in params]
+        unit_norm = _grouping.per_leaf(_unit_norm, dtype, axis)
+        g_units = [unit_norm(x) for x in leaves]
+        w_units = [unit_norm(p) for p in params]
         if axis_name is not None:
             # Every replica decides from the same (averaged) unit norms.
             g_units = jax.lax.pmean(g_units, axis_name)
@@ -255,8 +261,9 @@ def _unitwise(
         # small ones per leaf. (Scaling a leaf by a row of a stack puts a constant row
         # offset in its fusion: every leaf's fusion is then distinct and compiled anew.)
         excluded = [exclude_bias_bn and jnp.ndim(x) <= 1 for x in leaves]
+        scaled = _grouping.per_leaf(_scaled, clipping, eps)
         out = [
-            x if skip else x * _unit_scale(g, w, clipping, eps).astype(x.dtype)
+            x if skip else scaled(x, g, w)
             for x, g, w, skip in zip(leaves, g_units, w_units, excluded)
         ]
         if leaves:

@@ -100,6 +100,12 @@ def _group_sizes(grouping: Grouping) -> np.ndarray:
     return sizes
 
 
+def _square_and_count(x: Array, b: Array, dtype: Any) -> tuple[Array, Array]:
+    """A leaf's sum of squares and its number of elements with ``|x| > b``, in one read."""
+    b = b.astype(jnp.abs(x).dtype)
+    return _grouping.fused_sums(_grouping.abs_squared(x, dtype), (jnp.abs(x) > b).astype(jnp.int32))
+
+
 def _norms_and_clipped(
     leaves: list[Array], grouping: Grouping, bound: Array, dtype: Any, index: Any = ()
 ) -> tuple[Array, Array, Array]:
@@ -108,12 +114,10 @@ def _norms_and_clipped(
     ``bound`` is ``[groups]``, compared in the leaf's dtype (the dtype the
     clamp uses). All come from one read of each leaf.
     """
+    one = _grouping.per_leaf(_square_and_count, dtype)
     squares, over = [], []
     for x, b in zip(leaves, _grouping.leaf_scales(grouping, bound, index)):
-        b = b.astype(jnp.abs(x).dtype)
-        square, count = _grouping.fused_sums(
-            _grouping.abs_squared(x, dtype), (jnp.abs(x) > b).astype(jnp.int32)
-        )
+        square, count = one(x, b)
         squares.append(square)
         over.append(count)
     norm = jnp.sqrt(_group_sum(squares, grouping, dtype))
@@ -121,20 +125,22 @@ def _norms_and_clipped(
     return norm, _group_sum(over, grouping, dtype), leaf_norm
 
 
+def _clamp_leaf(x: Array, b: Array) -> Array:
+    """``clip(x, -b, b)`` in the leaf's dtype; a complex element keeps its phase."""
+    if jnp.iscomplexobj(x):
+        b = b.astype(jnp.abs(x).dtype)
+        magnitude = jnp.abs(x)
+        return jnp.where(magnitude > b, x * (b / jnp.maximum(magnitude, b)), x)
+    return jnp.clip(x, -b.astype(x.dtype), b.astype(x.dtype))
+
+
 def _clamp(leaves: list[Array], grouping: Grouping, bound: Array, index: Any = ()) -> list[Array]:
     """``clip(x, -b, b)`` per leaf, ``b`` its group's bound cast to the leaf's dtype.
 
     A complex element keeps its phase: its magnitude is clamped to ``b``.
     """
-    out = []
-    for x, b in zip(leaves, _grouping.leaf_scales(grouping, bound, index)):
-        if jnp.iscomplexobj(x):
-            b = b.astype(jnp.abs(x).dtype)
-            magnitude = jnp.abs(x)
-            out.append(jnp.where(magnitude > b, x * (b / jnp.maximum(magnitude, b)), x))
-        else:
-            out.append(jnp.clip(x, -b.astype(x.dtype), b.astype(x.dtype)))
-    return out
+    one = _grouping.per_leaf(_clamp_leaf)
+    return [one(x, b) for x, b in zip(leaves, _grouping.leaf_scales(grouping, bound, index))]
 
 
 def _fraction(counts: Array, grouping: Grouping, dtype: Any) -> Array:
@@ -279,10 +285,8 @@ def clip_by_percentile(
         leaves: list[Array], _: Any, grouping: Grouping, dtype: Any, index: Any = ()
     ) -> Step:
         _grouping.check_inexact(leaves, grouping, name or "clip_by_percentile")
-        bounds = [
-            _percentile._select([leaves[i] for i in members], percentile, method)[0]
-            for members in grouping.members
-        ]
+        select = _grouping.per_leaf(_percentile._select, percentile, method)
+        bounds = [select([leaves[i] for i in members])[0] for members in grouping.members]
         bound = jnp.stack(bounds).astype(dtype) if bounds else jnp.zeros((0,), dtype)
         norm, counts, leaf_norm = _norms_and_clipped(leaves, grouping, bound, dtype, index)
         finite = jnp.isfinite(norm)

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 KeyPath = tuple[Any, ...]
 ScopeFn = Callable[[KeyPath, Any], str]
@@ -535,6 +536,39 @@ def leaf_scales(
         scale[g] if st is None else _along(scale[np.asarray(st[1])], st[0], len(shape))
         for g, st, shape in zip(grouping.leaf_groups, stacks, grouping.leaf_shapes)
     ]
+
+
+def per_leaf(fn: Callable[..., Any], *shared: Any) -> Callable[..., Any]:
+    """``fn(*leaf_args, *shared)``, traced once for all the leaves of one signature.
+
+    A step calls its per-leaf arithmetic once for each leaf, and tracing a
+    ``jnp`` call costs about 0.1 ms: at 500 leaves SPAM's step spent 3.7 s
+    in Python. Under an outer trace the returned function runs ``fn`` under
+    ``jax.jit``, so the leaves with the same shapes and dtypes reuse one
+    trace and one lowering, and XLA inlines the calls: the compiled step is
+    the same. The arrays among ``shared`` (any pytree) become arguments;
+    everything else in it (Python numbers, flags) stays a constant of ``fn``,
+    as it was. Called eagerly (no leaf is a tracer), ``fn`` runs as it is.
+    """
+    flat, tree = jax.tree.flatten(shared)
+    is_array = [isinstance(x, (jax.Array, Tracer)) for x in flat]
+    arrays = [x for x, a in zip(flat, is_array) if a]
+
+    def with_arrays(leaf_args: tuple[Any, ...], values: list[Any]) -> Any:
+        given = iter(values)
+        rebuilt = [next(given) if a else x for x, a in zip(flat, is_array)]
+        return fn(*leaf_args, *jax.tree.unflatten(tree, rebuilt))
+
+    # Profiles and HLO metadata name the per-leaf call after fn.
+    with_arrays.__name__ = with_arrays.__qualname__ = getattr(fn, "__name__", "per_leaf")
+    jitted = jax.jit(with_arrays)
+
+    def call(*leaf_args: Any) -> Any:
+        if any(isinstance(x, Tracer) for x in jax.tree.leaves(leaf_args)):
+            return jitted(leaf_args, arrays)
+        return fn(*leaf_args, *shared)
+
+    return call
 
 
 def fused_sums(*terms: jax.Array) -> tuple[jax.Array, ...]:

@@ -237,8 +237,9 @@ def scale_by_spam(
         step_args = _StepArgs(
             pred, reset, clip_on, threshold, b1, b2, eps, bc1, bc2, warm, eps_inside_correction
         )
+        leaf_step = _grouping.per_leaf(_leaf_step, step_args, count_clipped)
         for g, m, v in zip(leaves, mus, nus):
-            m1, v1, out, sums = _leaf_step(g, m, v, step_args, count_clipped)
+            m1, v1, out, sums = leaf_step(g, m, v)
             new_mus.append(m1)
             new_nus.append(v1)
             outs.append(out)

@@ -140,21 +140,46 @@ def _transform(make: Any, scope: Scope, name: str | None) -> _engine.ClipTransfo
     return tx
 
 
+def _max_and_square(x: Array, dtype: Any) -> tuple[Array, Array]:
+    """A leaf's largest ``|x|`` and its sum of squares, in one reduce."""
+    squared = _grouping.abs_squared(x, dtype)
+    magnitude = jnp.sqrt(squared) if jnp.iscomplexobj(x) else jnp.abs(x.astype(dtype))
+    largest, square = jax.lax.reduce(
+        (magnitude.reshape(-1), squared.reshape(-1)),
+        (jnp.zeros((), dtype), jnp.zeros((), dtype)),
+        lambda a, b: (jnp.maximum(a[0], b[0]), a[1] + b[1]),
+        (0,),
+    )
+    return largest, square
+
+
 def _max_and_squares(leaves: list[Array], dtype: Any) -> tuple[list[Array], list[Array]]:
     """Each leaf's largest ``|x|`` and its sum of squares, in one reduce per leaf."""
-    maxima, squares = [], []
-    for x in leaves:
-        squared = _grouping.abs_squared(x, dtype)
-        magnitude = jnp.sqrt(squared) if jnp.iscomplexobj(x) else jnp.abs(x.astype(dtype))
-        largest, square = jax.lax.reduce(
-            (magnitude.reshape(-1), squared.reshape(-1)),
-            (jnp.zeros((), dtype), jnp.zeros((), dtype)),
-            lambda a, b: (jnp.maximum(a[0], b[0]), a[1] + b[1]),
-            (0,),
-        )
-        maxima.append(largest)
-        squares.append(square)
-    return maxima, squares
+    one = _grouping.per_leaf(_max_and_square, dtype)
+    pairs = [one(x) for x in leaves]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _adaclip_leaf(
+    x: Array, b: Array, r: Array, dtype: Any, count_clipped: bool
+) -> tuple[Array, Array | None, Array | None]:
+    """A leaf scaled by ``r`` where ``|x| > b``; with ``count_clipped`` also how many
+    elements were and the leaf's sum of squares."""
+    # Not abs(x) > bound: XLA would share that abs with the max's and write it out.
+    if jnp.iscomplexobj(x):
+        hit = _grouping.abs_squared(x, dtype) > b**2
+    else:
+        xb = x.astype(dtype)
+        hit = (xb > b) | (xb < -b)
+    new = jnp.where(hit, x * r.astype(x.dtype), x)
+    if not count_clipped:
+        return new, None, None
+    # A second pass: the bound needs this step's max. Two sums in one reduce: a
+    # lone sum has XLA:CPU write its input out. The squares are taken here (not
+    # in the max's reduce) and used, so that XLA keeps this reduce variadic.
+    ones = jnp.where(hit, 1.0, 0.0).astype(dtype)
+    hit_count, square = _grouping.fused_sums(ones, _grouping.abs_squared(x, dtype))
+    return new, hit_count, square
 
 
 def adaclip(
@@ -254,26 +279,14 @@ def adaclip(
             limit = jnp.where(clips, bound, jnp.inf)
             limits = _grouping.leaf_scales(grouping, limit, state.leaf_index)
             ratios = _grouping.leaf_scales(grouping, ratio, state.leaf_index)
+            one = _grouping.per_leaf(_adaclip_leaf, dtype, count_clipped)
             new_leaves, hits = [], []
-            for x, b, r in zip(leaves, limits, ratios):
-                # Not abs(x) > bound: XLA would share that abs with the max's
-                # and write it out.
-                if jnp.iscomplexobj(x):
-                    hit = _grouping.abs_squared(x, dtype) > b**2
-                else:
-                    xb = x.astype(dtype)
-                    hit = (xb > b) | (xb < -b)
-                new_leaves.append(jnp.where(hit, x * r.astype(x.dtype), x))
+            for i, (x, b, r) in enumerate(zip(leaves, limits, ratios)):
+                new, hit_count, square = one(x, b, r)
+                new_leaves.append(new)
                 if count_clipped:
-                    # A second pass: the bound needs this step's max. Two sums
-                    # in one reduce: a lone sum has XLA:CPU write its input out.
-                    # The squares are taken here (not in the max's reduce) and
-                    # used, so that XLA keeps this reduce variadic.
-                    ones = jnp.where(hit, 1.0, 0.0).astype(dtype)
-                    hit_count, squares[len(hits)] = _grouping.fused_sums(
-                        ones, _grouping.abs_squared(x, dtype)
-                    )
                     hits.append(hit_count)
+                    squares[i] = square
             grad_norm = _grouping.group_norms(leaves, grouping, 2.0, squares)
             extra = {}
             if count_clipped:

@@ -222,6 +222,39 @@ def normalize_per_param(eps: float = 1e-8, *, name: str | None = None) -> _engin
     return _engine.transform(rule, NormalizePerParamState, scope="per_param", name=name)
 
 
+def _standardise(x: Array, dtype: Any, eps: Any) -> tuple[Array, Array, Array]:
+    """One leaf's norm, whether it is finite, and the leaf standardised."""
+    size = x.size
+    if size == 0:
+        return jnp.zeros((), dtype), jnp.ones((), bool), x
+    # Complex leaves are standardised in complex arithmetic: the deviations
+    # keep their phase, the std is that of |deviation|.
+    xs = x.astype(jnp.result_type(dtype, x.dtype) if jnp.iscomplexobj(x) else dtype)
+    total, squares = _grouping.fused_sums(xs, _grouping.abs_squared(xs, dtype))
+    norm = jnp.sqrt(squares)
+    ok = jnp.isfinite(norm)
+    # Corrected two-pass (Chan, Golub & LeVeque 1983): the second pass sums
+    # the deviations from the first mean too, and the output subtracts the two
+    # parts separately, so a leaf whose mean is far larger than its spread
+    # does not lose its deviations to the rounding of the mean.
+    rough = total / size
+    deviation = xs - rough
+    deviation_sum, deviation_squares = _grouping.fused_sums(
+        deviation, _grouping.abs_squared(deviation, dtype)
+    )
+    residual = deviation_sum / size
+    if size > 1:
+        centred = deviation_squares - size * jnp.abs(residual) ** 2
+        std = jnp.sqrt(jnp.maximum(centred, 0) / (size - 1))
+        inverse = 1 / (std + jnp.asarray(eps, dtype))
+    else:
+        inverse = jnp.zeros((), dtype)  # FIX: drytorch gives NaN here.
+    rough = jnp.where(ok, rough, jnp.zeros_like(rough))
+    residual = jnp.where(ok, residual, jnp.zeros_like(residual))
+    scale = jnp.where(ok, inverse, jnp.ones_like(inverse))
+    return norm, ok, (((xs - rough) - residual) * scale).astype(x.dtype)
+
+
 def zscore_normalize(eps: float = 1e-8, *, name: str | None = None) -> _engine.ClipTransform:
     """Standardises every leaf: ``(g - mean) / (std + eps)``, ``std`` with ddof=1.
 
@@ -262,43 +295,13 @@ def zscore_normalize(eps: float = 1e-8, *, name: str | None = None) -> _engine.C
 
     def kernel(leaves: list[Array], _: Any, grouping: Grouping, dtype: Any) -> Step:
         _grouping.check_inexact(leaves, grouping, name or "zscore_normalize")
+        one = _grouping.per_leaf(_standardise, dtype, eps)
         norms, finites, out = [], [], []
         for x in leaves:
-            size = x.size
-            if size == 0:
-                norms.append(jnp.zeros((), dtype))
-                finites.append(jnp.ones((), bool))
-                out.append(x)
-                continue
-            # Complex leaves are standardised in complex arithmetic: the
-            # deviations keep their phase, the std is that of |deviation|.
-            xs = x.astype(jnp.result_type(dtype, x.dtype) if jnp.iscomplexobj(x) else dtype)
-            total, squares = _grouping.fused_sums(xs, _grouping.abs_squared(xs, dtype))
-            norm = jnp.sqrt(squares)
-            ok = jnp.isfinite(norm)
-            # Corrected two-pass (Chan, Golub & LeVeque 1983): the second pass
-            # sums the deviations from the first mean too, and the output
-            # subtracts the two parts separately, so a leaf whose mean is far
-            # larger than its spread does not lose its deviations to the
-            # rounding of the mean.
-            rough = total / size
-            deviation = xs - rough
-            deviation_sum, deviation_squares = _grouping.fused_sums(
-                deviation, _grouping.abs_squared(deviation, dtype)
-            )
-            residual = deviation_sum / size
-            if size > 1:
-                centred = deviation_squares - size * jnp.abs(residual) ** 2
-                std = jnp.sqrt(jnp.maximum(centred, 0) / (size - 1))
-                inverse = 1 / (std + jnp.asarray(eps, dtype))
-            else:
-                inverse = jnp.zeros((), dtype)  # FIX: drytorch gives NaN here.
+            norm, ok, standardised = one(x)
             norms.append(norm)
             finites.append(ok)
-            rough = jnp.where(ok, rough, jnp.zeros_like(rough))
-            residual = jnp.where(ok, residual, jnp.zeros_like(residual))
-            scale = jnp.where(ok, inverse, jnp.ones_like(inverse))
-            out.append((((xs - rough) - residual) * scale).astype(x.dtype))
+            out.append(standardised)
         norm = jnp.stack(norms) if norms else jnp.zeros((0,), dtype)
         finite = jnp.stack(finites) if finites else jnp.zeros((0,), bool)
         return Step(out, {"grad_norm": norm}, finite)
