@@ -103,7 +103,10 @@ def _group_sizes(grouping: Grouping) -> np.ndarray:
 def _square_and_count(x: Array, b: Array, dtype: Any) -> tuple[Array, Array]:
     """A leaf's sum of squares and its number of elements with ``|x| > b``, in one read."""
     b = b.astype(jnp.abs(x).dtype)
-    return _grouping.fused_sums(_grouping.abs_squared(x, dtype), (jnp.abs(x) > b).astype(jnp.int32))
+    square, count = _grouping.fused_sums(
+        _grouping.abs_squared(x, dtype), (jnp.abs(x) > b).astype(jnp.int32)
+    )
+    return square, count
 
 
 def _norms_and_clipped(
