@@ -32,7 +32,8 @@ _INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%[\w.\-]+\s*=", re.M)
 _FEW, _MANY = 8, 24
 
 
-def _step_hlo(make: Callable[[], Any], leaves: int, value: bool = False) -> str:
+def _step(make: Callable[[], Any], leaves: int, value: bool = False) -> tuple[Any, tuple]:
+    """A training step through ``make()`` on ``leaves`` [8, 8] leaves, and its abstract args."""
     shapes = {
         "params": {f"w{i:03d}": jax.ShapeDtypeStruct((8, 8), jnp.float32) for i in range(leaves)}
     }
@@ -43,8 +44,17 @@ def _step_hlo(make: Callable[[], Any], leaves: int, value: bool = False) -> str:
         return optax.apply_updates(params, updates), state
 
     loss = jax.ShapeDtypeStruct((), jnp.float32)
-    jitted = jax.jit(step, donate_argnums=(0, 1))
-    return jitted.lower(shapes, jax.eval_shape(tx.init, shapes), shapes, loss).compile().as_text()
+    return step, (shapes, jax.eval_shape(tx.init, shapes), shapes, loss)
+
+
+def _step_hlo(make: Callable[[], Any], leaves: int, value: bool = False) -> str:
+    step, args = _step(make, leaves, value)
+    return jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile().as_text()
+
+
+def _growth(count: Callable[[int], int]) -> float:
+    """How much ``count(leaves)`` grows with each extra leaf."""
+    return (count(_MANY) - count(_FEW)) / (_MANY - _FEW)
 
 
 def _distinct_fusions(hlo: str) -> int:
@@ -58,9 +68,7 @@ def _distinct_fusions(hlo: str) -> int:
 
 
 def _instructions_per_leaf(make: Callable[[], Any], value: bool = False) -> float:
-    few = len(_INSTRUCTION.findall(_step_hlo(make, _FEW, value)))
-    many = len(_INSTRUCTION.findall(_step_hlo(make, _MANY, value)))
-    return (many - few) / (_MANY - _FEW)
+    return _growth(lambda leaves: len(_INSTRUCTION.findall(_step_hlo(make, leaves, value))))
 
 
 def _adamw(clipper: Callable[[], Any]) -> Callable[[], Any]:
@@ -143,9 +151,7 @@ _SELECT = re.compile(r"=\s*\S+\s+select\(")
 def test_a_folded_skip_zeroes_the_updates_once(make: Callable[[], Any]) -> None:
     # Each moment is selected once (and its gradient zeroed once); the update is
     # zeroed once after the chain's last member, not after each of adamw's three.
-    few = len(_SELECT.findall(_step_hlo(make, _FEW, True)))
-    many = len(_SELECT.findall(_step_hlo(make, _MANY, True)))
-    per_leaf = (many - few) / (_MANY - _FEW)
+    per_leaf = _growth(lambda leaves: len(_SELECT.findall(_step_hlo(make, leaves, True))))
     assert per_leaf <= 5, f"{per_leaf:.1f} selects a leaf"
 
 
@@ -166,17 +172,10 @@ def test_metrics_of_a_concrete_state_compile_nothing(caplog: pytest.LogCaptureFi
 
 def _jaxpr_eqns_per_leaf(make: Callable[[], Any]) -> float:
     def eqns(leaves: int) -> int:
-        shapes = {f"w{i:03d}": jax.ShapeDtypeStruct((8, 8), jnp.float32) for i in range(leaves)}
-        tx = make()
+        step, args = _step(make, leaves)
+        return len(jax.make_jaxpr(step)(*args).jaxpr.eqns)
 
-        def step(params: Any, state: Any, grads: Any) -> Any:
-            updates, state = tx.update(grads, state, params)
-            return optax.apply_updates(params, updates), state
-
-        state = jax.eval_shape(tx.init, shapes)
-        return len(jax.make_jaxpr(step)(shapes, state, shapes).jaxpr.eqns)
-
-    return (eqns(_MANY) - eqns(_FEW)) / (_MANY - _FEW)
+    return _growth(eqns)
 
 
 # The transforms whose per-leaf arithmetic runs through _grouping.per_leaf.
