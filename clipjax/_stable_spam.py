@@ -453,6 +453,7 @@ def stable_spam(
     scope: Scope = "per_param",
     mu_dtype: Any = None,
     mask: Any = None,
+    count_clipped: bool = True,
 ) -> _fold.SkippableTransform:
     """Stable-SPAM: AdaClip, AdaGN and Adam with SPAM's moment reset.
 
@@ -504,6 +505,9 @@ def stable_spam(
       mu_dtype: the first moment's dtype (None: that of the params).
       mask: a tree of bools (or a function of the params returning one): the
         leaves to decay; None decays all.
+      count_clipped: report AdaClip's ``clipped_fraction`` (see
+        :func:`clipjax.adaclip`); ``False`` leaves out its counting pass,
+        which costs a second read of the gradient and compile time per leaf.
 
     Returns:
       A :class:`clipjax.SkippableTransform`.
@@ -526,7 +530,7 @@ def stable_spam(
     _check_common(learning_rate, b1, b2, eps, weight_decay)
     _validation.integer("reset_interval", reset_interval, 1, static=False)
     return _fold.chain(
-        adaclip(theta, scope=scope),
+        adaclip(theta, scope=scope, count_clipped=count_clipped),
         ada_norm(gamma1, gamma2, eps, scope=scope),
         scale_by_spam(
             b1,

@@ -65,6 +65,11 @@ OPTIMIZERS: dict[str, tuple[Factory, str, str]] = {
         "resets",
     ),
     "stable_spam": (lambda: clipjax.stable_spam(1e-2, reset_interval=4), "stable_spam", "resets"),
+    "stable_spam_uncounted": (
+        lambda: clipjax.stable_spam(1e-2, reset_interval=4, count_clipped=False),
+        "stable_spam",
+        "resets",
+    ),
 }
 # Transforms whose metrics hold no gradient norm (spam reports its clip per element).
 NORMLESS = {"spam"}

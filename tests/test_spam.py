@@ -208,6 +208,15 @@ def test_stable_spam_matches_pytorch_optimizer(case: str) -> None:
     assert int(metrics["stable_spam/global/resets"]) == steps // ours_kw["reset_interval"]
     fractions = [float(clipjax.metrics(s)["adaclip/w/clipped_fraction"]) for _, s in ours]
     assert max(fractions) > 0
+    # Without AdaClip's count: the same trace, the same metrics less the fraction.
+    uncounted = run_ours(clipjax.stable_spam(1e-2, count_clipped=False, **ours_kw), grads)
+    assert_trace_close(uncounted, reference)
+    counted, fewer = metrics, clipjax.metrics(uncounted[-1][1])
+    assert {k for k in counted if k not in fewer} == {
+        "adaclip/b/clipped_fraction",
+        "adaclip/w/clipped_fraction",
+    }
+    chex.assert_trees_all_equal(fewer, {k: counted[k] for k in fewer})
 
 
 @needs_reference
