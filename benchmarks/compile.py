@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import optax
 
 import clipjax
+from clipjax._percentile import AUTO_EXACT_MAX_SIZE
 
 LR = 1e-3
 WARM = common.WARM
@@ -78,10 +79,19 @@ CLIPJAX: dict[str, tuple[Make, tuple[str, ...]]] = {
     "normalize_per_param": (_plus_adamw(lambda: clipjax.normalize_per_param()), (GN,)),
     "zscore_normalize": (_plus_adamw(lambda: clipjax.zscore_normalize()), (GN,)),
     "adaclip": (_plus_adamw(lambda: clipjax.adaclip()), (GN,)),
+    "adaclip(count_clipped=False)": (
+        _plus_adamw(lambda: clipjax.adaclip(count_clipped=False)),
+        (GN,),
+    ),
     "ada_norm": (_plus_adamw(lambda: clipjax.ada_norm()), (GN,)),
     # Optimizers with their own spike defence: against clip_by_global_norm + adamw.
     "spam": (lambda: clipjax.spam(LR), (GN,)),
+    "spam(count_clipped=False)": (lambda: clipjax.spam(LR, count_clipped=False), (GN,)),
     "stable_spam": (lambda: clipjax.stable_spam(LR), (GN,)),
+    "stable_spam(count_clipped=False)": (
+        lambda: clipjax.stable_spam(LR, count_clipped=False),
+        (GN,),
+    ),
     "adamw(update_clipping=True)": (lambda: clipjax.adamw(LR, update_clipping=True), (GN,)),
     "skip_on_spike(clipjax.adamw)": (
         lambda: clipjax.skip_on_spike(clipjax.adamw(LR)),
@@ -99,6 +109,172 @@ LARGE_ROWS = (
     "zclip[per_param]",
     "skip_on_spike(clipjax.chain(zclip, clipjax.adamw))",
 )
+
+
+# What the rows that miss the target compute per leaf beyond their counterpart
+# (the constructs table below prices each kind of work).
+NEEDS = {
+    "autoclip": "a fixed cost, the same at any leaf count (it weighs at 50 leaves, not at "
+    "500): the P² median estimator of the norm history, a loop over its markers and two "
+    "sorts of them",
+    "zclip": "a fixed cost, the same at any leaf count (it weighs at 50 leaves, not at 500): "
+    "the EMA statistics of the norm, the warm-up and the metrics",
+    "agc": "a fixed cost, the same at any leaf count (it weighs at 50 leaves, not at 500): "
+    "the metrics, one reduction over each stack of same-size leaves' unit norms and the "
+    "gather back into leaf order",
+    "zscore_clip": "a fixed cost, the same at any leaf count: the EMA statistics of the "
+    "norm, the warm-up and the metrics",
+    "adagc": "a fixed cost, the same at any leaf count: the EMA of each tensor's norm and "
+    "the metrics of the `[groups]` arrays",
+    "clip_by_global_norm": "nothing: the same sum of squares a leaf",
+    "normalize_per_param": "nothing a leaf: the same sum of squares, a group norm per leaf",
+    "ada_norm": "a fixed cost, the same at any leaf count: the EMAs of each tensor's norm "
+    "and of its square, and the metrics of the `[groups]` arrays",
+    "adamw(update_clipping=True)": "one sum a leaf after the moments (the RMS of "
+    "`g**2 / max(v_hat, eps**2)`), and each leaf's divisor in the update's loop",
+    "skip_on_spike(clipjax.adamw)": "the gradient norm's sum a leaf (its test), and the skip "
+    "folded into adam's loops",
+    "hist_clip": "a fixed cost, the same at any leaf count: the statistics of the warm-up "
+    "sample and the warm-up clip nested in the state",
+    "zclip[per_param]": "a fixed cost, the same at any leaf count: the EMA statistics, warm-up "
+    "and metrics of the `[groups]` arrays",
+    "spam": "one two-output reduce (the clipped and the non-finite counts, for the metrics "
+    "`clipped_fraction` and `nonfinite_count`), and the spike test in both moment loops",
+    "stable_spam": "AdaClip's max; then a two-output reduce (its clipped count and the squares "
+    "for its `grad_norm`); then AdaGN's norm of the clipped gradient: three reductions, each "
+    "waiting for the one before, where the counterpart has one",
+    "clip_by_value": "one two-output reduce (the norm and the clipped count, for the metrics), "
+    "where `optax.clip` reduces nothing",
+    "clip_by_percentile": "a sort of each group for the exact percentile (groups of up to "
+    f"{AUTO_EXACT_MAX_SIZE:,} elements), or the radix histogram's passes (larger ones, as in "
+    "the transformer tree)",
+    "zscore_normalize": "two two-output reduces (the corrected two-pass mean and deviation), "
+    "where the counterpart has one sum",
+    "adaclip": "the max, then a two-output reduce (the clipped count and the squares)",
+    "adaclip(count_clipped=False)": "one two-output reduce (the max, for the bound, and the "
+    "squares, for `grad_norm`), where the counterpart has one sum",
+    "spam(count_clipped=False)": "the spike test and the reset in both moment loops",
+    "stable_spam(count_clipped=False)": "AdaClip's max and squares in one two-output reduce, "
+    "then AdaGN's norm of the clipped gradient: two reductions, the second waiting for the "
+    "first, where the counterpart has one",
+    "skip_on_spike(clipjax.chain(zclip, clipjax.adamw))": "the skip folded into each of "
+    "adam's three loops (a select of the old moment, or of a zero update)",
+}
+
+Reduce = Callable[[jax.Array], tuple[jax.Array, ...]]
+
+
+def _sums(*terms: jax.Array) -> tuple[jax.Array, ...]:
+    """Several sums in one variadic reduce, as clipjax's metrics take them."""
+    flat = [t.reshape(-1) for t in terms]
+    return tuple(
+        jax.lax.reduce(
+            flat, [jnp.float32(0)] * len(flat), lambda a, b: [x + y for x, y in zip(a, b)], (0,)
+        )
+    )
+
+
+def _dependent(x: jax.Array) -> tuple[jax.Array, ...]:
+    """A max, then a sum over the leaf clipped at half of it (the sum waits for the max)."""
+    largest = jnp.max(jnp.abs(x))
+    return (jnp.sum(jnp.square(jnp.clip(x, -largest / 2, largest / 2))),)
+
+
+def _more(x: jax.Array) -> jax.Array:
+    """Four selects and four multiplies that XLA keeps (no two are alike)."""
+    for k in range(4):
+        x = jnp.where(x > 0.1 * k, x * (1.0 + 0.01 * k), x * (1.0 - 0.01 * k))
+    return x
+
+
+# label -> (a reduction of each leaf, an element-wise function of it) added to
+# `optax.clip` + adamw; the reductions are kept in the state so that XLA computes them.
+CONSTRUCTS: dict[str, tuple[Reduce | None, Callable[[jax.Array], jax.Array] | None]] = {
+    "`optax.clip` + adamw (element-wise only)": (None, None),
+    "+ one sum (of squares)": (lambda x: (jnp.sum(x * x),), None),
+    "+ one max (of magnitudes)": (lambda x: (jnp.max(jnp.abs(x)),), None),
+    "+ two sums in one reduce": (
+        lambda x: _sums(x * x, (jnp.abs(x) > 1).astype(jnp.float32)),
+        None,
+    ),
+    "+ three sums in one reduce": (
+        lambda x: _sums(x * x, (jnp.abs(x) > 1).astype(jnp.float32), jnp.abs(x)),
+        None,
+    ),
+    "+ a max, then a sum that depends on it": (_dependent, None),
+    "+ a sort (an order statistic)": (lambda x: (jnp.sort(x.reshape(-1))[x.size // 2],), None),
+    "+ 8 element-wise operations before the clip": (None, _more),
+}
+
+
+def _construct(reduce: Reduce | None, elementwise: Callable[[jax.Array], jax.Array] | None) -> Make:
+    """``optax.clip(1)`` + adamw with ``reduce`` of every leaf summed into a scalar state."""
+
+    def init(params: Any) -> jax.Array:
+        del params
+        return jnp.zeros((), jnp.float32)
+
+    def update(updates: Any, state: jax.Array, params: Any = None) -> Any:
+        del params
+        for x in jax.tree.leaves(updates) if reduce is not None else []:
+            for r in reduce(x):
+                state = state + r
+        if elementwise is not None:
+            updates = jax.tree.map(elementwise, updates)
+        out = jax.tree.map(lambda x: jnp.clip(x, -1.0, 1.0), updates)
+        return out, state
+
+    return lambda: optax.chain(optax.GradientTransformation(init, update), optax.adamw(LR))
+
+
+def constructs(leaves: int, reps: int, missed: list[str]) -> str:
+    """The compile time one kind of per-leaf work adds, at ``leaves`` identical leaves,
+    and what the ``missed`` rows compute per leaf."""
+    shapes = tree("identical", leaves)
+    common.log(f"  compile: constructs, {leaves} leaves, {reps} repeat(s)")
+    best = measure({k: _construct(*v) for k, v in CONSTRUCTS.items()}, shapes, reps)
+    base = best[next(iter(CONSTRUCTS))][2]
+    rows = [
+        [
+            k,
+            f"{best[k][2]:.2f}",
+            f"{best[k][2] - base:+.2f}",
+            f"{(best[k][2] - base) / leaves * 1e3:.1f}",
+        ]
+        for k in CONSTRUCTS
+    ]
+    header = ["each leaf's step", "CPU s", "over element-wise only, s", "ms a leaf"]
+    text = "\n".join(
+        [
+            "## Where the compile time goes",
+            "",
+            f"The same measurement on {leaves} identical [32, 32] leaves (best of {reps}), for "
+            "`optax.clip` + adamw with one kind of work added to each leaf (its results summed "
+            "into the state so that XLA keeps it). XLA:CPU compiles each fused loop and each "
+            "reduction of each leaf into code of its own: every reduction a leaf needs costs "
+            "milliseconds of compile a leaf, more with each output it adds, and every "
+            "operation added to a leaf's loops costs in each loop it is fused into.",
+            "",
+            common.table(header, rows),
+        ]
+    )
+    if not missed:
+        return text
+    needs = [f"* `{k}`: {NEEDS[k]}." for k in missed]
+    return "\n".join(
+        [
+            text,
+            "",
+            "What the rows that miss the target compute beyond their counterpart (per leaf, "
+            "unless said):",
+            "",
+            *needs,
+            "",
+            "`spam(count_clipped=False)`, `adaclip(count_clipped=False)` and "
+            "`stable_spam(count_clipped=False)` (no clipped fraction in the metrics) leave out "
+            "their counting reduce; their rows in the table above show what that saves.",
+        ]
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +392,7 @@ def section(
     # The sizes that measure fewer rows than the others (and, for those, fewer trees).
     most = max((len(p[1]) for p in plan.sizes), default=0)
     large = [p for p in plan.sizes if len(p[1]) < most]
-    rows, worst = [], (0.0, "")
+    rows, worst, missed = [], (0.0, ""), []
     for leaves, labels, trees, reps in plan.sizes:
         for kind in trees:
             shapes = tree(kind, leaves)
@@ -235,6 +411,8 @@ def section(
                     wall, ref_wall = sum(best[mine][:2]), sum(best[base][:2])
                     ratio = best[mine][2] / best[base][2]
                     worst = max(worst, (ratio, f"{mine} vs {base}, {kind} tree, {n} leaves"))
+                    if ratio > TARGET and label not in missed:
+                        missed.append(label)
                     rows.append(
                         [
                             n,
@@ -251,6 +429,9 @@ def section(
                             f"{wall / ref_wall:.2f}",
                         ]
                     )
+    # The constructs at the largest measured size up to 500 leaves.
+    sizes = [p[0] for p in plan.sizes if p[0] <= 500] or [50]
+    where = constructs(max(sizes), 1 if quick else 2, missed)
     groups, first, second = metrics_seconds()
     header = [
         "leaves",
@@ -299,6 +480,8 @@ def section(
         f"First eager `clipjax.metrics()` call on a state of {METRICS_GROUPS} groups "
         f'(`chain(zclip(scope="per_param"), adamw)`, {groups} values, fresh process): '
         f"{first:.3f} s; second call {second:.3f} s.",
+        "",
+        where,
     ]
     checks = [
         (

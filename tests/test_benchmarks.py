@@ -19,6 +19,8 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import common
 import traffic
 
+compile_bench = __import__("compile")  # benchmarks/compile.py
+
 SHAPES = common.transformer_shapes(**common.QUICK.model)
 
 # jaxlib 0.4's cost analysis counts one more full read in every optimizer
@@ -148,3 +150,17 @@ def test_quick_run_writes_every_section(tmp_path: str) -> None:
     assert "Targets" not in text and "do not edit" not in text
     targets = proc.stderr.split("== targets")[1]
     assert targets.count("\nmet ") + targets.count("\nMISSED ") >= 8
+
+
+def test_compile_page_says_what_each_row_computes_and_where_compile_time_goes() -> None:
+    # Every row that can miss its target has its explanation (a missing one is a KeyError).
+    assert set(compile_bench.CLIPJAX) <= set(compile_bench.NEEDS)
+    text = compile_bench.constructs(4, 1, ["spam", "clip_by_value"])
+    assert text.startswith("## Where the compile time goes\n")
+    rows = [line for line in text.splitlines() if line.startswith("| ")][1:]
+    assert [r.split(" | ")[0][2:] for r in rows] == list(compile_bench.CONSTRUCTS)
+    assert "| +0.00 |" in rows[0]  # the element-wise-only baseline
+    for label in ("spam", "clip_by_value"):
+        assert f"* `{label}`: {compile_bench.NEEDS[label]}." in text
+    assert "adaclip`:" not in text
+    assert compile_bench.constructs(4, 1, []).count("\n* `") == 0
