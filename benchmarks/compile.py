@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import optax
 
 import clipjax
+from clipjax._grouping import fused_sums
 from clipjax._percentile import AUTO_EXACT_MAX_SIZE
 
 LR = 1e-3
@@ -113,31 +114,28 @@ LARGE_ROWS = (
 
 # What the rows that miss the target compute per leaf beyond their counterpart
 # (the constructs table below prices each kind of work).
+_FIXED = "a fixed cost, the same at any leaf count (it weighs at 50 leaves, not at 500): "
 NEEDS = {
-    "autoclip": "a fixed cost, the same at any leaf count (it weighs at 50 leaves, not at "
-    "500): the P² median estimator of the norm history, a loop over its markers and two "
+    "autoclip": _FIXED
+    + "the P² median estimator of the norm history, a loop over its markers and two "
     "sorts of them",
-    "zclip": "a fixed cost, the same at any leaf count (it weighs at 50 leaves, not at 500): "
-    "the EMA statistics of the norm, the warm-up and the metrics",
-    "agc": "a fixed cost, the same at any leaf count (it weighs at 50 leaves, not at 500): "
-    "the metrics, one reduction over each stack of same-size leaves' unit norms and the "
+    "zclip": _FIXED + "the EMA statistics of the norm, the warm-up and the metrics",
+    "agc": _FIXED
+    + "the metrics, one reduction over each stack of same-size leaves' unit norms and the "
     "gather back into leaf order",
-    "zscore_clip": "a fixed cost, the same at any leaf count: the EMA statistics of the "
-    "norm, the warm-up and the metrics",
-    "adagc": "a fixed cost, the same at any leaf count: the EMA of each tensor's norm and "
-    "the metrics of the `[groups]` arrays",
+    "zscore_clip": _FIXED + "the EMA statistics of the norm, the warm-up and the metrics",
+    "adagc": _FIXED + "the EMA of each tensor's norm and the metrics of the `[groups]` arrays",
     "clip_by_global_norm": "nothing: the same sum of squares a leaf",
     "normalize_per_param": "nothing a leaf: the same sum of squares, a group norm per leaf",
-    "ada_norm": "a fixed cost, the same at any leaf count: the EMAs of each tensor's norm "
-    "and of its square, and the metrics of the `[groups]` arrays",
+    "ada_norm": _FIXED
+    + "the EMAs of each tensor's norm and of its square, and the metrics of the `[groups]` arrays",
     "adamw(update_clipping=True)": "one sum a leaf after the moments (the RMS of "
     "`g**2 / max(v_hat, eps**2)`), and each leaf's divisor in the update's loop",
     "skip_on_spike(clipjax.adamw)": "the gradient norm's sum a leaf (its test), and the skip "
     "folded into adam's loops",
-    "hist_clip": "a fixed cost, the same at any leaf count: the statistics of the warm-up "
-    "sample and the warm-up clip nested in the state",
-    "zclip[per_param]": "a fixed cost, the same at any leaf count: the EMA statistics, warm-up "
-    "and metrics of the `[groups]` arrays",
+    "hist_clip": _FIXED
+    + "the statistics of the warm-up sample and the warm-up clip nested in the state",
+    "zclip[per_param]": _FIXED + "the EMA statistics, warm-up and metrics of the `[groups]` arrays",
     "spam": "one two-output reduce (the clipped and the non-finite counts, for the metrics "
     "`clipped_fraction` and `nonfinite_count`), and the spike test in both moment loops",
     "stable_spam": "AdaClip's max; then a two-output reduce (its clipped count and the squares "
@@ -164,16 +162,6 @@ NEEDS = {
 Reduce = Callable[[jax.Array], tuple[jax.Array, ...]]
 
 
-def _sums(*terms: jax.Array) -> tuple[jax.Array, ...]:
-    """Several sums in one variadic reduce, as clipjax's metrics take them."""
-    flat = [t.reshape(-1) for t in terms]
-    return tuple(
-        jax.lax.reduce(
-            flat, [jnp.float32(0)] * len(flat), lambda a, b: [x + y for x, y in zip(a, b)], (0,)
-        )
-    )
-
-
 def _dependent(x: jax.Array) -> tuple[jax.Array, ...]:
     """A max, then a sum over the leaf clipped at half of it (the sum waits for the max)."""
     largest = jnp.max(jnp.abs(x))
@@ -194,11 +182,11 @@ CONSTRUCTS: dict[str, tuple[Reduce | None, Callable[[jax.Array], jax.Array] | No
     "+ one sum (of squares)": (lambda x: (jnp.sum(x * x),), None),
     "+ one max (of magnitudes)": (lambda x: (jnp.max(jnp.abs(x)),), None),
     "+ two sums in one reduce": (
-        lambda x: _sums(x * x, (jnp.abs(x) > 1).astype(jnp.float32)),
+        lambda x: fused_sums(x * x, (jnp.abs(x) > 1).astype(jnp.float32)),
         None,
     ),
     "+ three sums in one reduce": (
-        lambda x: _sums(x * x, (jnp.abs(x) > 1).astype(jnp.float32), jnp.abs(x)),
+        lambda x: fused_sums(x * x, (jnp.abs(x) > 1).astype(jnp.float32), jnp.abs(x)),
         None,
     ),
     "+ a max, then a sum that depends on it": (_dependent, None),
@@ -216,9 +204,8 @@ def _construct(reduce: Reduce | None, elementwise: Callable[[jax.Array], jax.Arr
 
     def update(updates: Any, state: jax.Array, params: Any = None) -> Any:
         del params
-        for x in jax.tree.leaves(updates) if reduce is not None else []:
-            for r in reduce(x):
-                state = state + r
+        if reduce is not None:
+            state = state + sum(r for x in jax.tree.leaves(updates) for r in reduce(x))
         if elementwise is not None:
             updates = jax.tree.map(elementwise, updates)
         out = jax.tree.map(lambda x: jnp.clip(x, -1.0, 1.0), updates)
@@ -261,6 +248,8 @@ def constructs(leaves: int, reps: int, missed: list[str]) -> str:
     if not missed:
         return text
     needs = [f"* `{k}`: {NEEDS[k]}." for k in missed]
+    names = [f"`{k}`" for k in CLIPJAX if k.endswith("(count_clipped=False)")]
+    uncounted = ", ".join(names[:-1]) + " and " + names[-1]
     return "\n".join(
         [
             text,
@@ -270,9 +259,8 @@ def constructs(leaves: int, reps: int, missed: list[str]) -> str:
             "",
             *needs,
             "",
-            "`spam(count_clipped=False)`, `adaclip(count_clipped=False)` and "
-            "`stable_spam(count_clipped=False)` (no clipped fraction in the metrics) leave out "
-            "their counting reduce; their rows in the table above show what that saves.",
+            f"{uncounted} (no clipped fraction in the metrics) leave out their counting "
+            "reduce; their rows in the table above show what that saves.",
         ]
     )
 
