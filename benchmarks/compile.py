@@ -108,15 +108,16 @@ CLIPJAX: dict[str, tuple[Make, tuple[str, ...]]] = {
 # What the rows that miss the target compute per leaf beyond their counterpart
 # (the constructs table below prices each kind of work).
 _FIXED = "a fixed cost, the same at any leaf count (it weighs at 50 leaves, not at 500 or 2,000): "
+_EMA = _FIXED + "the EMA statistics of the norm, the warm-up and the metrics"
 NEEDS = {
     "autoclip": _FIXED
     + "the P² median estimator of the norm history, a loop over its markers and two "
     "sorts of them",
-    "zclip": _FIXED + "the EMA statistics of the norm, the warm-up and the metrics",
+    "zclip": _EMA,
     "agc": _FIXED
     + "the metrics, one reduction over each stack of same-size leaves' unit norms and the "
     "gather back into leaf order",
-    "zscore_clip": _FIXED + "the EMA statistics of the norm, the warm-up and the metrics",
+    "zscore_clip": _EMA,
     "adagc": _FIXED + "the EMA of each tensor's norm and the metrics of the `[groups]` arrays",
     "clip_by_global_norm": "nothing: the same sum of squares a leaf",
     "normalize_per_param": "nothing a leaf: the same sum of squares, a group norm per leaf",
@@ -372,7 +373,7 @@ def section(
     repeats = ", ".join(f"{p[3]} at {p[0]} leaves" for p in plan.sizes)
     # The sizes measured on fewer trees than the others.
     most = max((len(p[2]) for p in plan.sizes), default=0)
-    large = [p for p in plan.sizes if len(p[2]) < most]
+    fewer_trees = [p for p in plan.sizes if len(p[2]) < most]
     rows, worst, missed = [], (0.0, ""), []
     for leaves, labels, trees, reps in plan.sizes:
         for kind in trees:
@@ -411,8 +412,8 @@ def section(
                         ]
                     )
     # The constructs at the largest measured size up to 500 leaves.
-    sizes = [p[0] for p in plan.sizes if p[0] <= 500] or [50]
-    where = constructs(max(sizes), 1 if quick else 2, missed)
+    small = [p[0] for p in plan.sizes if p[0] <= 500] or [50]
+    where = constructs(max(small), 1 if quick else 2, missed)
     groups, first, second = metrics_seconds()
     header = [
         "leaves",
@@ -448,8 +449,8 @@ def section(
         "load inflates wall times unevenly between measurements; × optax (wall): the same for "
         "wall seconds.",
     ]
-    if large:
-        sizes = ", ".join(str(p[0]) for p in large)
+    if fewer_trees:
+        sizes = ", ".join(str(p[0]) for p in fewer_trees)
         text.append(
             f"\nAt {sizes} leaves the rows are measured on the identical tree only (each "
             "compile there takes tens of seconds on 2 cores)."
