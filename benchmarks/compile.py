@@ -371,9 +371,9 @@ def section(
             sizes=tuple((n, r, tuple(t for t in t_ if t in kinds), k) for n, r, t_, k in plan.sizes)
         )
     repeats = ", ".join(f"{p[3]} at {p[0]} leaves" for p in plan.sizes)
-    # The sizes measured on fewer trees than the others.
-    most = max((len(p[2]) for p in plan.sizes), default=0)
-    fewer_trees = [p for p in plan.sizes if len(p[2]) < most]
+    # The leaf counts measured on fewer trees than the others.
+    most = max((len(t_) for _, _, t_, _ in plan.sizes), default=0)
+    fewer_trees = [n for n, _, t_, _ in plan.sizes if len(t_) < most]
     rows, worst, missed = [], (0.0, ""), []
     for leaves, labels, trees, reps in plan.sizes:
         for kind in trees:
@@ -450,9 +450,9 @@ def section(
         "wall seconds.",
     ]
     if fewer_trees:
-        sizes = ", ".join(str(p[0]) for p in fewer_trees)
+        counts = ", ".join(map(str, fewer_trees))
         text.append(
-            f"\nAt {sizes} leaves the rows are measured on the identical tree only (each "
+            f"\nAt {counts} leaves the rows are measured on the identical tree only (each "
             "compile there takes tens of seconds on 2 cores)."
         )
     text += [
