@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import common
 import jax
@@ -259,22 +259,34 @@ def constructs(leaves: int, reps: int, missed: list[str]) -> str:
     )
 
 
+class Size(NamedTuple):
+    """One leaf count of a plan: the rows, trees and repeats measured at it."""
+
+    leaves: int
+    rows: tuple[str, ...]
+    trees: tuple[str, ...]
+    reps: int
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Leaf counts, and for each the rows, trees and repeats measured."""
 
-    sizes: tuple[tuple[int, tuple[str, ...], tuple[str, ...], int], ...]
+    sizes: tuple[Size, ...]
 
 
 FULL = Plan(
     sizes=(
-        (50, tuple(CLIPJAX), ("identical", "transformer"), 2),
-        (500, tuple(CLIPJAX), ("identical", "transformer"), 2),
-        (2000, tuple(CLIPJAX), ("identical",), 1),
+        Size(50, tuple(CLIPJAX), ("identical", "transformer"), 2),
+        Size(500, tuple(CLIPJAX), ("identical", "transformer"), 2),
+        Size(2000, tuple(CLIPJAX), ("identical",), 1),
     )
 )
 QUICK = Plan(
-    sizes=((50, tuple(CLIPJAX), ("identical",), 1), (200, ("agc", "zclip"), ("identical",), 1))
+    sizes=(
+        Size(50, tuple(CLIPJAX), ("identical",), 1),
+        Size(200, ("agc", "zclip"), ("identical",), 1),
+    )
 )
 
 
@@ -357,26 +369,26 @@ def section(
     plan = QUICK if quick else FULL
     if only:
         keep = {int(n) for n in only.split(",")}
-        plan = Plan(sizes=tuple(p for p in plan.sizes if p[0] in keep))
+        plan = Plan(sizes=tuple(p for p in plan.sizes if p.leaves in keep))
     if rows:
         names = rows.split(";")
         plan = Plan(
-            sizes=tuple(
-                (n, tuple(r for r in r_ if r in names), *rest) for n, r_, *rest in plan.sizes
-            )
+            sizes=tuple(p._replace(rows=tuple(r for r in p.rows if r in names)) for p in plan.sizes)
         )
     if trees:
         kinds = trees.split(",")
         plan = Plan(
-            sizes=tuple((n, r, tuple(t for t in t_ if t in kinds), k) for n, r, t_, k in plan.sizes)
+            sizes=tuple(
+                p._replace(trees=tuple(t for t in p.trees if t in kinds)) for p in plan.sizes
+            )
         )
-    repeats = ", ".join(f"{p[3]} at {p[0]} leaves" for p in plan.sizes)
+    repeats = ", ".join(f"{p.reps} at {p.leaves} leaves" for p in plan.sizes)
     # The leaf counts measured on fewer trees than the others.
-    most = max((len(t_) for _, _, t_, _ in plan.sizes), default=0)
-    fewer_trees = [n for n, _, t_, _ in plan.sizes if len(t_) < most]
-    rows, worst, missed = [], (0.0, ""), []
-    for leaves, labels, trees, reps in plan.sizes:
-        for kind in trees:
+    most = max((len(p.trees) for p in plan.sizes), default=0)
+    fewer_trees = [p.leaves for p in plan.sizes if len(p.trees) < most]
+    table_rows, worst, missed = [], (0.0, ""), []
+    for leaves, labels, measured_trees, reps in plan.sizes:
+        for kind in measured_trees:
             shapes = tree(kind, leaves)
             n = len(jax.tree.leaves(shapes))
             common.log(f"  compile: {kind} tree, {n} leaves, {len(labels)} rows, {reps} repeat(s)")
@@ -395,7 +407,7 @@ def section(
                     worst = max(worst, (ratio, f"{mine} vs {base}, {kind} tree, {n} leaves"))
                     if ratio > TARGET and label not in missed:
                         missed.append(label)
-                    rows.append(
+                    table_rows.append(
                         [
                             n,
                             kind,
@@ -412,7 +424,7 @@ def section(
                         ]
                     )
     # The constructs at the largest measured size up to 500 leaves.
-    small = [p[0] for p in plan.sizes if p[0] <= 500] or [50]
+    small = [p.leaves for p in plan.sizes if p.leaves <= 500] or [50]
     where = constructs(max(small), 1 if quick else 2, missed)
     groups, first, second = metrics_seconds()
     header = [
@@ -457,7 +469,7 @@ def section(
         )
     text += [
         "",
-        common.table(header, rows),
+        common.table(header, table_rows),
         "",
         f"First eager `clipjax.metrics()` call on a state of {METRICS_GROUPS} groups "
         f'(`chain(zclip(scope="per_param"), adamw)`, {groups} values, fresh process): '
