@@ -31,13 +31,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _grouping, _metrics, _stats
+from clipjax import _grouping, _metrics, _stats, _validation
 from clipjax._grouping import Grouping, Scope
 
 Array = jax.Array
 
 FEEDBACKS = ("observe_first", "raw", "clipped", "clip_target", "skip")
-COUNTERS = ("count", "step", "clipped_count", "nonfinite_count")
+COUNTERS = ("count", "step", "clipped_count", "nonfinite_count", "capped_count")
+# The guard in a ceiling's multiplier, max_grad_norm / (g + 1e-6) (zclip's and torch's).
+CEILING_EPS = 1e-6
 
 
 class Judgement(NamedTuple):
@@ -92,6 +94,10 @@ class NormRule:
       needs_params: whether ``judge`` needs the group norms of ``params``.
       leaf_filter: ``(path, leaf) -> bool``; leaves it rejects are left out of
         the norms and pass through unscaled.
+      ceiling: an absolute bound on every step's group norm (``max_grad_norm``),
+        applied from the first step whatever the gate, or None. The metrics
+        then add ``capped`` (the ceiling was the binding bound of this step)
+        and ``capped_count``; ``threshold`` is at most the ceiling.
     """
 
     algo: str
@@ -104,6 +110,7 @@ class NormRule:
     ord: float = 2.0
     needs_params: bool = False
     leaf_filter: Callable[[Any, Any], bool] | None = None
+    ceiling: float | None = None
 
 
 class Step(NamedTuple):
@@ -185,6 +192,26 @@ class ClipTransform(optax.GradientTransformationExtraArgs):
 def check_feedback(feedback: Any, allowed: tuple[str, ...]) -> None:
     if feedback not in allowed:
         raise ValueError(f"feedback must be one of {allowed}, got {feedback!r}")
+
+
+# The ceiling of the spike-defence setting (feedback="clipped") where the
+# reference has none: the field's standard clip, ZClip's default.
+DEFAULT_CEILING = 1.0
+
+
+def resolve_ceiling(max_grad_norm: Any, feedback: str) -> float | None:
+    """``max_grad_norm="auto"``: :data:`DEFAULT_CEILING` under ``feedback="clipped"``
+    (a spike defence bounds every step from the first), None otherwise (the
+    reference's behaviour); a number must be positive."""
+    if isinstance(max_grad_norm, str):
+        if max_grad_norm != "auto":
+            raise ValueError(
+                f'max_grad_norm must be a positive number, None or "auto", got {max_grad_norm!r}'
+            )
+        return DEFAULT_CEILING if feedback == "clipped" else None
+    if max_grad_norm is not None:
+        _validation.positive("max_grad_norm", max_grad_norm)
+    return max_grad_norm
 
 
 def check_name(name: Any) -> None:
@@ -402,13 +429,14 @@ def select_groups(mask: Array, new: Any, old: Any) -> Any:
 
 
 def _advance_counters(
-    old: dict[str, Array], observed: Array, clipped: Array, finite: Array
+    old: dict[str, Array], observed: Array, clipped: Array, finite: Array, capped: Any = False
 ) -> dict[str, Array]:
     increments = {
         "count": observed,
         "step": True,
         "clipped_count": clipped,
         "nonfinite_count": ~finite,
+        "capped_count": capped,
     }
     return {k: old[k] + jnp.asarray(v).astype(jnp.int32) for k, v in increments.items() if k in old}
 
@@ -445,9 +473,15 @@ def _state_metrics(rule: Rule, num_groups: int, dtype: Any, stats: Any) -> dict[
             metrics[rule.threshold_name] = zeros
         metrics["scale"] = jnp.ones((num_groups,), dtype)
         metrics["clipped"] = jnp.zeros((num_groups,), bool)
+    ceiling = getattr(rule, "ceiling", None) is not None
+    if ceiling:
+        metrics["capped"] = jnp.zeros((num_groups,), bool)
     for counter in COUNTERS:
-        if counter != "clipped_count" or getattr(rule, "clipped_count", True):
-            metrics[counter] = jnp.zeros((num_groups,), jnp.int32)
+        if counter == "clipped_count" and not getattr(rule, "clipped_count", True):
+            continue
+        if counter == "capped_count" and not ceiling:
+            continue
+        metrics[counter] = jnp.zeros((num_groups,), jnp.int32)
     if isinstance(rule, NormRule):
         if rule.statistic is not None:
             for key, value in rule.statistic.report(stats).items():
@@ -455,6 +489,21 @@ def _state_metrics(rule: Rule, num_groups: int, dtype: Any, stats: Any) -> dict[
         for key in rule.extra_fields:
             metrics[key] = zeros
     return metrics
+
+
+def ceiling_scale(scale: Array, norm: Array, ceiling: float) -> tuple[Array, Array]:
+    """``(scale, capped)`` of a step bounded by an absolute ceiling on its group norm.
+
+    The multiplier is the smaller of the rule's ``scale`` and
+    ``ceiling / (norm + 1e-6)`` where the norm exceeds the ceiling; ``capped``
+    says the ceiling was the binding bound. A non-finite norm passes (scale
+    1, section "non-finite norms" of the clippers' docs).
+    """
+    finite = jnp.isfinite(norm)
+    over = finite & (norm > ceiling)
+    bound = jnp.where(over, ceiling / (norm + CEILING_EPS), 1.0).astype(scale.dtype)
+    capped = over & (bound <= scale)
+    return jnp.minimum(scale, bound), capped
 
 
 def _norm_step(
@@ -502,16 +551,28 @@ def _norm_step(
         after = select_groups(observed, stat.observe(before, x, count), before)
 
     scale = jnp.where(finite & gate_open, judgement.scale, 1.0).astype(norm.dtype)
+    threshold = judgement.threshold
+    capped = False
+    if rule.ceiling is not None:
+        scale, capped = ceiling_scale(scale, norm, rule.ceiling)
+        if threshold is not None:
+            threshold = jnp.where(gate_open, jnp.minimum(threshold, rule.ceiling), rule.ceiling)
     clipped = scale < 1
     metrics = {"grad_norm": norm}
-    if rule.threshold_name is not None and judgement.threshold is not None:
-        metrics[rule.threshold_name] = judgement.threshold
+    if rule.threshold_name is not None and threshold is not None:
+        metrics[rule.threshold_name] = threshold
     metrics["scale"] = scale
     metrics["clipped"] = clipped
-    metrics.update(_advance_counters(state.metrics, observed, clipped, finite))
+    if rule.ceiling is not None:
+        metrics["capped"] = capped
+    extra = dict(judgement.extra)
+    if rule.ceiling is not None and "clip_to" in extra:
+        # The norm the step leaves with: the ceiling where it was the bound.
+        extra["clip_to"] = jnp.where(capped, rule.ceiling, extra["clip_to"])
+    metrics.update(_advance_counters(state.metrics, observed, clipped, finite, capped))
     if stat is not None:
         metrics.update(stat.report(after))
-    metrics.update(judgement.extra)
+    metrics.update(extra)
     metrics = {k: jnp.asarray(v).astype(state.metrics[k].dtype) for k, v in metrics.items()}
     return scale, after, metrics, judgement
 
@@ -672,9 +733,15 @@ def transform(
                 new_leaves = _grouping.apply_scales(leaves, grouping, scale, state.leaf_index)
             if warmup is not None and judgement.warming is not None:
                 warming = judgement.warming & jnp.isfinite(norm)
+                # With a ceiling, the warm-up transform sees the capped gradient.
+                warm_in = (
+                    updates
+                    if rule.ceiling is None
+                    else jax.tree_util.tree_unflatten(treedef, new_leaves)
+                )
                 new_leaves, nested = _run_warmup(
                     warmup,
-                    updates,
+                    warm_in,
                     state.nested,
                     params,
                     new_leaves,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -227,6 +227,7 @@ def hist_clip(
     scope: Scope = "global",
     *,
     feedback: TargetFeedback = "raw",
+    max_grad_norm: float | Literal["auto"] | None = "auto",
     axis_name: str | None = None,
     leaf_norms: bool = False,
     name: str | None = None,
@@ -287,6 +288,13 @@ def hist_clip(
       scope: ``"global"``, ``"per_param"``, ``"per_layer"`` or a callable.
       feedback: ``"raw"`` (default), ``"clipped"``, ``"clip_target"`` or
         ``"skip"``, see above.
+      max_grad_norm: the ceiling: an absolute bound on every step's norm,
+        applied from the first step (also while the gate is closed); None for
+        none. ``"auto"`` (default): 1.0 under ``feedback="clipped"`` (a
+        spike defence bounds the first steps of a run, whose norms no
+        statistic has seen yet), none otherwise (the reference has none). It
+        assumes a healthy step's norm is below 1; where ``capped`` shows most
+        steps capped after the first few hundred, raise it.
       axis_name: average the group norms over this mapped axis first, so every
         replica keeps identical statistics and applies the same scale.
       leaf_norms: also record each leaf's L2 norm before clipping.
@@ -333,6 +341,7 @@ def hist_clip(
             f"warmup_clip must be a GradientTransformation or None, got {warmup_clip!r}"
         )
     _engine.check_feedback(feedback, ("raw", "clipped", "clip_target", "skip"))
+    ceiling = _engine.resolve_ceiling(max_grad_norm, feedback)
     alpha, thresh = criterion.alpha, criterion.thresh
     # drytorch's StatsCollector: mean and ddof=1 variance of the warm-up
     # sample, the variance kept at its start value 1.0 unless positive.
@@ -371,6 +380,7 @@ def hist_clip(
         statistic,
         feedback=feedback,
         extra_fields=("clip_to",) if score_name is None else ("clip_to", score_name),
+        ceiling=ceiling,
     )
     return _engine.transform(
         rule,

@@ -288,7 +288,14 @@ def _split(values: Any, n: int) -> list[Any]:
 # What a transform that did not run this step reports for its per-step fields
 # (skip_on_spike's inner transforms on a skipped step); thresholds, statistics
 # and counters read as they stand.
-IDLE_VALUES = {"grad_norm": 0, "scale": 1, "clipped": False, "clipped_fraction": 0, "z": 0}
+IDLE_VALUES = {
+    "grad_norm": 0,
+    "scale": 1,
+    "clipped": False,
+    "capped": False,
+    "clipped_fraction": 0,
+    "z": 0,
+}
 
 
 def _idle_view(values: Any, field: str, idle: Any) -> Any:

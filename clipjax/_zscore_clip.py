@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +55,7 @@ def zscore_clip(
     guard_nans: bool = True,
     *,
     feedback: Feedback = "observe_first",
+    max_grad_norm: float | Literal["auto"] | None = "auto",
     axis_name: str | None = None,
     leaf_norms: bool = False,
     name: str | None = None,
@@ -109,6 +110,13 @@ def zscore_clip(
       guard_nans: keep non-finite norms out of the statistics (default).
       feedback: ``"observe_first"`` (default), ``"raw"``, ``"clipped"`` or
         ``"skip"``, see above.
+      max_grad_norm: the ceiling: an absolute bound on every step's norm,
+        applied from the first step (also while the gate is closed); None for
+        none. ``"auto"`` (default): 1.0 under ``feedback="clipped"`` (a
+        spike defence bounds the first steps of a run, whose norms no
+        statistic has seen yet), none otherwise (the reference has none). It
+        assumes a healthy step's norm is below 1; where ``capped`` shows most
+        steps capped after the first few hundred, raise it.
       axis_name: average the group norms over this mapped axis first, so every
         replica keeps identical statistics and applies the same scale.
       leaf_norms: also record each leaf's L2 norm before clipping.
@@ -134,6 +142,7 @@ def zscore_clip(
     """
     _validation.positive("zmax", zmax)
     _engine.check_feedback(feedback, ("observe_first", "raw", "clipped", "skip"))
+    ceiling = _engine.resolve_ceiling(max_grad_norm, feedback)
     if ema_decay is None:
         ema_decay = 0.99 if feedback == "observe_first" else JUDGE_FIRST_DECAY
     _validation.open_unit("ema_decay", ema_decay)
@@ -158,6 +167,7 @@ def zscore_clip(
         statistic,
         feedback=feedback,
         gate=jnp.maximum(warmup_steps, min_history),
+        ceiling=ceiling,
     )
     return _engine.transform(
         rule,

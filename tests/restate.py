@@ -89,6 +89,24 @@ COMMON = [
 ]
 
 
+_CEILING_DIV = 1e-6  # the guard of a ceiling's multiplier, max_grad_norm / (g + 1e-6)
+
+
+def _ceiling(max_grad_norm: Any, feedback: str) -> float:
+    """``max_grad_norm="auto"``: 1.0 under feedback "clipped", no ceiling otherwise."""
+    if max_grad_norm == "auto":
+        return 1.0 if feedback == "clipped" else INF
+    return INF if max_grad_norm is None else float(max_grad_norm)
+
+
+def _capped(g: float, scale: float, cap: float) -> tuple[float, bool]:
+    """A rule's ``scale`` bounded by the ceiling ``cap``: ``(scale, capped)``."""
+    if not (math.isfinite(g) and g > cap):
+        return scale, False
+    bound = cap / (g + _CEILING_DIV)
+    return min(scale, bound), bound <= scale
+
+
 def _positive(g: float, eps: float) -> float:
     """What smartclip-style statistics observe: ``g if g > 0 else eps``."""
     return g if g > 0 else eps
@@ -215,20 +233,22 @@ def _smartclip_family(
     min_history: int,
     eps: float,
     clipped_value: str,
+    cap: float = INF,
 ) -> dict[str, np.ndarray]:
-    """autoclip / zscore_clip under SPEC 9.1 + CONTRACT (one group).
+    """autoclip / zscore_clip under SPEC 9.1 + CONTRACT (one group); ``cap`` is
+    the ceiling (``max_grad_norm``), ``capped`` is reported when it is finite.
 
     ``clipped_value`` is what ``feedback="clipped"`` observes on a fire:
     ``"T"`` (auto mode, zscore_clip) or ``"g"`` (percentile mode).
     """
-    fields = COMMON + list(stats.report())
+    fields = COMMON + list(stats.report()) + (["capped"] if cap < INF else [])
     log = _Log(fields)
     gate = max(warmup_steps, min_history)
     for g in map(float, norms):
         if not math.isfinite(g):
             # SPEC 3: nothing observed, scale 1; the threshold on such a step is
             # not pinned by the SPEC (NaN here: not compared).
-            log.add(g=g, threshold=NAN, scale=1.0, observed=False, **stats.report())
+            log.add(g=g, threshold=NAN, scale=1.0, observed=False, capped=False, **stats.report())
             continue
         x = _positive(g, eps)
         if feedback == "observe_first":
@@ -253,7 +273,19 @@ def _smartclip_family(
             stats.observe(min(x, threshold))
         else:
             stats.observe(x)
-        log.add(g=g, threshold=threshold, scale=scale, observed=observed, **stats.report())
+        # The ceiling bounds every step, gate closed or open; the threshold
+        # reported is the norm above which this step is clipped.
+        scale, capped = _capped(g, scale, cap)
+        if cap < INF:
+            threshold = min(threshold, cap) if open_ else cap
+        log.add(
+            g=g,
+            threshold=threshold,
+            scale=scale,
+            observed=observed,
+            capped=capped,
+            **stats.report(),
+        )
     return log.out()
 
 
@@ -269,6 +301,7 @@ def autoclip(
     min_history: int = 50,
     eps: float = 1e-8,
     feedback: str = "observe_first",
+    max_grad_norm: Any = "auto",
 ) -> dict[str, np.ndarray]:
     """autoclip, modes auto (history "all" / "window") / percentile window /
     percentile geometric (not ema). ``history=None`` in auto mode is the whole
@@ -288,7 +321,8 @@ def autoclip(
     else:
         raise ValueError(f"no restatement for history={history!r}")
     value = "T" if mode == "auto" else "g"
-    return _smartclip_family(norms, stats, feedback, warmup_steps, min_history, eps, value)
+    cap = _ceiling(max_grad_norm, feedback)
+    return _smartclip_family(norms, stats, feedback, warmup_steps, min_history, eps, value, cap)
 
 
 def zscore_clip(
@@ -300,11 +334,13 @@ def zscore_clip(
     min_history: int = 50,
     eps: float = 1e-8,
     feedback: str = "observe_first",
+    max_grad_norm: Any = "auto",
 ) -> dict[str, np.ndarray]:
     if ema_decay is None:
         ema_decay = 0.99 if feedback == "observe_first" else 0.97
     stats = _ZScoreStats(zmax, ema_decay)
-    return _smartclip_family(norms, stats, feedback, warmup_steps, min_history, eps, "T")
+    cap = _ceiling(max_grad_norm, feedback)
+    return _smartclip_family(norms, stats, feedback, warmup_steps, min_history, eps, "T", cap)
 
 
 # ----------------------------------------------------------------------------
@@ -340,7 +376,7 @@ def zclip(
 ) -> dict[str, np.ndarray]:
     """zclip; ``threshold`` is the boundary ``min(B, cap)``, ``clip_to`` the norm it leaves with."""
     cap = INF if max_grad_norm is None else float(max_grad_norm)
-    log = _Log([*COMMON, "clip_to", "mean", "std", "z"])
+    log = _Log([*COMMON, "clip_to", "mean", "std", "z", *(["capped"] if cap < INF else [])])
     samples: list[float] = []
     mean = var = NAN
 
@@ -351,7 +387,16 @@ def zclip(
 
     for g in map(float, norms):
         if not math.isfinite(g):
-            log.add(g=g, threshold=NAN, scale=1.0, observed=False, z=NAN, clip_to=g, **stats())
+            log.add(
+                g=g,
+                threshold=NAN,
+                scale=1.0,
+                observed=False,
+                z=NAN,
+                clip_to=g,
+                capped=False,
+                **stats(),
+            )
             continue
         if log.count < warmup_steps:
             samples.append(g)
@@ -359,7 +404,17 @@ def zclip(
                 mean, var = float(np.mean(samples)), float(np.var(samples))
             scale = min(1.0, cap / (g + _ZCLIP_DIV))
             to = min(g, cap) if scale < 1 else g
-            log.add(g=g, threshold=cap, scale=scale, observed=True, z=0.0, clip_to=to, **stats())
+            capped = _capped(g, 1.0, cap)[1]
+            log.add(
+                g=g,
+                threshold=cap,
+                scale=scale,
+                observed=True,
+                z=0.0,
+                clip_to=to,
+                capped=capped,
+                **stats(),
+            )
             continue
         std = math.sqrt(var)
         z = (g - mean) / (std + eps)
@@ -384,8 +439,17 @@ def zclip(
             mean = new_mean
         to = applied if scale < 1 else g
         threshold = min(boundary, cap)
+        # The ceiling is the bound where it lies at or below the rule's clip value.
+        capped = _capped(g, clip_val / (g + _ZCLIP_DIV) if spike else 1.0, cap)[1]
         log.add(
-            g=g, threshold=threshold, scale=scale, observed=observed, z=z, clip_to=to, **stats()
+            g=g,
+            threshold=threshold,
+            scale=scale,
+            observed=observed,
+            z=z,
+            clip_to=to,
+            capped=capped,
+            **stats(),
         )
     return log.out()
 
@@ -410,14 +474,18 @@ def hist_clip(
     clip: str | None = None,
     warmup_steps: int = 20,
     feedback: str = "raw",
+    max_grad_norm: Any = "auto",
 ) -> dict[str, np.ndarray]:
-    """hist_clip with ``warmup_clip=None`` (warm-up steps pass unchanged)."""
+    """hist_clip with ``warmup_clip=None`` (warm-up steps pass unchanged, but for
+    the ceiling ``max_grad_norm``, which bounds every step)."""
+    cap = _ceiling(max_grad_norm, feedback)
     zstat = criterion == "zstat"
     alpha = (0.97 if zstat else 0.98) if alpha is None else alpha
     thresh = (2.5 if zstat else 1.05) if thresh is None else thresh
     clip = ("reciprocal" if zstat else "max") if clip is None else clip
     f = _CLIP_FNS[clip]
-    log = _Log(COMMON + (["clip_to", "mean", "std", "z"] if zstat else ["clip_to", "mean"]))
+    fields = ["clip_to", "mean", "std", "z"] if zstat else ["clip_to", "mean"]
+    log = _Log(COMMON + fields + (["capped"] if cap < INF else []))
     samples: list[float] = []
     mu, v = 0.0, 1.0
     started = False
@@ -427,7 +495,16 @@ def hist_clip(
 
     for g in map(float, norms):
         if not math.isfinite(g):
-            log.add(g=g, threshold=NAN, scale=1.0, observed=False, z=NAN, clip_to=g, **stats())
+            log.add(
+                g=g,
+                threshold=NAN,
+                scale=1.0,
+                observed=False,
+                z=NAN,
+                clip_to=g,
+                capped=False,
+                **stats(),
+            )
             continue
         if log.count < warmup_steps:
             samples.append(g)
@@ -436,7 +513,17 @@ def hist_clip(
             # clipjax may show them initialised): not compared.
             last = len(samples) == warmup_steps
             shown = {k: NAN for k in stats()} if last else stats()
-            log.add(g=g, threshold=INF, scale=1.0, observed=True, z=0.0, clip_to=g, **shown)
+            scale, capped = _capped(g, 1.0, cap)
+            log.add(
+                g=g,
+                threshold=min(INF, cap),
+                scale=scale,
+                observed=True,
+                z=0.0,
+                clip_to=cap if capped else g,
+                capped=capped,
+                **shown,
+            )
             continue
         if not started:
             started = True
@@ -471,8 +558,16 @@ def hist_clip(
             mu = alpha * mu + (1 - alpha) * x
         extra = {"z": stat} if zstat else {}
         to = clip_val if (high and scale < 1) else g
+        scale, capped = _capped(g, scale, cap)
         log.add(
-            g=g, threshold=boundary, scale=scale, observed=observed, clip_to=to, **extra, **stats()
+            g=g,
+            threshold=min(boundary, cap),
+            scale=scale,
+            observed=observed,
+            clip_to=cap if capped else to,
+            capped=capped,
+            **extra,
+            **stats(),
         )
     return log.out()
 
@@ -602,7 +697,7 @@ def compare(
         w = np.asarray(want[f], np.float64)
         assert g.shape == w.shape, (key, g.shape, w.shape)
         defined = ~np.isnan(w)
-        if f in ("count", "step", "clipped_count", "nonfinite_count", "clipped"):
+        if f in ("count", "step", "clipped_count", "nonfinite_count", "clipped", "capped"):
             bad = np.nonzero(g[defined] != w[defined])[0]
             assert bad.size == 0, (
                 f"{key}: first mismatch at {np.nonzero(defined)[0][bad[:5]]}: "

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax.numpy as jnp
 import numpy as np
@@ -117,7 +118,8 @@ def test_window_follows_a_noisy_shift_as_restated(feedback, factor):
     and the whole-history statistics take several times longer (or never)."""
     w = 100
     norms, at = _shift(factor, before=300, after=500, noise=0.1, seed=3)
-    kw = dict(mode="auto", history="window", window_size=w, **GATE)
+    # No ceiling: the window alone follows the shift.
+    kw = dict(mode="auto", history="window", window_size=w, max_grad_norm=None, **GATE)
     want = S.autoclip(norms, **kw, feedback=feedback)
     got = _check(clipjax.autoclip(**kw, feedback=feedback), norms, want, "autoclip/global/")
     # the new level's own threshold: median + 3 std of its stationary stream
@@ -133,7 +135,9 @@ def test_window_follows_a_noisy_shift_as_restated(feedback, factor):
         # a rise fed back as T: each half window raises T by about 1 + 3 sd;
         # with sd ~ 0.1 that is log(5) / log(1.3) ~ 6 half-windows at most
         assert predicted <= 6 * w
-    full = S.autoclip(norms, mode="auto", history="all", **GATE, feedback=feedback)
+    full = S.autoclip(
+        norms, mode="auto", history="all", max_grad_norm=None, **GATE, feedback=feedback
+    )
     slow = _first_within(full["threshold"], steady, at)
     assert slow is None or slow > 2 * predicted, (slow, predicted)
 
@@ -143,16 +147,23 @@ def test_window_follows_a_noisy_shift_as_restated(feedback, factor):
 # ----------------------------------------------------------------------------
 
 FIRST = np.array([math.nan, math.inf, 1.0, 2.0, 1.5])
+# Without a ceiling (max_grad_norm=None): the rule's own threshold.
 JUDGE_FIRST_CLIPPERS = {
-    "autoclip_all": lambda fb: clipjax.autoclip(feedback=fb, history="all"),
-    "autoclip_default": lambda fb: clipjax.autoclip(feedback=fb),
-    "autoclip_window": lambda fb: clipjax.autoclip(feedback=fb, history="window"),
-    "autoclip_percentile": lambda fb: clipjax.autoclip(mode="percentile", feedback=fb),
-    "autoclip_ema": lambda fb: clipjax.autoclip(mode="percentile", history="ema", feedback=fb),
-    "autoclip_geometric": lambda fb: clipjax.autoclip(
-        mode="percentile", history="geometric", feedback=fb
+    "autoclip_all": lambda fb: clipjax.autoclip(feedback=fb, history="all", max_grad_norm=None),
+    "autoclip_default": lambda fb: clipjax.autoclip(feedback=fb, max_grad_norm=None),
+    "autoclip_window": lambda fb: clipjax.autoclip(
+        feedback=fb, history="window", max_grad_norm=None
     ),
-    "zscore_clip": lambda fb: clipjax.zscore_clip(feedback=fb),
+    "autoclip_percentile": lambda fb: clipjax.autoclip(
+        mode="percentile", feedback=fb, max_grad_norm=None
+    ),
+    "autoclip_ema": lambda fb: clipjax.autoclip(
+        mode="percentile", history="ema", feedback=fb, max_grad_norm=None
+    ),
+    "autoclip_geometric": lambda fb: clipjax.autoclip(
+        mode="percentile", history="geometric", feedback=fb, max_grad_norm=None
+    ),
+    "zscore_clip": lambda fb: clipjax.zscore_clip(feedback=fb, max_grad_norm=None),
 }
 
 
@@ -175,6 +186,23 @@ def test_observe_first_threshold_is_finite_on_the_first_observation():
     got, _, _ = _run(clipjax.zscore_clip(), FIRST)
     threshold = got["zscore_clip/global/threshold"]
     assert np.isfinite(threshold[2]) and threshold[2] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("clipper", list(JUDGE_FIRST_CLIPPERS))
+def test_the_ceiling_bounds_the_steps_before_the_first_observation(clipper):
+    """feedback="clipped" with its default ceiling (max_grad_norm=1.0): the
+    threshold before any observation is the ceiling, not +inf, and the norm 2.0
+    at step 3 (gate still closed) leaves at 1.0, reported as capped."""
+    prefix = "zscore_clip" if clipper == "zscore_clip" else "autoclip"
+    factory = getattr(clipjax, prefix)
+    kwargs = {"autoclip_all": dict(history="all"), "autoclip_window": dict(history="window"),
+              "autoclip_percentile": dict(mode="percentile"),
+              "autoclip_ema": dict(mode="percentile", history="ema"),
+              "autoclip_geometric": dict(mode="percentile", history="geometric")}  # fmt: skip
+    got, _, _ = _run(factory(feedback="clipped", **kwargs.get(clipper, {})), FIRST)
+    np.testing.assert_array_equal(got[f"{prefix}/global/threshold"], 1.0)
+    np.testing.assert_array_equal(got[f"{prefix}/global/capped"], [0, 0, 0, 1, 1])
+    np.testing.assert_allclose(got[f"{prefix}/global/scale"][3:], [1 / 2, 1 / 1.5], rtol=1e-5)
 
 
 def test_clip_then_observe_clippers_report_their_warmup_threshold():
@@ -200,7 +228,9 @@ def test_judge_first_gate_defaults_to_ten(factory, feedback):
     restated = getattr(S, factory)
     tx = getattr(clipjax, factory)
     norms = _steady_then_spike(10)  # the spike is the 11th norm: the gate is open
-    want = restated(norms, warmup_steps=10, min_history=10, feedback=feedback)
+    # No ceiling: the gate alone decides (the ceiling bounds every step, gate or not).
+    tx = partial(tx, max_grad_norm=None)
+    want = restated(norms, warmup_steps=10, min_history=10, feedback=feedback, max_grad_norm=None)
     got = _check(tx(feedback=feedback), norms, want, f"{factory}/global/")
     assert got[f"{factory}/global/clipped"][10]
     assert not got[f"{factory}/global/clipped"][:10].any()
@@ -212,7 +242,7 @@ def test_judge_first_gate_defaults_to_ten(factory, feedback):
     got = _check(
         tx(feedback=feedback, warmup_steps=30),
         norms,
-        restated(norms, warmup_steps=30, min_history=10, feedback=feedback),
+        restated(norms, warmup_steps=30, min_history=10, feedback=feedback, max_grad_norm=None),
         f"{factory}/global/",
     )
     assert not got[f"{factory}/global/clipped"].any()
