@@ -1,11 +1,15 @@
 """Following a run: the spike defences stop spikes without turning into a static clip.
 
 The grid is ``benchmarks/follow.py``'s: open-loop norm streams with lognormal
-noise sigma in {0.05, 0.1, 0.2}, level 1 until step 300 and then a lasting
-level k in {0.25, 2, 4, 10}, x10 spikes before the shift and from 180 steps
-after it. A setting follows a run when, on every cell and seed, it clips at
-most 5% of the non-spike steps from step 100 to the shift and from 120 steps
-after it, and no spike reaches the optimizer above 2x the level of its step.
+noise sigma in {0.05, 0.1, 0.2}, a base level until step 300 and then a lasting
+level k times it, k in {0.25, 2, 4, 10}, x10 spikes before the shift and from
+180 steps after it; the base level is 0.05 for a setting with an absolute
+ceiling (``max_grad_norm``), so that every level stays below it, and 1
+otherwise. A setting follows a run when, on every cell and seed, the share of
+non-spike steps it clips from 120 steps after the shift is at most 5
+percentage points above its share from step 100 to the shift, its threshold
+over the level of the stream stays within x1.5 of what it was before the
+shift, and no spike reaches the optimizer above 2x the level of its step.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ SEEDS = 3
 
 def _failures(cells: dict) -> list[str]:
     return [
-        f"sigma {s}, x{k}: clipped before {c.clipped_before.max():.1%}, "
-        f"after {c.clipped_after.max():.1%}, worst spike {c.worst_spike.max():.2f}x"
+        f"sigma {s}, x{k}: clipped before {c.clipped_before}, after {c.clipped_after}, "
+        f"threshold / level drift {c.drift()}, worst spike {c.worst_spike.max():.2f}x"
         for (s, k), c in cells.items()
         if not c.follows()
     ]
@@ -60,16 +64,51 @@ def test_clip_target_ratchets_after_a_lasting_rise(make) -> None:
 
 def test_clipped_feedback_learns_the_same_rise() -> None:
     cells = follow.evaluate(
-        lambda: clipjax.zclip(feedback="clipped"), SEEDS, sigmas=(0.05,), levels=(2.0,)
+        lambda: clipjax.zclip(feedback="clipped", max_grad_norm=None),
+        SEEDS,
+        sigmas=(0.05,),
+        levels=(2.0,),
     )
-    assert (cells[(0.05, 2.0)].clipped_after <= follow.MAX_CLIPPED).all()
+    assert (cells[(0.05, 2.0)].clipped_after <= 0.05).all()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: clipjax.zclip(feedback="clipped"), lambda: clipjax.autoclip(feedback="clipped")],
+    ids=["zclip", "autoclip"],
+)
+def test_a_ceiling_is_judged_on_the_scaled_grid(make) -> None:
+    """A setting with a ceiling (max_grad_norm=1.0) follows a run on the grid
+    scaled below it (base 0.05); on the unscaled grid, after a lasting rise
+    above the ceiling it is a static clip at 1.0: it clips every later step and
+    says so in its ``capped`` metric."""
+    assert follow.has_ceiling(make())
+    scaled = follow.evaluate(make, SEEDS)
+    assert not _failures(scaled), "\n".join(_failures(scaled))
+    above = follow.evaluate(make, SEEDS, sigmas=(0.05,), levels=(4.0,), base=1.0)
+    assert (above[(0.05, 4.0)].clipped_after == 1.0).all()
+    norms, _, _ = follow.stream(0, 0.05, 4.0)
+    tx = make()
+    params = {"w": np.zeros(1, np.float32)}
+    state = tx.init(params)
+    capped = []
+    for g in norms[follow.AFTER : follow.AFTER + 20]:
+        _, state = tx.update({"w": np.array([g], np.float32)}, state, params)
+        metrics = clipjax.metrics(state)
+        capped.append(bool(next(v for k, v in metrics.items() if k.endswith("/capped"))))
+    assert all(capped)
+
+
+def test_a_static_clip_below_the_level_does_not_follow() -> None:
+    cells = follow.evaluate(lambda: clipjax.clip_by_global_norm(1.0), SEEDS, levels=(4.0,))
+    assert not any(c.follows() for c in cells.values())
 
 
 def test_whole_history_autoclip_lets_spikes_through_after_a_drop() -> None:
     """Why the judge-first default history is the window: the whole history
     remembers the old level, so after a x0.25 drop spikes pass at several times
     the new level."""
-    make = lambda: clipjax.autoclip(feedback="clipped", history="all")
+    make = lambda: clipjax.autoclip(feedback="clipped", history="all", max_grad_norm=None)
     cells = follow.evaluate(make, SEEDS, sigmas=(0.1,), levels=(0.25,))
     assert cells[(0.1, 0.25)].worst_spike.max() > 2 * follow.MAX_PASSED
 
