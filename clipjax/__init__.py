@@ -49,7 +49,7 @@ from clipjax._static import (
 from clipjax._zclip import ZClipState, zclip
 from clipjax._zscore_clip import ZScoreClipState, zscore_clip
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "AGCState",
