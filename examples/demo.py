@@ -58,7 +58,8 @@ worst jump: the highest eval loss between a spike and the next, over the eval lo
 spike norm passed: the gradient norm that reached adam at the worst spike, after clipping
 (n/a: an optimizer that reports no gradient norm).
 steps clipped: steps on which the clipper scaled any gradient down.
-ms/step: median wall time of a step (call overhead dominates for a model this small).
+(No step time: on a model this small it measures call overhead, not the clipper;
+benchmarks/RESULTS.md times every clipper's step.)
 
 x spike-free: final loss over the final loss of adam alone on the same batches without spikes.
 
@@ -384,7 +385,6 @@ class Summary(NamedTuple):
     worst_jump: float  # highest eval loss after a spike over the eval loss before it
     passed: float  # largest gradient norm let through at a spike (after clipping)
     steps_clipped: int
-    ms_per_step: float
 
 
 def summarize(rows: list[dict[str, float]], spike_steps: list[int]) -> Summary:
@@ -395,13 +395,11 @@ def summarize(rows: list[dict[str, float]], spike_steps: list[int]) -> Summary:
         jumps.append(max(r["eval_loss"] for r in rows[spike:end]) / before)
         passed.append(applied_norm(rows[spike]))
     clipped = sum(any(v > 0 for v in series(r, "clipped").values()) for r in rows)
-    times = [r["seconds"] for r in rows[1:]] or [rows[0]["seconds"]]  # step 0 compiles
     return Summary(
         final_loss=rows[-1]["eval_loss"],
         worst_jump=max(jumps, default=math.nan),
         passed=max(passed, default=math.nan),
         steps_clipped=clipped,
-        ms_per_step=1e3 * float(np.median(times)),
     )
 
 
@@ -410,7 +408,7 @@ def table(
 ) -> list[list[str]]:
     """The comparison table, header first."""
     header = ["setting", "final loss", "x spike-free", "worst jump", "spike norm passed"]
-    header += ["steps clipped", "ms/step"]
+    header += ["steps clipped"]
     lines = [header]
     for name, rows in runs.items():
         s = summarize(rows, spike_steps)
@@ -422,7 +420,6 @@ def table(
                 f"x{s.worst_jump:.2f}" if spike_steps else "-",
                 "-" if not spike_steps else "n/a" if math.isnan(s.passed) else f"{s.passed:.3g}",
                 f"{s.steps_clipped} / {len(rows)}",
-                f"{s.ms_per_step:.2f}",
             ]
         )
     return lines
@@ -586,22 +583,16 @@ def write_csv(path: Path, rows: list[dict[str, float]]) -> None:
         writer.writerows(rows)
 
 
-README_MARKERS = ("<!-- demo-table:start -->", "<!-- demo-table:end -->")
-
-
 def update_docs(table: Path) -> None:
-    """Copies the measured table into the docs and the README: no figure is typed by hand."""
+    """Copies the measured table to docs/generated/demo_table.md (which "Choosing a
+    clipper" includes) and rewrites the figures that README.md and docs/*.md quote
+    from it: no figure is typed by hand."""
     root = Path(__file__).resolve().parents[1]
     generated = root / "docs" / "generated"
     generated.mkdir(parents=True, exist_ok=True)
     text = table.read_text()
     (generated / "demo_table.md").write_text(text)
-    readme = root / "README.md"
-    start, end = README_MARKERS
-    before, rest = readme.read_text().split(start, 1)
-    _, after = rest.split(end, 1)
-    readme.write_text(f"{before}{start}\n{text}{end}{after}")
-    for page in [readme, *sorted((root / "docs").glob("*.md"))]:
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
         quoted = quote_table(page.read_text(), text)
         if quoted != page.read_text():
             page.write_text(quoted)
@@ -660,8 +651,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--update-docs",
         action="store_true",
-        help="also write the table to docs/generated/demo_table.md and into README.md "
-        "(between its demo-table markers)",
+        help="also write the table to docs/generated/demo_table.md and update the figures "
+        "README.md and docs/*.md quote from it",
     )
     args = parser.parse_args()
 

@@ -63,8 +63,10 @@ def test_short_run_prints_table_and_writes_figure(tmp_path: Path) -> None:
     assert len({line.index(" 60 steps in ") for line in progress}) == 1, progress
 
     start = next(i for i, line in enumerate(lines) if line.startswith("setting"))
-    for column in ("final loss", "worst jump", "steps clipped", "ms/step"):
+    for column in ("final loss", "worst jump", "steps clipped"):
         assert column in lines[start]
+    # No step time: on this model it measures call overhead (benchmarks/RESULTS.md times steps).
+    assert "ms/step" not in lines[start]
     table = {line.split()[0]: line for line in lines[start + 2 : start + 2 + len(names)]}
     assert list(table) == names, out
     for row in table.values():
