@@ -164,3 +164,31 @@ def test_compile_page_says_what_each_row_computes_and_where_compile_time_goes() 
         assert f"* `{label}`: {compile_bench.NEEDS[label]}." in text
     assert "adaclip`:" not in text
     assert compile_bench.constructs(4, 1, []).count("\n* `") == 0
+
+
+@pytest.mark.slow
+def test_train_step_page_has_its_header_and_a_row_per_configuration(tmp_path: str) -> None:
+    # The smoke test's model, one layout, one row and its counterpart, one round (~15 s).
+    cmd = [sys.executable, os.path.join("benchmarks", "train_step.py"), "--size", "tiny"]
+    cmd += ["--rows", "clip_by_global_norm", "--layouts", "scanned", "--rounds", "1"]
+    proc = subprocess.run([*cmd, "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(os.path.join(tmp_path, "TRAIN_STEP.md")) as f:
+        text = f.read()
+    fields = ("command", "date", "device", "machine", "load average at start", "versions")
+    for field in (*fields, "load average at end"):
+        assert f"* **{field}**: " in text
+    for package in ("jax", "jaxlib", "optax", "clipjax", "numpy"):
+        assert f" {package} " in text
+    assert "`python benchmarks/train_step.py --size tiny --rows clip_by_global_norm" in text
+    assert str(tmp_path) not in text  # no machine path
+    assert "\n## Scanned layers\n" in text and "\n## Unscanned layers\n" not in text
+    header, *rows = [line for line in text.splitlines() if line.startswith("| ")]
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert [r.split(" | ")[0][2:] for r in rows] == ["`optax_clip`", "`clip_by_global_norm`"]
+    for row in rows:
+        cells = dict(zip(columns, (c.strip() for c in row.strip("|").split("|"))))
+        assert cells["bytes accessed"].isdigit() and int(cells["bytes accessed"]) > 0
+        assert cells["full-size copies"].isdigit()
+        assert float(cells["step ms"]) > 0
+    assert "`optax_clip`" in rows[1] and "≤ 1.01" in rows[1]
