@@ -1,45 +1,98 @@
 #!/usr/bin/env bash
-# Bytes accessed, step time, the smartclip comparison and compile time by leaf count
-# (benchmarks/compile.py) on the first jax device (the GPU, when jax sees one), written as one
-# Markdown file.
+# The GPU pages in one command, sized for one GPU lease (8 minutes on an H200):
 #
-#   bash benchmarks/device.sh [OUTFILE] [run.py options, e.g. --quick]
+#   OUT=<empty folder> bash benchmarks/device.sh          # from the repository root
 #
-# OUTFILE defaults to $OUT/RESULTS_GPU.md (benchmarks/RESULTS_GPU.md when OUT is unset), the
-# page committed beside benchmarks/RESULTS.md. Run it from a copy of the repository; clipjax is
-# imported from there. Nothing is fetched from the
-# network: wheels in .whl/ (e.g. smartclip's, a pure-Python wheel:
-# `pip download --no-deps -d .whl smartclip==0.1.1`) are installed from there with --no-index;
-# without smartclip its section is left out. The file's header names the device and jax
-# platform that ran; where jax sees no GPU it says "no GPU used" and the figures are CPU ones.
-# PYTHON picks the interpreter (default python3).
-set -euo pipefail
+# 1. the language-model table: examples/lm_spikes.py --config gpu --only "$LM_ROWS" --npz
+#    (lm_spikes_gpu.md, .png, .npz);
+# 2. the whole training step: benchmarks/train_step.py at --size gpu (TRAIN_STEP_GPU.md);
+# 3. the optimizer step: benchmarks/run.py --only traffic,steptime (RESULTS_GPU.md; the
+#    smartclip section too when smartclip is importable: carry its wheel in .whl/).
+# Each part runs under its own timeout, and each starts only with the seconds the parts
+# after it need kept back, so a slow part cannot cost the others; all within DEADLINE
+# seconds (470 by default). The pages land in $OUT with one log of the three parts
+# (device.log): six files. A summary of the parts (exit status, seconds) is printed last.
+#
+# Needs jax with a GPU, optax, flax, numpy, matplotlib and tqdm; clipjax is imported from
+# this checkout (PYTHONPATH), nothing is fetched. PYTHON picks the interpreter (python3).
+#
+# Times of each part. On the 2-core CPU (load average about 7: other jobs ran) at a
+# reduced size, and expected on an H200:
+# * lm_spikes --config cpu --quick --only "$LM_ROWS" (9 settings x 3 seeds x 40 steps): 40 s.
+#   On the H200 each setting took about 15 s plus ~20 s of model compile (2026-11-26):
+#   about 160 s for 9 settings. Timeout 240 s.
+# * train_step --size cpu --rounds 2 --rows recommended,stable_spam (both layouts, 8
+#   configurations, each compiled twice): 130 s. On the H200 the unscanned 24-layer step
+#   compiled in 25-42 s a configuration: the default GPU rows (3 unscanned configurations,
+#   8 scanned ones, each compiled once, and the loss and gradient alone once per layout)
+#   about 200 s. Timeout: what remains after part 1 less part 3's 90 s, at most 240 s;
+#   --budget stops compiling 45 s before it (the page lists what is left out).
+# * run.py --quick --only traffic,steptime: 69 s. Expected about 60 s on the H200 (some
+#   120 optimizer-only steps of a small tree, compiled in well under a second each).
+#   Timeout 90 s.
+set -uo pipefail
 
-out="${OUT:-benchmarks}/RESULTS_GPU.md"
-if [ $# -gt 0 ] && [[ "$1" != -* ]]; then out="$1"; shift; fi
-out="$(realpath -m "$out")"
-cd "$(dirname "$0")/.."
+LM_ROWS=${LM_ROWS:-none,static_0.25,static_0.5,static_1,static_2,recommended,skip_recommended,zclip,adagc}
+DEADLINE=${DEADLINE:-470}
+LM_S=240 STEP_S=240 RUN_S=90
+
+if [ ! -f benchmarks/device.sh ] || [ ! -d clipjax ]; then
+    echo "device.sh: run it from the repository root (bash benchmarks/device.sh)" >&2
+    exit 2
+fi
+: "${OUT:?device.sh: set OUT to the folder the pages go to}"
+mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-mkdir -p "$(dirname "$out")"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 
 if compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/clipjax-bench-site .whl/*.whl
-    export PYTHONPATH="/tmp/clipjax-bench-site${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONPATH="$PYTHONPATH:/tmp/clipjax-bench-site"
 fi
-export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+sections=traffic,steptime
+if "$PY" -c 'import smartclip' 2>/dev/null; then sections=$sections,smartclip; fi
+
+logs=$(mktemp -d)
+summary=()
+
+# part NAME SECONDS COMMAND...: runs COMMAND under a timeout of SECONDS, its output in the
+# log; its exit status (124: timed out) and seconds go to the summary.
+part() {
+    local name=$1 limit=$2 t0=$SECONDS rc
+    shift 2
+    if [ "$limit" -lt 20 ]; then
+        summary+=("$(printf '%-10s %6s %5s  %s' "$name" skipped 0 "no time left")")
+        return
+    fi
+    echo "== $name (timeout ${limit} s): ${*:1:3} ..."
+    timeout --kill-after=10 "$limit" "$@" >"$logs/$name.log" 2>&1
+    rc=$?
+    tail -n 4 "$logs/$name.log"
+    summary+=("$(printf '%-10s %6s %5s  %s' "$name" "$rc" $((SECONDS - t0)) "limit $limit s")")
+}
+left() { echo $((DEADLINE - SECONDS - $1)); }
+smaller() { if [ "$1" -lt "$2" ]; then echo "$1"; else echo "$2"; fi; }
 
 "$PY" -c 'import jax; d = jax.devices()[0]
-print(f"== running on {d.device_kind} (jax platform {d.platform}, jax {jax.__version__})")'
-sections=traffic,steptime,smartclip
-if ! "$PY" -c 'import smartclip' 2>/dev/null; then
-    sections=traffic,steptime
-    echo "== smartclip is not importable (carry its wheel in .whl/): its section is left out"
-fi
-"$PY" benchmarks/run.py --only "$sections" --out "$out" "$@"
-compile_args=()
-for arg in "$@"; do
-    if [ "$arg" = --quick ]; then compile_args+=(--quick); fi
+print(f"== {d.device_kind} (jax platform {d.platform}, jax {jax.__version__})")'
+
+part lm "$(smaller $LM_S "$(left $((RUN_S + 150)))")" \
+    "$PY" examples/lm_spikes.py --config gpu --only "$LM_ROWS" --npz --out "$OUT"
+limit=$(smaller $STEP_S "$(left $RUN_S)")
+part train_step "$limit" \
+    "$PY" benchmarks/train_step.py --out "$OUT" --budget $((limit > 90 ? limit - 45 : limit / 2))
+part run "$(smaller $RUN_S "$(left 0)")" \
+    "$PY" benchmarks/run.py --only "$sections" --quick --out "$OUT/RESULTS_GPU.md"
+
+for name in lm train_step run; do
+    if [ -f "$logs/$name.log" ]; then
+        { echo "===== $name"; cat "$logs/$name.log"; } >>"$OUT/device.log"
+    fi
 done
-echo "== compile time by leaf count (benchmarks/compile.py)"
-{ echo; "$PY" benchmarks/compile.py --body ${compile_args[@]+"${compile_args[@]}"}; } >>"$out"
-echo "== wrote $out"
+rm -rf "$logs"
+echo
+echo "part       status  secs"
+printf '%s\n' "${summary[@]}"
+echo "(status 124: timed out; total $SECONDS s of $DEADLINE)"
+ls "$OUT"
