@@ -329,31 +329,71 @@ def _skipped(node: Any, idle: Any) -> Any:
     return skipped if idle is None else idle | skipped
 
 
-def _walk(
-    tree: Any, prefix: str, out: dict[str, Any], seen: dict[str, int], idle: Any = None
-) -> bool:
-    """Reports every clipjax state in ``tree`` into ``out``; whether there was one."""
-    found = False
+def _states(tree: Any, idle: Any = None) -> list[tuple[Any, Any]]:
+    """The clipjax states of one naming scope, in tree order, with their idle masks.
+
+    A wrapper's other fields (skip_on_spike's ``inner_state``) share its scope;
+    a ``nested`` field opens a scope of its own under the wrapper's prefix.
+    """
+    found = []
     for node in jax.tree_util.tree_leaves(tree, is_leaf=is_clipjax_state):
         if not is_clipjax_state(node):
             continue
-        found = True
-        info: GroupInfo = node.info
-        if info.name is not None:
-            label = info.name
-        else:
-            k = seen.get(info.algo, 0)
-            seen[info.algo] = k + 1
-            label = info.algo if k == 0 else f"{info.algo}_{k}"
-        _emit(node, prefix + label, out, idle)
+        found.append((node, idle))
         for field in node._fields:
-            if field == "nested":
-                _walk(node.nested, f"{prefix}{label}/", out, {}, idle)
-            elif field == "inner_state":
-                _walk(node.inner_state, prefix, out, seen, _skipped(node, idle))
-            elif field not in ("metrics", "info", "leaf_metrics"):
-                _walk(getattr(node, field), prefix, out, seen, idle)
+            if field == "inner_state":
+                found.extend(_states(node.inner_state, _skipped(node, idle)))
+            elif field not in ("metrics", "info", "leaf_metrics", "nested"):
+                found.extend(_states(getattr(node, field), idle))
     return found
+
+
+def _labels(infos: list[GroupInfo], prefix: str) -> list[str]:
+    """Each state's metrics prefix: its ``name=``, else ``algo``, ``algo_1``, ...
+
+    The generated names skip every name given with ``name=`` in the same scope,
+    so that no two transforms share a prefix; two equal ``name=`` raise.
+    """
+    given: dict[str, GroupInfo] = {}
+    for info in infos:
+        if info.name is None:
+            continue
+        other = given.get(info.name)
+        if other is not None:
+            where = f" inside {prefix.rstrip('/')!r}" if prefix else ""
+            raise ValueError(
+                f"clipjax.metrics: two clipjax transforms{where} are named {info.name!r} "
+                f"(a {other.algo} and a {info.algo}), so their metrics would overwrite each "
+                f"other under the prefix {prefix + info.name!r}. Give each its own name=, "
+                f'e.g. clipjax.{info.algo}(..., name="{info.name}_2").'
+            )
+        given[info.name] = info
+    taken = set(given)
+    counts: dict[str, int] = {}
+    labels = []
+    for info in infos:
+        label = info.name
+        if label is None:
+            k = counts.get(info.algo, 0)
+            label = info.algo if k == 0 else f"{info.algo}_{k}"
+            while label in taken:
+                k += 1
+                label = f"{info.algo}_{k}"
+            counts[info.algo] = k + 1
+            taken.add(label)
+        labels.append(label)
+    return labels
+
+
+def _walk(tree: Any, prefix: str, out: dict[str, Any], idle: Any = None) -> bool:
+    """Reports every clipjax state in ``tree`` into ``out``; whether there was one."""
+    states = _states(tree, idle)
+    labels = _labels([node.info for node, _ in states], prefix)
+    for (node, node_idle), label in zip(states, labels):
+        _emit(node, prefix + label, out, node_idle)
+        if "nested" in node._fields:
+            _walk(node.nested, f"{prefix}{label}/", out, node_idle)
+    return bool(states)
 
 
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:
@@ -418,11 +458,17 @@ def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
       ``flat=False`` the same values nested as ``{algo: {group: {field:
       array}}}`` (leaf norms under ``{algo: {"leaf": {leaf path: {...}}}}``;
       a nested transform's group name keeps its own prefix, e.g.
-      ``{"hist_clip": {"clip_by_global_norm/global": {...}}}``). Two
-      transforms of one kind are named ``algo``, ``algo_1``, ... in tree order
-      unless given ``name=``. A state with leading axes (replicated by
-      ``jax.pmap``, stacked by ``vmap`` or collected from a ``lax.scan``) gives
-      arrays of those axes instead of scalars, e.g. one value per replica.
+      ``{"hist_clip": {"clip_by_global_norm/global": {...}}}``). A state
+      with leading axes (replicated by ``jax.pmap``, stacked by ``vmap`` or
+      collected from a ``lax.scan``) gives arrays of those axes instead of
+      scalars, e.g. one value per replica.
+
+    Names: one prefix per transform. A transform given ``name=`` reports under
+    that name; the others under their kind, ``algo``, then ``algo_1``,
+    ``algo_2``, ... in tree order, skipping every name given with ``name=``
+    (``chain(zclip(name="zclip_1"), zclip(), zclip())`` reports ``zclip_1``,
+    ``zclip`` and ``zclip_2``). The transforms nested in another
+    (hist_clip's ``warmup_clip``) are named the same way under its prefix.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -439,6 +485,8 @@ def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
     Raises:
       TypeError: ``opt_state`` is a transform or a factory (``tx`` or
         ``clipjax.autoclip``) rather than a state (``tx.init(params)``).
+      ValueError: two transforms in ``opt_state`` were given the same
+        ``name=``: their metrics would overwrite each other.
 
     Warns:
       UserWarning: ``opt_state`` holds no clipjax state, so the result is
@@ -453,7 +501,7 @@ def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
         )
     opt_state = _merge_nnx_split(opt_state)
     out: dict[str, Any] = {}
-    found = _walk(opt_state, "", out, {})
+    found = _walk(opt_state, "", out)
     if not found:
         warnings.warn(
             "clipjax.metrics found no clipjax state in the optimizer state "
