@@ -220,6 +220,12 @@ def adamw(cfg: Config, lr: float | None = None) -> optax.GradientTransformation:
     return optax.adamw(schedule(cfg, lr), **adam_kwargs(cfg))
 
 
+def skippable_adamw(cfg: Config) -> optax.GradientTransformation:
+    """``clipjax.adamw``: optax's adamw (same arithmetic and state) into which
+    ``skip_on_spike`` folds its skip, with no conditional and no copy."""
+    return clipjax.adamw(schedule(cfg), **adam_kwargs(cfg))
+
+
 def clipped_adamw(clipper: Callable[[], optax.GradientTransformation]) -> Callable:
     return lambda cfg: optax.chain(clipper(), adamw(cfg))
 
@@ -282,15 +288,17 @@ ROWS: list[tuple[str, Setting]] = [
     (
         "skip_recommended",
         skipping(
-            f"skip_on_spike(chain({RECOMMENDED}, adamw)) (defaults)",
-            lambda cfg: optax.chain(recommended(), adamw(cfg)),
+            f"skip_on_spike(clipjax.chain({RECOMMENDED}, clipjax.adamw)) (defaults)",
+            lambda cfg: clipjax.chain(recommended(), skippable_adamw(cfg)),
         ),
     ),
-    ("skip", skipping("skip_on_spike(adamw) (defaults)", adamw)),
+    ("skip", skipping("skip_on_spike(clipjax.adamw) (defaults)", skippable_adamw)),
     (
         "skip_fb_skip",
         skipping(
-            'skip_on_spike(adamw, feedback="skip") (0.2\'s behaviour)', adamw, feedback="skip"
+            'skip_on_spike(clipjax.adamw, feedback="skip") (0.2\'s behaviour)',
+            skippable_adamw,
+            feedback="skip",
         ),
     ),
     ("autoclip", clipper("autoclip() (defaults)", clipjax.autoclip, "reference")),
@@ -332,6 +340,26 @@ ROWS: list[tuple[str, Setting]] = [
         "zclip_fb",
         clipper('zclip(feedback="clipped")', lambda: clipjax.zclip(feedback="clipped"), "clipped"),
     ),
+    (
+        "zclip_fb_nocap",
+        clipper(
+            'zclip(feedback="clipped", max_grad_norm=None) (no ceiling: recommended at 0b10f73)',
+            lambda: clipjax.zclip(feedback="clipped", max_grad_norm=None),
+            "clipped",
+        ),
+    ),
+    (
+        "autoclip_p50",
+        clipper(
+            'autoclip(mode="percentile", percentile=50, window_size=100, feedback="clipped") '
+            "(clips about half the steps by design, 1.0 ceiling)",
+            lambda: clipjax.autoclip(
+                mode="percentile", percentile=50, window_size=100, feedback="clipped"
+            ),
+            "clipped",
+        ),
+    ),
+    ("agc", clipper("agc() (defaults: unitwise, clipping 0.01)", clipjax.agc, "other")),
     ("hist_clip", clipper("hist_clip() (defaults)", clipjax.hist_clip, "reference")),
     (
         "hist_clip_fb",
@@ -478,6 +506,7 @@ class Run(NamedTuple):
     loss: np.ndarray  # [seeds, steps] batch loss before the update
     grad_norm: np.ndarray  # [seeds, steps] global norm of the raw gradient
     clipped: np.ndarray  # [seeds, steps] the clipper scaled some gradient down
+    capped: np.ndarray | None  # [seeds, steps] a ceiling was the bound (None: no ceiling)
     eval_steps: np.ndarray  # [evals]
     eval_loss: np.ndarray  # [seeds, evals] held-out loss
     metrics: dict[str, np.ndarray]  # clipjax.metrics of the final state, [seeds, ...]
@@ -538,7 +567,10 @@ def train(
             clipped = jnp.any(jnp.stack(flags)) if flags else jnp.zeros((), bool)
         # A skipped step leaves the inner state (and its metrics) as they were.
         clipped = clipped & ~skipped
-        return params, opt_state, jnp.stack([loss, grad_norm, clipped.astype(loss.dtype)])
+        ceilings = [jnp.any(v > 0) for k, v in metrics.items() if k.endswith("/capped")]
+        capped = (jnp.any(jnp.stack(ceilings)) if ceilings else jnp.zeros((), bool)) & ~skipped
+        record = [loss, grad_norm, clipped.astype(loss.dtype), capped.astype(loss.dtype)]
+        return params, opt_state, jnp.stack(record)
 
     # Buffer donation saves a copy of the parameters and the state on
     # accelerators; the CPU backend would only warn that it cannot.
@@ -559,13 +591,15 @@ def train(
             evals.append(model.eval(params))
             progress.set_postfix_str(f"{name}: held-out {np.nanmean(np.asarray(evals[-1])):.3f}")
             progress.update(cfg.eval_every)
-    loss, grad_norm, clipped = np.moveaxis(np.stack(jax.device_get(records), axis=-1), 1, 0)
+    loss, grad_norm, clipped, capped = np.moveaxis(np.stack(jax.device_get(records), axis=-1), 1, 0)
     metrics = {k: np.asarray(v) for k, v in clipjax_metrics(opt_state).items()}
+    has_ceiling = any(k.endswith("/capped") for k in metrics)
     seconds = time.perf_counter() - start_time
     return Run(
         loss=loss,
         grad_norm=grad_norm,
         clipped=clipped > 0,
+        capped=capped > 0 if has_ceiling else None,
         eval_steps=np.arange(0, cfg.steps + 1, cfg.eval_every),
         eval_loss=np.stack(jax.device_get(evals), axis=1),
         metrics=metrics,
@@ -614,6 +648,7 @@ class Summary(NamedTuple):
     jump: np.ndarray  # [seeds] largest loss jump (ratio)
     grad_spikes: np.ndarray  # [seeds]
     clipped: np.ndarray  # [seeds] share of the steps on which the clipper clipped
+    capped: np.ndarray | None  # [seeds] share of the steps a ceiling bounded
     skipped: np.ndarray | None  # [seeds] skip_on_spike's skipped_count
     diverged: np.ndarray  # [seeds] bool: see DIVERGED_LOSS
     seconds: float
@@ -635,6 +670,7 @@ def summarize(run: Run, cfg: Config) -> Summary:
         jump=np.array([largest_jump(loss) for loss in run.loss]),
         grad_spikes=np.array([g for _, _, g in spikes]),
         clipped=run.clipped.mean(axis=1),
+        capped=None if run.capped is None else run.capped.mean(axis=1),
         skipped=None if skipped is None else skipped.reshape(len(final), -1)[:, 0],
         diverged=diverged(run.loss, final),
         seconds=run.seconds,
@@ -655,8 +691,23 @@ def per_seed(x: np.ndarray, fmt: str) -> str:
     return " / ".join(f"{v:{fmt}}" for v in x)
 
 
+# A setting is called better or worse than the best static clip only where the
+# per-seed difference is consistent: the mean over seeds of the paired log ratio
+# of final held-out losses (same seed, same batches; a diverged run counts as
+# DIVERGED_LOSS), with a 95% bootstrap interval over seeds (BOOTSTRAP resamples,
+# a fixed generator); "worse" / "better" when the interval excludes 0, "tie"
+# otherwise. The count of seeds on which the setting is worse is shown beside it.
+BOOTSTRAP = 10_000
+
 # Two tables, so that each fits a documentation column.
-LOSS_HEADER = ["setting", "final held-out loss", "x best static", "per seed", "diverged"]
+LOSS_HEADER = [
+    "setting",
+    "final held-out loss",
+    "x best static",
+    "per seed",
+    "vs best static, paired",
+    "diverged",
+]
 SPIKE_HEADER = [
     "setting",
     "loss spikes",
@@ -664,6 +715,7 @@ SPIKE_HEADER = [
     "largest jump",
     "grad spikes",
     "share clipped",
+    "share capped",
     "steps skipped",
     "wall s",
 ]
@@ -682,6 +734,25 @@ def best_static(summaries: dict[str, Summary]) -> tuple[str, float] | None:
     return name, means[name]
 
 
+def paired(final: np.ndarray, reference: np.ndarray) -> tuple[str, float, float, float, int]:
+    """``(verdict, mean, low, high, worse)``: the paired log ratio of final losses (its
+    mean and 95% bootstrap interval over seeds) and the number of seeds on which
+    ``final`` is worse; see :data:`BOOTSTRAP`."""
+    capped = lambda x: np.where(np.isfinite(x), np.minimum(x, DIVERGED_LOSS), DIVERGED_LOSS)
+    d = np.log(capped(final) / capped(reference))
+    rng = np.random.default_rng(0)
+    means = d[rng.integers(0, len(d), (BOOTSTRAP, len(d)))].mean(axis=1)
+    low, high = np.percentile(means, [2.5, 97.5])
+    verdict = "worse" if low > 0 else "better" if high < 0 else "tie"
+    return verdict, float(d.mean()), float(low), float(high), int(np.sum(d > 0))
+
+
+def paired_cell(final: np.ndarray, reference: np.ndarray) -> str:
+    verdict, mean, low, high, worse = paired(final, reference)
+    pct = lambda x: f"{np.expm1(x):+.1%}"
+    return f"{verdict}: {pct(mean)} [{pct(low)}, {pct(high)}], {worse}/{len(final)} worse"
+
+
 def table_rows(
     summaries: dict[str, Summary], missing: list[str], seeds: int
 ) -> tuple[list[list[str]], list[list[str]]]:
@@ -689,12 +760,16 @@ def table_rows(
     loss_rows, spike_rows = [], []
     for name, s in summaries.items():
         ratio = "-" if best is None else f"{np.mean(s.final) / best[1]:.3f}"
+        versus = "-"
+        if best is not None and name != best[0]:
+            versus = paired_cell(s.final, summaries[best[0]].final)
         loss_rows.append(
             [
                 name,
                 mean_spread(s.final),
                 ratio,
                 per_seed(s.final, ".3f"),
+                versus,
                 f"{int(np.sum(s.diverged))} / {seeds}",
             ]
         )
@@ -706,6 +781,7 @@ def table_rows(
                 " / ".join(f"x{v:.1f}" for v in s.jump),
                 per_seed(s.grad_spikes, "d"),
                 " / ".join(f"{v:.0%}" for v in s.clipped),
+                "-" if s.capped is None else " / ".join(f"{v:.0%}" for v in s.capped),
                 "-" if s.skipped is None else per_seed(s.skipped.astype(int), "d"),
                 f"{s.seconds:.0f}",
             ]
@@ -807,6 +883,12 @@ before it (inf: a loss not finite). *grad spikes*: steps whose raw gradient norm
 {GRAD_SPIKE:g}x the median of the {SPIKE_WINDOW} before it. *share clipped*: the share of
 steps on which the clipper scaled a gradient down, read every step from
 `clipjax.metrics(opt_state)` (for optax.clip_by_global_norm: global norm above max_norm).
+*share capped*: the share of steps on which a ceiling (`max_grad_norm`) was the bound,
+from the `capped` metric; the rest of the clipped steps are spike clips.
+*vs best static, paired*: the mean over seeds of the per-seed ratio of final held-out
+losses to the best static clip's (same seeds and batches; a diverged run counts as
+ln 256), its 95% bootstrap interval over seeds, and the seeds on which it is worse; a
+setting is *worse* or *better* only where that interval excludes 0, else a *tie*.
 *steps skipped*: `skip_on_spike/global/skipped_count` of the final state. Figures separated
 by `/` are per seed. *wall s*: all seeds (vmapped), compilation included. *unavailable*: a
 setting the installed clipjax does not offer."""
@@ -922,7 +1004,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="gpu: 4 layers, d_model 256, 2000 steps (one GPU); cpu: 2 layers, d_model 64, "
         "300 steps (two CPU cores)",
     )
-    parser.add_argument("--seeds", type=int, default=3, help="seeds per setting (0, 1, ...)")
+    parser.add_argument("--seeds", type=int, default=6, help="seeds per setting (0, 1, ...)")
     parser.add_argument("--steps", type=int, default=None, help="steps per run (config's)")
     parser.add_argument("--only", default=None, help="comma-separated settings (default: all)")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate (config's)")

@@ -61,6 +61,7 @@ def test_cpu_quick_run_writes_the_page(tmp_path: Path) -> None:
     # (per-seed figures are separated by " / ", metric names hold "a/b").
     assert not re.search(r"(?<![\w.])(~?/)[A-Za-z_]", page), page
     assert "Machine:" in page and "Date: 20" in page
+    assert "vs best static, paired" in page and "share capped" in page
     for package in ("jax ", "jaxlib ", "optax ", "flax ", "clipjax "):
         assert package in page.split("Versions:")[1].splitlines()[0], package
     headings = [line for line in page.splitlines() if line.startswith("#")]
@@ -181,3 +182,22 @@ def test_largest_jump_against_a_direct_computation() -> None:
     expected = max(loss[t] / np.median(loss[t - 50 : t]) for t in range(50, 300))
     assert lm.largest_jump(loss) == pytest.approx(expected)
     assert lm.largest_jump(loss) == pytest.approx(3.1 / np.median(loss[100:150]))
+
+
+def test_paired_comparison_calls_a_difference_only_when_consistent() -> None:
+    lm = load_script()
+    reference = np.full(6, 2.0)
+    verdict, mean, low, high, worse = lm.paired(
+        reference * [1.05, 1.04, 1.06, 1.05, 1.03, 1.05], reference
+    )
+    assert verdict == "worse" and worse == 6 and 0 < low < mean < high
+    verdict, *_, worse = lm.paired(reference * [1.2, 0.9, 1.1, 0.95, 1.0, 1.02], reference)
+    assert verdict == "tie" and worse == 3
+    verdict, *_ = lm.paired(reference * 0.9, reference)
+    assert verdict == "better"
+    # A diverged seed counts as ln 256, not as a missing value.
+    final = np.array([np.nan, 1e4, 2.0, 2.0, 2.0, 2.0])
+    _, mean, *_ = lm.paired(final, reference)
+    assert mean == pytest.approx(2 * np.log(np.log(256) / 2.0) / 6)
+    cell = lm.paired_cell(reference * 1.05, reference)
+    assert cell.startswith("worse: +5.0%") and cell.endswith("6/6 worse")
