@@ -55,7 +55,6 @@ exclude_patterns = [
     "_build",
     "jupyter_execute",
     "generated/*",  # included by the guides, not pages of their own
-    "ecosystem.md",  # included section by section (see data_parallel.md, ...)
     "README.md",
     "api/.gitignore",
 ]

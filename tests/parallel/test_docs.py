@@ -1,8 +1,9 @@
 """The data-parallel and flax examples of the documentation run, on 8 devices.
 
-Runs every ```python block of ``docs/ecosystem.md`` and ``README.md`` that
-imports clipjax and uses ``jax.pmap``, sharded ``jit``, ``nnx.Optimizer`` or
-linen's ``TrainState`` (blocks without ``import clipjax`` are fragments).
+Runs every ```python block of ``docs/data_parallel.md``, ``docs/flax.md`` and
+``README.md`` that imports clipjax and uses ``jax.pmap``, sharded ``jit``,
+``nnx.Optimizer`` or linen's ``TrainState`` (blocks without ``import clipjax``
+are fragments).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = [ROOT / "docs" / "ecosystem.md", ROOT / "README.md"]
+SOURCES = [ROOT / "docs" / "data_parallel.md", ROOT / "docs" / "flax.md", ROOT / "README.md"]
 TOPICS = ("jax.pmap", "NamedSharding", "nnx.Optimizer", "TrainState")
 
 
