@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _grouping, _metrics, _stats, _validation
+from clipjax import _grouping, _metrics, _state_check, _stats, _validation
 from clipjax._grouping import Grouping, Scope
 
 Array = jax.Array
@@ -636,6 +637,19 @@ def transform(
     if warmup is not None and getattr(warmup, "configure", None) is not None:
         warmup = warmup.configure(scope=scope, axis_name=axis_name)
 
+    def arrays(num_groups: int, dtype: Any) -> tuple[Any, dict[str, Array]]:
+        """The statistics and metrics ``init`` builds for ``num_groups`` groups."""
+        stats = (
+            ()
+            if isinstance(rule, ElementwiseRule) or rule.statistic is None
+            else (rule.statistic.init(num_groups, dtype))
+        )
+        return stats, _state_metrics(rule, num_groups, dtype, stats)
+
+    @functools.lru_cache(maxsize=8)
+    def layout(num_groups: int) -> tuple[Any, dict[str, Any]]:
+        return jax.eval_shape(lambda: arrays(num_groups, jnp.float32))
+
     def init_fn(params: Any) -> Any:
         placeholder = _is_placeholder(params)
         leaves, _, _ = _grouping.leaves_with_names(params)
@@ -643,12 +657,7 @@ def transform(
         if isinstance(rule, ElementwiseRule) and rule.check_leaves is not None:
             rule.check_leaves(leaves)
         dtype = _grouping.norm_dtype(leaves)
-        stats = (
-            ()
-            if isinstance(rule, ElementwiseRule) or rule.statistic is None
-            else (rule.statistic.init(grouping.num_groups, dtype))
-        )
-        metrics = _state_metrics(rule, grouping.num_groups, dtype, stats)
+        stats, metrics = arrays(grouping.num_groups, dtype)
         # On optax's placeholder (tree_map_params) the names are a leaf, so
         # that the real state's names are mapped onto them.
         info_class = _metrics.PlaceholderInfo if placeholder else _metrics.GroupInfo
@@ -666,6 +675,7 @@ def transform(
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
         del extra_args
+        _state_check.check_state(state, state_class, name or rule.algo)
         leaves, paths, treedef = _grouping.leaves_with_names(updates)
         grouping = _grouping.make_grouping(updates, scope)
         info: _metrics.GroupInfo = state.info
@@ -680,6 +690,9 @@ def transform(
                     f"for the groups of this tree ({groups}); was the state restored from "
                     "another model?"
                 )
+        want_stats, want_metrics = layout(grouping.num_groups)
+        _state_check.check_layout(who, "stats", state.stats, want_stats)
+        _state_check.check_layout(who, "metrics", state.metrics, want_metrics)
         p_leaves: list[Any] | None = None
         if rule.needs_params:
             if params is None:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _engine, _grouping, _metrics
+from clipjax import _engine, _grouping, _metrics, _state_check
 
 Array = jax.Array
 
@@ -223,10 +223,15 @@ def _scale_by_adam(
         )
     )
 
+    def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        _state_check.check_state(state, optax.ScaleByAdamState, "scale_by_adam")
+        return base.update(updates, state, params, **extra_args)
+
     def keep_state_if(
         pred: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
     ) -> tuple[Any, Any]:
         del extra_args
+        _state_check.check_state(state, optax.ScaleByAdamState, "scale_by_adam")
         pred = jnp.asarray(pred, bool)
         # The state's dtypes after optax's own update (optax >= 0.2.6 casts nu
         # back to its dtype; 0.2.5 does not).
@@ -245,7 +250,7 @@ def _scale_by_adam(
         )
         return out, new_state
 
-    return _skippable(base.init, base.update, _zeroing(keep_state_if), keep_state_if)
+    return _skippable(base.init, update, _zeroing(keep_state_if), keep_state_if)
 
 
 class UpdateClippingState(NamedTuple):
@@ -321,6 +326,7 @@ def _scale_by_stable_adam(
     ) -> tuple[Any, UpdateClippingState]:
         # pred None: every step is taken (update); else the state is selected as in
         # _scale_by_adam and the updates are left for update_if to zero.
+        _state_check.check_state(state, UpdateClippingState, "update_clipping")
         info = state.info
         grouping = _grouping.make_grouping(updates, "per_param")
         grouping.check_matches(info.leaves, info.shapes, "update_clipping")
@@ -426,16 +432,18 @@ def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
     """
     members = [optax.with_extra_args_support(t) for t in transforms]
     base = optax.chain(*members)
+    # A state per member; each member checks its own.
+    layout = (object,) * len(members)
+
+    def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        _state_check.check_members(state, layout, "clipjax.chain")
+        return base.update(updates, state, params, **extra_args)
 
     def keep_state_if(
         pred: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
     ) -> tuple[Any, Any]:
         pred = jnp.asarray(pred, bool)
-        if len(state) != len(members):
-            raise ValueError(
-                f"clipjax.chain has {len(members)} transforms but the state has {len(state)} "
-                "members: was it made by this chain's init?"
-            )
+        _state_check.check_members(state, layout, "clipjax.chain")
         new_state = []
         for member, member_state in zip(members, state):
             keep = getattr(member, "keep_state_if", None)
@@ -449,7 +457,7 @@ def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
             new_state.append(member_state)
         return updates, tuple(new_state)
 
-    return _skippable(base.init, base.update, _zeroing(keep_state_if), keep_state_if)
+    return _skippable(base.init, update, _zeroing(keep_state_if), keep_state_if)
 
 
 def adam(

@@ -35,6 +35,8 @@ import numpy as np
 import optax
 from jax.core import Tracer
 
+from clipjax import _state_check
+
 Array = jax.Array
 
 
@@ -424,15 +426,6 @@ def _merge_nnx_split(opt_state: Any) -> Any:
     return opt_state
 
 
-def _nnx_state_hint(opt_state: Any) -> str:
-    if type(opt_state).__module__.startswith("flax.nnx"):
-        return (
-            "; flax's nnx.state() keeps no group names (they live in the graphdef): pass "
-            "optimizer.opt_state, the nnx.Optimizer itself, or all of nnx.split(optimizer)"
-        )
-    return "; is a clipjax transform part of this optimizer?"
-
-
 def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
     """Reads the metrics of every clipjax transform inside an optax state.
 
@@ -505,7 +498,7 @@ def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
     if not found:
         warnings.warn(
             "clipjax.metrics found no clipjax state in the optimizer state "
-            f"({type(opt_state).__name__}) and returns {{}}{_nnx_state_hint(opt_state)}",
+            f"({type(opt_state).__name__}) and returns {{}}{_state_check.why_empty(opt_state)}",
             UserWarning,
             stacklevel=2,
         )

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _engine, _grouping, _validation
+from clipjax import _engine, _grouping, _state_check, _validation
 from clipjax._metrics import GroupInfo
 from clipjax._static import global_norm
 from clipjax._stats import ring_mean_std
@@ -353,6 +353,7 @@ def skip_on_spike(
         value: Any = None,
         **extra_args: Any,
     ) -> tuple[Any, Any]:
+        _state_check.check_state(state, SkipOnSpikeState, name or ALGO)
         leaves, _, _ = _grouping.leaves_with_names(updates)
         _grouping.check_inexact(leaves, _grouping.make_grouping(updates, "global"), name or ALGO)
         norm = global_norm(updates).astype(jnp.float32)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _engine, _fold, _grouping, _metrics, _validation
+from clipjax import _engine, _fold, _grouping, _metrics, _state_check, _validation
 from clipjax._metrics import GroupInfo
 
 Array = jax.Array
@@ -201,6 +201,7 @@ def scale_by_spam(
 
     def step(pred: Any, updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         del params
+        _state_check.check_members(state, (optax.ScaleByAdamState, SpamState), name or algo)
         adam, spam_state = state
         info = spam_state.info
         leaves, _, treedef = _grouping.leaves_with_names(updates)

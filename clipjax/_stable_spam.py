@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _engine, _fold, _grouping, _metrics, _validation
+from clipjax import _engine, _fold, _grouping, _metrics, _state_check, _validation
 from clipjax._grouping import Scope
 from clipjax._metrics import GroupInfo
 from clipjax._spam import _check_common, scale_by_spam
@@ -260,6 +260,7 @@ def adaclip(
             return _own(AdaClipState(zeros(dtype), metrics, info, index))
 
         def update_fn(updates: Any, state: AdaClipState, params: Any = None, **_: Any) -> Any:
+            _state_check.check_state(state, AdaClipState, name or "adaclip")
             leaves, grouping, treedef = _prepare(updates, state.info, scope)
             dtype = state.max_ema.dtype
             maxima, squares = _max_and_squares(leaves, dtype)
@@ -399,6 +400,7 @@ def ada_norm(
             return _own(AdaNormState(zeros(dtype), zeros(dtype), metrics, info, index))
 
         def update_fn(updates: Any, state: AdaNormState, params: Any = None, **_: Any) -> Any:
+            _state_check.check_state(state, AdaNormState, name or "ada_norm")
             leaves, grouping, treedef = _prepare(updates, state.info, scope)
             dtype = state.norm_ema.dtype
             norm = _grouping.group_norms(leaves, grouping)

@@ -296,3 +296,108 @@ def test_tree_map_params_maps_params_shaped_parts_only() -> None:
     np.testing.assert_array_equal(mapped[1][0].mu["params"]["Dense_1"]["bias"], np.ones(2))
     assert clipjax.metrics(mapped).keys() == clipjax.metrics(state).keys()
     tx.update(grads(), mapped, PARAMS)
+
+
+# --- a state that is not this transform's ---------------------------------------------------
+#
+# Issue 37: the wrong state used to fail deep inside the arithmetic ("not enough
+# values to unpack (expected 4, got 1)", "'dict' object has no attribute 'info'").
+
+SMALL = {"w": jnp.ones(3), "b": jnp.ones(2)}
+
+
+def _every_update() -> dict[str, Callable[[], Any]]:
+    from test_contract import ALL
+
+    out = {name: make for name, (make, _, _) in ALL.items()}
+    out["skip_on_spike"] = lambda: clipjax.skip_on_spike(clipjax.adamw(1e-3), window_size=4)
+    out["adam"] = lambda: clipjax.adam(1e-3)
+    out["adamw_update_clipping"] = lambda: clipjax.adamw(1e-3, update_clipping=True)
+    out["chain"] = lambda: clipjax.chain(clipjax.zclip(), clipjax.adamw(1e-3))
+    return out
+
+
+EVERY_UPDATE = _every_update()
+
+
+def restored_without_target(state: Any) -> Any:
+    """What a checkpoint restore without a target gives: named tuples as dicts."""
+
+    def plain(node: Any) -> Any:
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            return {f: plain(getattr(node, f)) for f in node._fields if f != "info"}
+        if isinstance(node, (tuple, list)):
+            return [plain(x) for x in node]
+        if isinstance(node, dict):
+            return {k: plain(v) for k, v in node.items()}
+        return node
+
+    return plain(state)
+
+
+def test_another_transforms_state_names_both() -> None:
+    """The issue's example: autoclip given zclip's state."""
+    with pytest.raises(
+        TypeError, match=r"autoclip.update expects the AutoClipState .* got a ZClipState"
+    ) as info:
+        clipjax.autoclip().update(SMALL, clipjax.zclip().init(SMALL))
+    assert "optax.chain" in str(info.value)
+
+
+@pytest.mark.parametrize("name", sorted(EVERY_UPDATE))
+def test_every_update_names_a_restored_dict_and_how_to_restore(name: str) -> None:
+    tx = EVERY_UPDATE[name]()
+    restored = restored_without_target(tx.init(SMALL))
+    for update in (tx.update, jax.jit(tx.update)):
+        with pytest.raises(TypeError, match=r"restored without a target") as info:
+            update(SMALL, restored, SMALL)
+        assert "tx.init(params)" in str(info.value)
+
+
+@pytest.mark.parametrize("name", sorted(EVERY_UPDATE))
+def test_every_update_names_another_transforms_state(name: str) -> None:
+    tx = EVERY_UPDATE[name]()
+    other = clipjax.agc() if name.startswith("clip_by_global_norm") else clipjax.clip_by_global_norm
+    other_state = (other if isinstance(other, optax.GradientTransformation) else other(1.0)).init(
+        SMALL
+    )
+    with pytest.raises(TypeError, match=r"\.update expects .* got a \w+State \(the state of"):
+        tx.update(SMALL, other_state, SMALL)
+
+
+def test_orbax_restore_without_a_target_says_how_to_restore(tmp_path: Any) -> None:
+    """The issue's example: orbax without a target, then update and metrics."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    tx = optax.chain(clipjax.zclip(warmup_steps=2), optax.adam(1e-3))
+    state = tx.init(SMALL)
+    _, state = tx.update(SMALL, state, SMALL)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", state)
+        checkpointer.wait_until_finished()
+        restored = checkpointer.restore(tmp_path / "ckpt")
+    with pytest.raises(TypeError, match=r"zclip.update .* got a dict.*without a target.*init"):
+        tx.update(SMALL, restored, SMALL)
+    with pytest.warns(UserWarning, match=r"restored without a target.*tx\.init\(params\)"):
+        assert clipjax.metrics(restored) == {}
+
+
+def test_a_state_of_other_settings_is_named() -> None:
+    """Right class, other layout: an auto-mode state given to a percentile-mode autoclip."""
+    with pytest.raises(ValueError, match=r"autoclip.update: the state's 'stats' field has"):
+        clipjax.autoclip(mode="percentile").update(SMALL, clipjax.autoclip().init(SMALL))
+    with pytest.raises(ValueError, match=r"'stats' field .*\(1, 1024\).*\(1, 10\)"):
+        tx = clipjax.autoclip(mode="percentile", window_size=10)
+        tx.update(SMALL, clipjax.autoclip(mode="percentile").init(SMALL))
+    with pytest.raises(ValueError, match=r"'metrics' field .*has \['capped', 'capped_count'\]"):
+        clipjax.zclip(max_grad_norm=None).update(SMALL, clipjax.zclip().init(SMALL))
+
+
+def test_metrics_of_an_nnx_optimizer_without_clipjax_says_so() -> None:
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    with pytest.warns(UserWarning, match=r"holds no clipjax transform") as record:
+        assert clipjax.metrics(optimizer) == {}
+    assert "nnx.state" not in str(record[0].message)
+    with pytest.warns(UserWarning, match=r"holds no clipjax transform's state"):
+        assert clipjax.metrics(nnx.state(optimizer)) == {}
