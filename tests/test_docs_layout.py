@@ -1,8 +1,9 @@
 """The built documentation site, rendered in headless Chromium at 1280 px.
 
 Fails when a table or a code block scrolls sideways (some of it hidden behind
-a scrollbar), when an image is wider than the text column, or when code shows
-curly quotes (it would not paste). Reads the site ``make docs`` built
+a scrollbar), when a table header or a row's name (its first cell) breaks
+inside a word ("recommend" / "ed"), when an image is wider than the text
+column, or when code shows curly quotes (it would not paste). Reads the site ``make docs`` built
 (``build/docs/html``, or the folder ``CLIPJAX_DOCS_HTML`` names): ``make
 docs-check`` runs it after ``make docs``. Drives the system's Chromium
 (``chromium`` on PATH, or ``CLIPJAX_CHROMIUM``) with the ``playwright``
@@ -34,8 +35,9 @@ CHROMIUM_ARGS = [
 # Pages of Sphinx's own, not ours.
 SKIP = {"genindex.html", "search.html", "py-modindex.html"}
 
-# Every element that scrolls sideways, every image wider than the article,
-# every code element with a curly quote; each as a short description.
+# Every element that scrolls sideways, every header or row name split inside a
+# word, every image wider than the article, every code element with a curly
+# quote; each as a short description.
 MEASURE = """
 () => {
   const article = document.querySelector('.bd-article') || document.body;
@@ -62,6 +64,24 @@ MEASURE = """
   for (const img of article.querySelectorAll('img')) {
     const w = Math.round(img.getBoundingClientRect().width);
     if (w > width + 1) out.push(['image wider than the article', w, width, img.src]);
+  }
+  // A header or a row's name (first column) split inside a word: "recommend / ed".
+  // Words are split at spaces, hyphens and slashes; one longer than 20
+  // characters (a whole call in a benchmark table) may break where it must.
+  for (const cell of article.querySelectorAll('table th, table td:first-child')) {
+    const walker = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+      for (const match of node.textContent.matchAll(/[^\\s\\-\\/]{2,20}(?![^\\s\\-\\/])/g)) {
+        if (match.index > 0 && !/[\\s\\-\\/]/.test(node.textContent[match.index - 1])) continue;
+        const range = document.createRange();
+        range.setStart(node, match.index);
+        range.setEnd(node, match.index + match[0].length);
+        const lines = new Set([...range.getClientRects()].map((r) => Math.round(r.top)));
+        if (lines.size > 1) {
+          out.push(['word split across lines', 0, 0, match[0] + ' in: ' + text(cell)]);
+        }
+      }
+    }
   }
   for (const code of article.querySelectorAll('code, pre')) {
     if (/[\\u2018\\u2019\\u201c\\u201d]/.test(code.textContent)) {

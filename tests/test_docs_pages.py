@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -91,7 +92,7 @@ def heading_problems(found: list[tuple[int, str]]) -> list[str]:
         problems.append(f"{len(titles)} level-1 headings (one title per page): {titles}")
     if found and found[0][0] != 1:
         problems.append(f"the first heading is not the title: {found[0]}")
-    for (before, _), (level, title) in zip(found, found[1:]):
+    for (before, _), (level, title) in itertools.pairwise(found):
         if level > before + 1:
             problems.append(f"'{title}' is level {level} after a level {before}")
     return problems
@@ -273,3 +274,22 @@ def test_no_sentence_is_said_twice_on_a_page(page: Path) -> None:
             repeated.append(sentence)
         seen.add(sentence)
     assert not repeated, f"{page.name} says twice:\n" + "\n".join(repeated)
+
+
+RELATIVE_LINK = re.compile(r"\]\((?!https?:|mailto:|#)([^)\s#]+)(?:#[^)\s]*)?\)")
+
+
+def prose_links(text: str) -> str:
+    """The text outside code blocks (a link's syntax in code is not a link)."""
+    return "\n".join(line for kind, line in lines_of(text) if kind != "code")
+
+
+@pytest.mark.parametrize("page", [README, *GUIDES], ids=lambda p: p.name)
+def test_relative_links_name_a_file(page: Path) -> None:
+    """A link is relative to its page: docs/x.md links ../examples/y.py, not examples/y.py."""
+    missing = [
+        target
+        for target in RELATIVE_LINK.findall(prose_links(page.read_text()))
+        if not (page.parent / target).exists()
+    ]
+    assert not missing, f"{page.name} links files that do not exist from its folder: {missing}"
