@@ -363,7 +363,8 @@ class Measured:
     cpu_s: float  # the same, CPU seconds of the process (all threads)
     bytes: int  # cost_analysis "bytes accessed"
     copies: int  # full-size copy ops (common.full_size_copies)
-    step_s: list[float] = dataclasses.field(default_factory=list)
+    step_s: list[float] = dataclasses.field(default_factory=list)  # wall, one a round
+    step_cpu_s: list[float] = dataclasses.field(default_factory=list)  # CPU, one a round
 
 
 def model_shapes(size: Size, layout: str) -> tuple[Any, Any]:
@@ -430,7 +431,8 @@ def compile_model(size: Size, layout: str) -> tuple[float, float]:
 
 
 def time_steps(measured: dict[str, Measured], size: Size, layout: str, rounds: int) -> None:
-    """Appends one per-step time a round to each configuration's ``step_s``."""
+    """Appends each round's wall and CPU seconds a step to each configuration's
+    ``step_s`` and ``step_cpu_s``."""
     key = jax.random.key(0)
     tokens = jax.random.randint(jax.random.fold_in(key, 1), (size.batch, size.context + 1), 0, 256)
     params = init_params(key, size, layout)
@@ -441,14 +443,14 @@ def time_steps(measured: dict[str, Measured], size: Size, layout: str, rounds: i
         for label, m in measured.items()
     }
 
-    def run(label: str, steps: int) -> float:
+    def run(label: str, steps: int) -> tuple[float, float]:
         p, s = live[label]
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         for _ in range(steps):
             p, s, loss = measured[label].run(p, s, tokens)
         jax.block_until_ready((p, s, loss))
         live[label] = [p, s]
-        return (time.perf_counter() - t0) / steps
+        return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
 
     labels = list(measured)
     for label in labels:
@@ -458,7 +460,9 @@ def time_steps(measured: dict[str, Measured], size: Size, layout: str, rounds: i
         # machine falls on every configuration alike.
         order = labels[r % len(labels) :] + labels[: r % len(labels)]
         for label in order[::-1] if r % 2 else order:
-            measured[label].step_s.append(run(label, size.steps))
+            wall, cpu = run(label, size.steps)
+            measured[label].step_s.append(wall)
+            measured[label].step_cpu_s.append(cpu)
 
 
 # ----------------------------------------------------------------------------- the page
@@ -480,12 +484,21 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def compile_basis() -> str:
+def basis() -> str:
+    """The seconds the ratios are taken on: wall on a GPU, the process's CPU seconds on a
+    CPU (on a shared machine others' load inflates wall times unevenly)."""
     return "wall" if on_gpu() else "CPU"
 
 
 def compile_seconds(m: Measured) -> float:
     return m.wall_s if on_gpu() else m.cpu_s
+
+
+def step_ratios(m: Measured, base: Measured) -> list[float]:
+    """Per round, ``m``'s step seconds over ``base``'s (on ``basis()``)."""
+    if on_gpu():
+        return common.ratios(m.step_s, base.step_s)
+    return common.ratios(m.step_cpu_s, base.step_cpu_s)
 
 
 def verdicts(layout: Layout, table: dict[str, Row]) -> dict[str, tuple[float, float, bool, bool]]:
@@ -496,15 +509,10 @@ def verdicts(layout: Layout, table: dict[str, Row]) -> dict[str, tuple[float, fl
         if base is None or base not in layout.measured:
             continue
         b = layout.measured[base]
-        step = common.median(common.ratios(m.step_s, b.step_s))
+        step = common.median(step_ratios(m, b))
         comp = compile_seconds(m) / compile_seconds(b)
         out[name] = (step, comp, step <= table[name].target, comp <= COMPILE)
     return out
-
-
-def step_spread(m: Measured, base: Measured) -> str:
-    """The per-round ratios of ``m``'s step time to ``base``'s: median [quartiles]."""
-    return common.spread(common.ratios(m.step_s, base.step_s), "{:.3f}")
 
 
 def layout_section(layout: Layout, table: dict[str, Row]) -> str:
@@ -520,7 +528,12 @@ def layout_section(layout: Layout, table: dict[str, Row]) -> str:
                 f"`{code(row, layout.name)}`",
                 f"`{row.base}`" if row.base else "",
                 f"{common.median(m.step_s) * 1e3:.3g}",
-                "" if step is None else bold(step_spread(m, layout.measured[row.base]), step_ok),
+                *([] if on_gpu() else [f"{common.median(m.step_cpu_s) * 1e3:.3g}"]),
+                ""
+                if step is None
+                else bold(
+                    common.spread(step_ratios(m, layout.measured[row.base]), "{:.3f}"), step_ok
+                ),
                 "" if row.base is None else f"≤ {row.target:.2f}",
                 f"{m.wall_s:.2f}",
                 f"{m.cpu_s:.2f}",
@@ -533,12 +546,13 @@ def layout_section(layout: Layout, table: dict[str, Row]) -> str:
         "row",
         "configuration",
         "counterpart",
-        "step ms",
-        "× counterpart",
+        "step ms" if on_gpu() else "step ms (wall)",
+        *([] if on_gpu() else ["step ms (CPU)"]),
+        f"× counterpart ({basis()})",
         "target",
         "compile s (wall)",
         "compile s (CPU)",
-        f"compile × counterpart ({compile_basis()} s)",
+        f"compile × counterpart ({basis()})",
         "bytes accessed",
         "full-size copies",
     ]
@@ -596,7 +610,9 @@ def page(
         "",
         f"*step ms*: median over {rounds} interleaved rounds of {size.steps} steps (every "
         "configuration of the layout runs in each round, in an order that rotates and "
-        "reverses). *× counterpart*: median [25th–75th percentile] over rounds of the step "
+        "reverses)"
+        + ("" if on_gpu() else ", in wall and in the process's CPU milliseconds a step")
+        + ". *× counterpart*: median [25th–75th percentile] over rounds of the step "
         "time over the counterpart's in the same round. *compile s*: trace + lower + "
         "compile of the whole step after `jax.clear_caches()`, "
         + (
@@ -605,14 +621,14 @@ def page(
             else f"best of {size.compiles} (the configurations compiled in turn, in the "
             "table's order then in reverse)"
         )
-        + ", in wall seconds and in the "
-        "process's CPU seconds (all threads); the compile ratio is on "
-        f"{compile_basis()} seconds ("
+        + ", in wall seconds and in the process's CPU seconds (all threads). Both ratios "
+        f"are on {basis()} seconds ("
         + (
-            "the machine is a GPU host of its own, and a compile there waits on the "
-            "autotuning of kernels that CPU seconds miss)"
+            "the machine is a GPU host of its own; a step's work is on the GPU, and a "
+            "compile there waits on the autotuning of kernels, which CPU seconds miss)"
             if on_gpu()
-            else "the machine is shared, and others' load inflates wall times unevenly)"
+            else "the machine is shared, and others' load inflates wall times unevenly "
+            "between configurations)"
         )
         + ". *bytes accessed*: XLA's `cost_analysis()` of the compiled step (repeatable). "
         "*full-size copies*: `copy` ops in the compiled HLO whose shape is a parameter's "
