@@ -66,15 +66,19 @@ def gate_defaults(feedback: str, warmup_steps: Any, min_history: Any) -> tuple[i
 def _no_effect(
     mode: str, history: str, percentile: Any, window_size: Any, ema_decay: Any, quantile_lr: Any
 ) -> None:
-    """A ValueError for an argument the chosen mode and history never read."""
+    """A ValueError for an argument the chosen mode and history never read.
+
+    Passed at all, even at the value it would default to: the defaults are
+    None, so a value was chosen by the caller.
+    """
     unused = []
-    if mode == "auto" and _validation.differs(percentile, 95.0):
+    if mode == "auto" and percentile is not None:
         unused.append(("percentile", percentile))
     if history != "window" and window_size is not None:
         unused.append(("window_size", window_size))
-    if history != "ema" and _validation.differs(ema_decay, 0.99):
+    if history != "ema" and ema_decay is not None:
         unused.append(("ema_decay", ema_decay))
-    if history != "geometric" and _validation.differs(quantile_lr, 0.2):
+    if history != "geometric" and quantile_lr is not None:
         unused.append(("quantile_lr", quantile_lr))
     for arg, value in unused:
         raise ValueError(
@@ -85,10 +89,10 @@ def _no_effect(
 
 def autoclip(
     mode: AutoClipMode = "auto",
-    percentile: float = 95.0,
+    percentile: float | None = None,
     history: AutoClipHistory | None = None,
     window_size: int | None = None,
-    ema_decay: float = 0.99,
+    ema_decay: float | None = None,
     scope: Scope = "global",
     warmup_steps: int | None = None,
     min_history: int | None = None,
@@ -96,7 +100,7 @@ def autoclip(
     guard_nans: bool = True,
     *,
     feedback: Feedback = "observe_first",
-    quantile_lr: float = 0.2,
+    quantile_lr: float | None = None,
     max_grad_norm: float | Literal["auto"] | None = "auto",
     axis_name: str | None = None,
     leaf_norms: bool = False,
@@ -178,9 +182,15 @@ def autoclip(
       counts one per group per call, ending per-layer warm-up early), and a
       non-finite norm never enters the statistics.
 
+    An argument the chosen mode and history never read (``percentile`` in
+    auto mode; ``window_size``, ``ema_decay``, ``quantile_lr`` outside their
+    history) raises a ``ValueError``, even when passed at its default value.
+
     Args:
       mode: ``"auto"`` or ``"percentile"``.
-      percentile: the percentile in (0, 100] (``mode="percentile"`` only).
+      percentile: the percentile, on the 0-100 scale, in (1, 100]
+        (``mode="percentile"`` only); default 95. A value in (0, 1], almost
+        surely a fraction (0.95 for 95), raises a ``ValueError``.
       history: ``mode="auto"``: ``"all"`` or ``"window"``; None (default)
         means ``"all"`` under ``feedback="observe_first"`` (smartclip's) and
         ``"window"`` otherwise. ``mode="percentile"``: ``"window"`` (None
@@ -188,7 +198,7 @@ def autoclip(
       window_size: length of the window (``>= 1``) of ``history="window"``;
         None (default) means 1024 in percentile mode, 100 in auto mode.
       ema_decay: decay of the streaming quantile of ``history="ema"``, in
-        (0, 1).
+        (0, 1); default 0.99.
       scope: ``"global"``, ``"per_param"``, ``"per_layer"`` or a callable.
       warmup_steps: finite observations before clipping may start; default
         100 under ``"observe_first"``, 10 otherwise.
@@ -199,7 +209,7 @@ def autoclip(
       feedback: ``"observe_first"`` (default), ``"raw"``, ``"clipped"`` or
         ``"skip"``, see above.
       quantile_lr: step size of the geometric quantile (``> 0``;
-        ``history="geometric"`` only).
+        ``history="geometric"`` only); default 0.2.
       max_grad_norm: the ceiling: an absolute bound on every step's norm,
         applied from the first step (also while the gate is closed); None for
         none. ``"auto"`` (default): 1.0 under ``feedback="clipped"`` (a
@@ -259,7 +269,10 @@ def autoclip(
         default_window = 1024
     _no_effect(mode, history, percentile, window_size, ema_decay, quantile_lr)
     window_size = default_window if window_size is None else window_size
-    _validation.check("percentile", percentile, lambda x: 0 < x <= 100, "in (0, 100]")
+    percentile = 95.0 if percentile is None else percentile
+    ema_decay = 0.99 if ema_decay is None else ema_decay
+    quantile_lr = 0.2 if quantile_lr is None else quantile_lr
+    _validation.percentile("percentile", percentile)
     _validation.integer("window_size", window_size, minimum=1)
     _validation.open_unit("ema_decay", ema_decay)
     _validation.positive("quantile_lr", quantile_lr)

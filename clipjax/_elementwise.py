@@ -252,7 +252,9 @@ def clip_by_percentile(
     ``scope`` and ``method`` are static.
 
     Args:
-      percentile: in ``(0, 100]``; 100 is the maximum (nothing clipped).
+      percentile: on the 0-100 scale, in ``(1, 100]``; 100 is the maximum
+        (nothing clipped). A value in ``(0, 1]``, almost surely a fraction
+        (0.95 for the 95th percentile), raises a ``ValueError``.
       scope: ``"per_param"``, ``"per_layer"``, ``"global"`` or a callable
         ``(path, leaf) -> str``.
       method: ``"auto"``, ``"exact"`` or ``"approx"``.
@@ -280,7 +282,7 @@ def clip_by_percentile(
       with adaptive clipping <https://arxiv.org/abs/1905.03871>`_, 2021
       (quantile-based clipping bounds).
     """
-    _validation.check("percentile", percentile, lambda x: 0 < x <= 100, "in (0, 100]")
+    _validation.percentile("percentile", percentile)
     _validation.choice("method", method, PERCENTILE_METHODS)
     _grouping.validate_scope(scope, PERCENTILE_SCOPES)
 

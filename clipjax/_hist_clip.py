@@ -270,7 +270,9 @@ def hist_clip(
     and the warm-up clip per leaf. A clipjax ``warmup_clip`` is rebuilt for
     hist_clip's groups (and ``axis_name``), so it clips each warming group by
     its own norm; any other optax transform is applied to the whole tree.
-    Either runs only while some group warms up (under ``lax.cond``). Once a
+    Either runs only while some group warms up (under ``lax.cond``); a
+    ``warmup_clip`` given with ``warmup_steps=0`` (no warm-up) raises a
+    ``ValueError``. Once a
     group's warm-up is over, the warm-up clip's nested metrics for it read as
     at init (``grad_norm`` 0, ``scale`` 1, ``clipped`` False) and its counters
     keep their totals: they never report a stale decision.
@@ -330,6 +332,13 @@ def hist_clip(
             f"got {criterion!r}"
         )
     _validation.integer("warmup_steps", warmup_steps, minimum=0)
+    if _validation.concrete(warmup_steps) == 0 and not (
+        warmup_clip is None or isinstance(warmup_clip, str)
+    ):
+        raise ValueError(
+            f"warmup_clip={warmup_clip!r} has no effect with warmup_steps=0 (there is no "
+            "warm-up to clip): leave warmup_clip out, or give warmup_steps > 0"
+        )
     if isinstance(warmup_clip, str):
         if warmup_clip != "default":
             raise ValueError(

@@ -442,7 +442,8 @@ def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
         NNX, ``optimizer.opt_state``, the ``nnx.Optimizer`` itself, or the
         tuple ``nnx.split(optimizer)`` returns (not ``nnx.state(optimizer)``
         alone: flax keeps the group names in the graphdef).
-      flat: return one flat ``dict`` (default) or a nested one.
+      flat: return one flat ``dict`` (True, default) or a nested one (False);
+        anything but a bool raises a ``TypeError``.
 
     Returns:
       With ``flat=True``, a ``dict`` of scalar arrays named
@@ -478,6 +479,7 @@ def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
     Raises:
       TypeError: ``opt_state`` is a transform or a factory (``tx`` or
         ``clipjax.autoclip``) rather than a state (``tx.init(params)``).
+      TypeError: ``flat`` is not a bool.
       ValueError: two transforms in ``opt_state`` were given the same
         ``name=``: their metrics would overwrite each other.
 
@@ -492,6 +494,8 @@ def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
             f"({getattr(opt_state, '__name__', type(opt_state).__name__)}): pass "
             "tx.init(params) or the state returned by tx.update"
         )
+    if not isinstance(flat, (bool, np.bool_)):
+        raise TypeError(f"flat must be a bool (True: one flat dict; False: nested), got {flat!r}")
     opt_state = _merge_nnx_split(opt_state)
     out: dict[str, Any] = {}
     found = _walk(opt_state, "", out)

@@ -28,6 +28,14 @@ def _concrete(value: Any) -> float | None:
     return float(arr)
 
 
+def concrete(value: Any) -> float | None:
+    """``value`` as a float where it is a concrete number, else None (a tracer, a non-number)."""
+    try:
+        return _concrete(value)
+    except ValueError:
+        return None
+
+
 def check(name: str, value: Any, ok: Callable[[float], bool], expected: str) -> None:
     """Raises ``ValueError`` naming ``name`` unless ``ok(value)`` holds."""
     try:
@@ -50,6 +58,38 @@ def nonzero_bound(name: str, value: Any) -> None:
     """A clipping bound: any number but 0 and NaN (a negative bound means its absolute value)."""
     expected = "a nonzero number (0 would zero every update)"
     check(name, value, lambda x: x != 0 and not math.isnan(x), expected)
+
+
+def percentile(name: str, value: Any) -> None:
+    """A percentile on the 0-100 scale, in ``(1, 100]``.
+
+    A value in ``(0, 1]`` is almost surely a fraction (0.95 for the 95th
+    percentile) and is refused with that question; a clipper at the 1st
+    percentile or below would clip nearly every step or element, so nothing
+    is lost.
+    """
+    try:
+        x = _concrete(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number in (1, 100], got {value!r}") from None
+    if x is None:
+        return
+    if 0 < x <= 1:
+        raise ValueError(
+            f"{name}={value!r}: percentiles are on the 0-100 scale; did you mean a fraction, "
+            f"the {_ordinal(100 * x)} percentile? Pass {name}={100 * x:g}. Percentiles at or "
+            "below 1 are refused (they would clip nearly every step)."
+        )
+    if not 1 < x <= 100:
+        raise ValueError(f"{name} must be in (1, 100] (a percentile, 0-100 scale), got {value!r}")
+
+
+def _ordinal(x: float) -> str:
+    if not float(x).is_integer():
+        return f"{x:g}th"
+    n = int(x)
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def open_unit(name: str, value: Any) -> None:
@@ -85,24 +125,6 @@ def static_number(name: str, value: Any) -> None:
     """Raises the ``static_args`` hint for an array where a Python number is needed."""
     if isinstance(value, (jax.Array, Tracer)):
         raise ValueError(_static_hint(name))
-
-
-def differs(value: Any, default: float) -> bool:
-    """Whether a hyperparameter is a concrete number other than ``default``.
-
-    A tracer (an injected hyperparameter inside ``jit``) cannot be compared
-    and counts as not differing; an array is compared at its own precision
-    (``optax.inject_hyperparams`` makes the default 0.99 a float32 array).
-    """
-    try:
-        x = _concrete(value)
-    except ValueError:
-        return True
-    if x is None:
-        return False
-    dtype = np.asarray(value).dtype if not isinstance(value, (int, float)) else np.float64
-    tolerance = float(np.finfo(dtype).eps) if np.issubdtype(dtype, np.floating) else 0.0
-    return not math.isclose(x, default, rel_tol=tolerance, abs_tol=0.0)
 
 
 def choice(name: str, value: Any, options: tuple[str, ...]) -> None:

@@ -50,8 +50,8 @@ def zclip(
     eps: float = 1e-6,
     warmup_steps: int = 25,
     mode: ZClipMode = "zscore",
-    clip_option: ClipOption = "adaptive_scaling",
-    clip_factor: float = 1.0,
+    clip_option: ClipOption | None = None,
+    clip_factor: float | None = None,
     skip_update_on_spike: bool = False,
     scope: Scope = "global",
     *,
@@ -114,6 +114,10 @@ def zclip(
     ``nonfinite_count`` grows. Chain ``optax.apply_if_finite`` to drop such
     steps instead.
 
+    In percentile mode ``clip_option`` and ``clip_factor`` have no effect,
+    and ``clip_factor`` none with ``clip_option="mean"``: passing them there
+    raises a ``ValueError``, even at their default values.
+
     Args:
       alpha: EMA smoothing factor of mean and variance, in (0, 1).
       z_thresh: z-score threshold (``> 0``).
@@ -128,9 +132,10 @@ def zclip(
       eps: added to the standard deviation in the z-score.
       warmup_steps: number of finite norms collected before clipping (``>= 1``).
       mode: ``"zscore"`` or ``"percentile"``.
-      clip_option: ``"adaptive_scaling"`` or ``"mean"`` (zscore mode only).
-      clip_factor: multiplier of the adaptive threshold (zscore mode with
-        ``"adaptive_scaling"`` only).
+      clip_option: ``"adaptive_scaling"`` or ``"mean"`` (zscore mode only);
+        default ``"adaptive_scaling"``.
+      clip_factor: multiplier of the adaptive threshold (``> 0``; zscore mode
+        with ``"adaptive_scaling"`` only); default 1.0.
       skip_update_on_spike: leave the statistics unchanged on spikes (the
         reference's name for ``feedback="skip"``).
       scope: ``"global"``, ``"per_param"``, ``"per_layer"`` or a callable.
@@ -170,18 +175,21 @@ def zclip(
     _validation.non_negative("eps", eps)
     _validation.integer("warmup_steps", warmup_steps, minimum=1)
     _validation.choice("mode", mode, ("zscore", "percentile"))
-    _validation.choice("clip_option", clip_option, ("adaptive_scaling", "mean"))
-    _validation.positive("clip_factor", clip_factor)
-    if mode == "percentile" and clip_option != "adaptive_scaling":
+    if mode == "percentile" and clip_option is not None:
         raise ValueError(
             f'clip_option={clip_option!r} has no effect with mode="percentile", which '
             "clips to its boundary mean + z_thresh * std; leave clip_option out"
         )
-    if _validation.differs(clip_factor, 1.0) and (mode == "percentile" or clip_option == "mean"):
+    if clip_factor is not None and (mode == "percentile" or clip_option == "mean"):
         raise ValueError(
-            f"clip_factor={clip_factor!r} has no effect with mode={mode!r}, "
-            f"clip_option={clip_option!r}: it scales adaptive_scaling's clip value only"
+            f"clip_factor={clip_factor!r} has no effect with mode={mode!r}"
+            + ("" if clip_option is None else f", clip_option={clip_option!r}")
+            + ": it scales adaptive_scaling's clip value only; leave clip_factor out"
         )
+    clip_option = "adaptive_scaling" if clip_option is None else clip_option
+    clip_factor = 1.0 if clip_factor is None else clip_factor
+    _validation.choice("clip_option", clip_option, ("adaptive_scaling", "mean"))
+    _validation.positive("clip_factor", clip_factor)
     _engine.check_feedback(feedback, ("clip_target", "clipped", "raw", "skip"))
     if skip_update_on_spike:
         if feedback not in ("clip_target", "skip"):

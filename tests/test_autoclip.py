@@ -165,6 +165,12 @@ def test_invalid_hyperparameters(kwargs: dict, arg: str) -> None:
         ({"ema_decay": 0.9}, "ema_decay"),
         ({"mode": "percentile", "quantile_lr": 0.1}, "quantile_lr"),
         ({"mode": "percentile", "history": "geometric", "window_size": 64}, "window_size"),
+        # Issue 37: at their default values they used to be accepted.
+        ({"percentile": 95.0}, "percentile"),
+        ({"ema_decay": 0.99}, "ema_decay"),
+        ({"quantile_lr": 0.2}, "quantile_lr"),
+        ({"mode": "percentile", "ema_decay": 0.99}, "ema_decay"),
+        ({"mode": "percentile", "history": "ema", "quantile_lr": 0.2}, "quantile_lr"),
     ],
 )
 def test_an_argument_without_effect_in_the_mode_names_itself(kwargs, arg) -> None:
@@ -183,3 +189,29 @@ def test_injected_defaults_are_not_taken_for_other_values(mode) -> None:
     tx = optax.inject_hyperparams(clipjax.autoclip, static_args=("window_size",))(mode=mode)
     params = {"w": jnp.zeros(2)}
     tx.update({"w": jnp.ones(2)}, tx.init(params), params)
+
+
+@pytest.mark.parametrize("fraction", [0.95, 0.5, 1.0, 1])
+def test_a_percentile_that_looks_like_a_fraction_is_refused(fraction) -> None:
+    """Issue 37: autoclip(mode="percentile", percentile=0.95) meant the 95th."""
+    with pytest.raises(ValueError, match=r"0-100 scale; did you mean a fraction.*Pass percentile="):
+        clipjax.autoclip(mode="percentile", percentile=fraction)
+
+
+def test_percentile_range_and_its_default() -> None:
+    for bad in (0.0, -5.0, 100.5, float("nan")):
+        with pytest.raises(ValueError, match=r"percentile must be in \(1, 100\]"):
+            clipjax.autoclip(mode="percentile", percentile=bad)
+    clipjax.autoclip(mode="percentile", percentile=1.5)
+    params = {"w": jnp.zeros(2)}
+    # None is the 95th percentile.
+    implicit = clipjax.autoclip(mode="percentile", window_size=8, warmup_steps=1, min_history=1)
+    explicit = clipjax.autoclip(
+        mode="percentile", percentile=95.0, window_size=8, warmup_steps=1, min_history=1
+    )
+    states = [tx.init(params) for tx in (implicit, explicit)]
+    for x in [1.0, 2.0, 3.0, 10.0]:
+        g = {"w": jnp.array([x, 0.0])}
+        states = [tx.update(g, s)[1] for tx, s in zip((implicit, explicit), states)]
+    a, b = (clipjax.metrics(s) for s in states)
+    assert a["autoclip/global/quantile"] == b["autoclip/global/quantile"]

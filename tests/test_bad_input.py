@@ -401,3 +401,12 @@ def test_metrics_of_an_nnx_optimizer_without_clipjax_says_so() -> None:
     assert "nnx.state" not in str(record[0].message)
     with pytest.warns(UserWarning, match=r"holds no clipjax transform's state"):
         assert clipjax.metrics(nnx.state(optimizer)) == {}
+
+
+@pytest.mark.parametrize("flat", ["yes", 1, 0, None, "False"])
+def test_metrics_flat_must_be_a_bool(flat: Any) -> None:
+    """Issue 37: metrics(state, flat="yes") was accepted (a truthy string)."""
+    state = clipjax.zclip().init(SMALL)
+    with pytest.raises(TypeError, match=r"flat must be a bool"):
+        clipjax.metrics(state, flat=flat)
+    assert clipjax.metrics(state, flat=np.bool_(False)).keys() == {"zclip"}

@@ -484,6 +484,8 @@ def test_distinct_names_in_one_chain() -> None:
         (lambda: clip_by_percentile(0.0), "percentile"),
         (lambda: clip_by_percentile(100.5), "percentile"),
         (lambda: clip_by_percentile(float("nan")), "percentile"),
+        (lambda: clip_by_percentile(0.95), "percentile=0.95: percentiles are on the 0-100 scale"),
+        (lambda: clip_by_percentile(1.0), "Pass percentile=100"),
         (lambda: clip_by_percentile(50.0, method="median"), "method"),
         (lambda: clip_by_percentile(50.0, scope="unitwise"), "scope"),
         (lambda: clip_by_percentile(50.0, name=""), "name"),

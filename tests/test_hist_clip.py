@@ -170,3 +170,11 @@ def test_warmup_clip_metrics_are_nested_and_generic_transforms_work() -> None:
 def test_invalid_hyperparameters_name_the_argument(make, arg: str) -> None:
     with pytest.raises(ValueError, match=arg):
         make()
+
+
+def test_a_warmup_clip_without_warmup_is_refused() -> None:
+    """Issue 37: hist_clip(warmup_steps=0, warmup_clip=...) was accepted."""
+    with pytest.raises(ValueError, match=r"warmup_clip=.* has no effect with warmup_steps=0"):
+        clipjax.hist_clip(warmup_steps=0, warmup_clip=clipjax.clip_by_global_norm(1.0))
+    clipjax.hist_clip(warmup_steps=0)
+    clipjax.hist_clip(warmup_steps=0, warmup_clip=None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import drive
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import references as R
@@ -121,3 +122,36 @@ def test_per_param_groups_are_independent() -> None:
 def test_invalid_hyperparameters_name_the_argument(kwargs: dict, arg: str) -> None:
     with pytest.raises(ValueError, match=arg):
         clipjax.zclip(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, arg",
+    [
+        ({"mode": "percentile", "clip_option": "adaptive_scaling"}, "clip_option"),
+        ({"mode": "percentile", "clip_option": "mean"}, "clip_option"),
+        ({"mode": "percentile", "clip_factor": 1.0}, "clip_factor"),
+        ({"mode": "percentile", "clip_factor": 0.7}, "clip_factor"),
+        ({"clip_option": "mean", "clip_factor": 1.0}, "clip_factor"),
+    ],
+)
+def test_percentile_mode_refuses_what_it_never_reads(kwargs: dict, arg: str) -> None:
+    """Issue 37: passed at their default values they used to be accepted silently."""
+    with pytest.raises(ValueError, match=f"{arg}=.* has no effect with mode="):
+        clipjax.zclip(**kwargs)
+
+
+def test_clip_option_and_factor_default_to_adaptive_scaling_at_one() -> None:
+    g = lambda x: {"w": jnp.array([x])}
+    runs = []
+    for tx in (
+        clipjax.zclip(warmup_steps=3),
+        clipjax.zclip(warmup_steps=3, clip_option="adaptive_scaling", clip_factor=1.0),
+    ):
+        state = tx.init(g(0.0))
+        outs = []
+        for x in [0.1, 0.11, 0.09, 0.1, 0.5]:
+            out, state = tx.update(g(x), state)
+            outs.append(float(out["w"][0]))
+        runs.append(outs)
+    assert runs[0] == runs[1] and runs[0][-1] < 0.5
+    clipjax.zclip(mode="percentile")  # accepted without them
