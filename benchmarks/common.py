@@ -469,6 +469,10 @@ def _cpu_model() -> str:
 
 
 def _git() -> str:
+    # A copy of the tree without its history (benchmarks/device.sh runs on an exported
+    # commit) names its commit in CLIPJAX_COMMIT.
+    if os.environ.get("CLIPJAX_COMMIT"):
+        return os.environ["CLIPJAX_COMMIT"]
     run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout
     try:
         rev, dirty = run("rev-parse", "--short", "HEAD").strip(), run("status", "-s", "clipjax")
