@@ -84,6 +84,10 @@ def adagc(
     never enters ``gamma`` and increments ``nonfinite_count``; chain
     ``optax.apply_if_finite`` to drop such steps.
 
+    Static arguments: none; every number may be injected or scheduled with
+    ``optax.inject_hyperparams``, with no ``static_args``; a callable ``scope``
+    goes in ``static_args`` (inject_hyperparams would call it as a schedule).
+
     Args:
       relative_threshold: ``T_i / gamma_i`` (``> 0``; the paper uses 1.05).
       beta: EMA decay of ``gamma``, in (0, 1).

@@ -170,6 +170,10 @@ def agc(
     scale 1. A non-finite gradient norm passes unchanged (scale 1) and
     increments ``nonfinite_count``.
 
+    Static arguments: ``axis`` (it picks the unit axes); every other number may
+    be injected or scheduled with ``optax.inject_hyperparams``, with no
+    ``static_args``.
+
     Args:
       clipping: the maximum ratio of gradient norm to weight norm (``> 0``).
       eps: floor of the weight norm (unitwise) / additive guard (grouped).

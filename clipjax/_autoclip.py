@@ -186,6 +186,11 @@ def autoclip(
     auto mode; ``window_size``, ``ema_decay``, ``quantile_lr`` outside their
     history) raises a ``ValueError``, even when passed at its default value.
 
+    Static arguments: ``window_size`` (it sizes the window); every other number
+    may be injected or scheduled with ``optax.inject_hyperparams``, with no
+    ``static_args``; a callable ``scope`` goes in ``static_args``
+    (inject_hyperparams would call it as a schedule).
+
     Args:
       mode: ``"auto"`` or ``"percentile"``.
       percentile: the percentile, on the 0-100 scale, in (1, 100]

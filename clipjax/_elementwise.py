@@ -171,6 +171,10 @@ def clip_by_value(
     ``max_abs`` may be injected and scheduled with ``optax.inject_hyperparams``;
     ``scope`` is static.
 
+    Static arguments: none; every number may be injected or scheduled with
+    ``optax.inject_hyperparams``, with no ``static_args``; a callable ``scope``
+    goes in ``static_args`` (inject_hyperparams would call it as a schedule).
+
     Args:
       max_abs: the largest magnitude kept, ``!= 0``. A negative value means
         its absolute value (``-1.0`` clamps like ``1.0``); zero, which would
@@ -250,6 +254,10 @@ def clip_by_percentile(
     clamping. ``percentile`` may be injected with
     ``optax.inject_hyperparams`` (its rank is then computed in float32);
     ``scope`` and ``method`` are static.
+
+    Static arguments: none; every number may be injected or scheduled with
+    ``optax.inject_hyperparams``, with no ``static_args``; a callable ``scope``
+    goes in ``static_args`` (inject_hyperparams would call it as a schedule).
 
     Args:
       percentile: on the 0-100 scale, in ``(1, 100]``; 100 is the maximum

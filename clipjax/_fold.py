@@ -481,6 +481,10 @@ def adam(
     more over Adam, where ``skip_on_spike(optax.adam(...))`` pays about two
     extra passes over the updates for its ``lax.cond``.
 
+    Static arguments: none; every number may be injected or scheduled with
+    ``optax.inject_hyperparams``, with no ``static_args``; ``mu_dtype`` goes in
+    ``static_args`` (inject_hyperparams would call it as a schedule).
+
     Args:
       learning_rate: a float or a schedule (``step -> float``).
       b1: decay rate of the first moment.
@@ -570,6 +574,11 @@ def adamw(
     gradient element) clamps to NaN and makes the tensor's whole step NaN,
     at that step and every later one. Here, as in torch-optimi (and in Adam),
     a NaN RMS divides by 1 and only the NaN elements' step is NaN.
+
+    Static arguments: none; every number may be injected or scheduled with
+    ``optax.inject_hyperparams``, with no ``static_args``; ``mu_dtype`` and a
+    callable ``mask`` go in ``static_args`` (inject_hyperparams would call them
+    as schedules).
 
     Args:
       learning_rate: a float or a schedule (``step -> float``).

@@ -22,7 +22,8 @@ class HistClipState(NamedTuple):
 
     Attributes:
       stats: the criterion's running mean (and variance) per group, and the
-        warm-up sample (``[groups, warmup_steps]``).
+        warm-up sample's running mean and sum of squared deviations (Welford;
+        ``[groups]`` each, whatever ``warmup_steps``).
       metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.
       info: static names (algorithm, prefix, groups, leaves).
       leaf_index: each leaf's group index, int32 scalars (empty for one group).
@@ -282,6 +283,12 @@ def hist_clip(
     drytorch's statistics; here it is kept out of them (and out of the
     warm-up clip's state) and the gradient passes unchanged.
 
+    Static arguments: none; every number may be injected or scheduled with
+    ``optax.inject_hyperparams``, with no ``static_args`` (``warmup_steps`` too:
+    the warm-up sample is kept as running sums; the criterion's numbers through
+    a factory that builds it); a callable ``scope`` goes in ``static_args``
+    (inject_hyperparams would call it as a schedule).
+
     Args:
       criterion: :func:`zstat_criterion` (default) or :func:`ema_criterion`.
       warmup_steps: number of finite norms collected before the criterion.
@@ -331,7 +338,7 @@ def hist_clip(
             "criterion must come from clipjax.zstat_criterion() or clipjax.ema_criterion(), "
             f"got {criterion!r}"
         )
-    _validation.integer("warmup_steps", warmup_steps, minimum=0)
+    _validation.integer("warmup_steps", warmup_steps, minimum=0, static=False)
     if _validation.concrete(warmup_steps) == 0 and not (
         warmup_clip is None or isinstance(warmup_clip, str)
     ):

@@ -112,7 +112,7 @@ def _observation(
 def skip_on_spike(
     inner: optax.GradientTransformation,
     *,
-    window_size: int = 128,
+    window_size: int | None = None,
     sigma: float = 6.0,
     min_history: int | None = None,
     max_consecutive_skips: int | None = None,
@@ -224,11 +224,16 @@ def skip_on_spike(
     ``min_history`` values. A buffer whose values are all equal has std 0: any
     larger value is then a spike.
 
+    Static arguments: ``window_size`` (it sizes the buffers); every other number
+    may be injected or scheduled with ``optax.inject_hyperparams``, with no
+    ``static_args``.
+
     Args:
       inner: the transform to run on taken steps (an
         ``optax.GradientTransformation``, e.g. ``clipjax.adamw(1e-3)`` or
         ``optax.adamw(1e-3)``).
-      window_size: how many observed steps the buffers remember (an int >= 1).
+      window_size: how many observed steps the buffers remember (an int >= 1);
+        default 128.
       sigma: how many standard deviations above the mean is a spike (> 0).
       min_history: the number of buffered values before spikes are judged, an
         int in ``[1, window_size]``; default ``window_size // 2`` (at least 1).
@@ -289,15 +294,17 @@ def skip_on_spike(
       stanford-crfm/levanter).
     """
     _check_inner(inner)
+    window_size = 128 if window_size is None else window_size
     _validation.integer("window_size", window_size, 1)
     _validation.positive("sigma", sigma)
     if min_history is None:
         min_history = max(1, window_size // 2)
-    _validation.integer("min_history", min_history, 1)
-    if min_history > window_size:
+    _validation.integer("min_history", min_history, 1, static=False)
+    concrete_history = _validation.concrete(min_history)
+    if concrete_history is not None and concrete_history > window_size:
         raise ValueError(f"min_history must be <= window_size ({window_size}), got {min_history!r}")
     if max_consecutive_skips is not None:
-        _validation.integer("max_consecutive_skips", max_consecutive_skips, 1)
+        _validation.integer("max_consecutive_skips", max_consecutive_skips, 1, static=False)
     _engine.check_feedback(feedback, FEEDBACKS)
     if name is not None and not (isinstance(name, str) and name):
         raise ValueError(f"name must be a non-empty str or None, got {name!r}")

@@ -366,6 +366,11 @@ def spam(
       ``(param - update) * (1 - lr * weight_decay)``: they differ by ``lr *
       weight_decay * update``, a second-order term.
 
+    Static arguments: none; every number may be injected or scheduled with
+    ``optax.inject_hyperparams``, with no ``static_args``; ``mu_dtype`` and a
+    callable ``mask`` go in ``static_args`` (inject_hyperparams would call them
+    as schedules).
+
     Args:
       learning_rate: a float or a schedule (``step -> float``).
       b1: decay rate of the first moment.

@@ -211,6 +211,10 @@ def adaclip(
     counts it); in the reference ``max_ema`` becomes NaN or infinite and every
     later step of the tensor with it.
 
+    Static arguments: none; every number may be injected or scheduled with
+    ``optax.inject_hyperparams``, with no ``static_args``; a callable ``scope``
+    goes in ``static_args`` (inject_hyperparams would call it as a schedule).
+
     Args:
       theta: the EMA's decay rate, in (0, 1) (the paper's gamma_3).
       scope: ``"per_param"`` (default, the reference's), ``"per_layer"``,
@@ -352,6 +356,10 @@ def ada_norm(
     (the reference counts every step, so after a zero-norm step its ``mean``
     is biased low).
 
+    Static arguments: none; every number may be injected or scheduled with
+    ``optax.inject_hyperparams``, with no ``static_args``; a callable ``scope``
+    goes in ``static_args`` (inject_hyperparams would call it as a schedule).
+
     Args:
       gamma1: the norm EMA's decay rate, in (0, 1).
       gamma2: the squared norm EMA's decay rate, in (0, 1).
@@ -491,6 +499,12 @@ def stable_spam(
     * A tensor whose gradient is exactly 0: the reference skips its Adam step
       (moments unchanged, no update); here its moments decay as for any zero
       gradient and it moves by its momentum, as in optax.
+
+    Static arguments: none; every number may be injected or scheduled with
+    ``optax.inject_hyperparams``, with no ``static_args``; a callable ``scope``
+    goes in ``static_args`` (inject_hyperparams would call it as a schedule);
+    ``mu_dtype`` and a callable ``mask`` go in ``static_args``
+    (inject_hyperparams would call them as schedules).
 
     Args:
       learning_rate: a float or a schedule (``step -> float``).

@@ -100,7 +100,7 @@ def _norm_type(norm_type: Any) -> float:
 
 def clip_by_global_norm(
     max_norm: float,
-    norm_type: float = 2.0,
+    norm_type: float | None = None,
     eps: float = 1e-7,
     *,
     leaf_norms: bool = False,
@@ -119,11 +119,16 @@ def clip_by_global_norm(
     ``nonfinite_count`` (optax would produce NaNs; chain
     ``optax.apply_if_finite`` to drop such steps).
 
+    Static arguments: ``norm_type`` (it picks the norm's arithmetic, a maximum
+    or a sum of powers); every other number may be injected or scheduled with
+    ``optax.inject_hyperparams``, with no ``static_args``.
+
     Args:
       max_norm: the maximum norm, ``!= 0``. A negative value means its
         absolute value (``-1.0`` clips like ``1.0``); zero, which would zero
         every update, raises ``ValueError``.
-      norm_type: the order p of the norm, ``> 0`` or ``float("inf")``.
+      norm_type: the order p of the norm, ``> 0`` or ``float("inf")``;
+        default 2.0.
       eps: added to the norm in the denominator.
       leaf_norms: also record each leaf's L2 norm before clipping.
       name: metrics prefix (default ``clip_by_global_norm``).
@@ -144,7 +149,7 @@ def clip_by_global_norm(
       Pascanu et al., `On the difficulty of training recurrent neural networks
       <https://arxiv.org/abs/1211.5063>`_, 2013.
     """
-    p = _norm_type(norm_type)
+    p = _norm_type(2.0 if norm_type is None else norm_type)
     _validation.nonzero_bound("max_norm", max_norm)
     _validation.non_negative("eps", eps)
 
@@ -181,6 +186,9 @@ def normalize_per_param(eps: float = 1e-8, *, name: str | None = None) -> _engin
     passes through unchanged and increments ``nonfinite_count``. An integer or
     boolean leaf raises a ``ValueError`` naming it. ``eps`` may
     be injected with ``optax.inject_hyperparams``.
+
+    Static arguments: none; every number may be injected or scheduled with
+    ``optax.inject_hyperparams``, with no ``static_args``.
 
     Args:
       eps: added to the norm in the denominator, ``>= 0``.
@@ -270,6 +278,9 @@ def zscore_normalize(eps: float = 1e-8, *, name: str | None = None) -> _engine.C
     non-finite norm passes through unchanged and increments
     ``nonfinite_count``. ``eps`` may be injected with
     ``optax.inject_hyperparams``.
+
+    Static arguments: none; every number may be injected or scheduled with
+    ``optax.inject_hyperparams``, with no ``static_args``.
 
     Args:
       eps: added to the standard deviation in the denominator, ``>= 0``.

@@ -16,7 +16,8 @@ Statistics:
 * Welford mean / variance over the whole history (Welford 1962).
 * P² streaming quantile (Jain & Chlamtac 1985), textbook parabolic step, or
   smartclip's variant for reproduction.
-* EMA mean / variance with the cancellation-free variance recursion.
+* EMA mean / variance with the cancellation-free variance recursion, and EMA
+  moments started from a warm-up sample kept as Welford moments.
 * Ring-buffer window with an incrementally sorted copy and numpy's "linear"
   percentile (or median and std).
 * A scale-free stochastic-approximation quantile that forgets at a rate
@@ -475,41 +476,6 @@ def squantile_value(state: StreamingQuantileState) -> jax.Array:
 
 
 # --------------------------------------------------------------------------
-# Warm-up sample set
-# --------------------------------------------------------------------------
-
-
-def samples_init(num_groups: int, size: int, dtype: DTypeLike = jnp.float32) -> jax.Array:
-    """Room for the first ``size`` observations of each group, ``[G, max(size, 1)]``."""
-    return jnp.zeros((num_groups, max(size, 1)), dtype)
-
-
-def samples_update(samples: jax.Array, x: ArrayLike, count: jax.Array) -> jax.Array:
-    """Stores ``x`` as observation number ``count`` (0-based) while there is room.
-
-    zclip and drytorch's ``StatsCollector`` both collect their first
-    ``warmup_steps`` finite norms and start their EMAs from them.
-    """
-    size = samples.shape[1]
-    slot = jnp.arange(size) == count[:, None]
-    return jnp.where(slot, jnp.asarray(x, samples.dtype)[:, None], samples)
-
-
-def samples_moments(samples: jax.Array, n: int, ddof: int) -> tuple[jax.Array, jax.Array]:
-    """Mean and variance (``ddof``) of the first ``n`` stored samples of each group.
-
-    With fewer than ``ddof + 1`` samples the variance is returned as NaN: the
-    callers decide what an undefined variance means for them.
-    """
-    filled = jnp.arange(samples.shape[1]) < n
-    mean = jnp.sum(jnp.where(filled, samples, 0.0), axis=1) / max(n, 1)
-    dev = jnp.where(filled, samples - mean[:, None], 0.0)
-    if n - ddof <= 0:
-        return mean, jnp.full_like(mean, jnp.nan)
-    return mean, jnp.sum(dev * dev, axis=1) / (n - ddof)
-
-
-# --------------------------------------------------------------------------
 # Geometric quantile (Andrew et al. 2021)
 # --------------------------------------------------------------------------
 
@@ -720,12 +686,14 @@ class WarmupEmaState(NamedTuple):
     Attributes:
       mean: ``[G]`` running mean.
       var: ``[G]`` running variance.
-      warmup: ``[G, warmup_steps]`` the first observations.
+      warmup: the warm-up sample's Welford moments (count, mean, sum of
+        squared deviations, each ``[G]``): running sums, so the number of
+        warm-up steps fixes no shape and may be a traced value.
     """
 
     mean: jax.Array
     var: jax.Array
-    warmup: jax.Array
+    warmup: WelfordState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -735,7 +703,11 @@ class WarmupEma(Statistic):
     The observation that completes the warm-up sample sets ``mean`` to its mean
     and ``var`` to its variance (``ddof``; with ``ddof=1`` only if positive,
     else ``var`` keeps its start value, as drytorch's ``StatsCollector``).
-    Afterwards, with ``a = alpha``:
+    The sample is kept as Welford's running moments (:func:`welford_update`),
+    not stored: zclip and drytorch take the mean and variance of the stored
+    sample in two passes, which Welford's recursion matches to rounding.
+    ``warmup_steps`` only enters comparisons, so it may be an array (from
+    ``optax.inject_hyperparams``). Afterwards, with ``a = alpha``:
 
     * ``variance="after_mean"`` (zclip): ``mean <- a mean + (1-a) x`` then
       ``var <- a var + (1-a) (x - mean_new)**2``;
@@ -745,7 +717,7 @@ class WarmupEma(Statistic):
     """
 
     alpha: ArrayLike = 0.97
-    warmup_steps: int = 0
+    warmup_steps: ArrayLike = 0
     variance: str | None = "after_mean"
     ddof: int = 0
     start_var: float = 0.0
@@ -754,15 +726,17 @@ class WarmupEma(Statistic):
         return WarmupEmaState(
             jnp.zeros((num_groups,), dtype),
             jnp.full((num_groups,), self.start_var, dtype),
-            samples_init(num_groups, self.warmup_steps, dtype),
+            welford_init(num_groups, dtype),
         )
 
     def observe(self, state: Any, x: jax.Array, count: jax.Array) -> Any:
         a = self.alpha
         warming = count < self.warmup_steps
-        samples = samples_update(state.warmup, x, count)
+        sample = welford_update(state.warmup, x)
         completes = count + 1 == self.warmup_steps
-        sample_mean, sample_var = samples_moments(samples, self.warmup_steps, self.ddof)
+        n = sample.count.astype(sample.m2.dtype)
+        # Undefined (NaN) with fewer than ddof + 1 values: ddof=1 then keeps the start value.
+        sample_var = jnp.where(n > self.ddof, sample.m2 / jnp.maximum(n - self.ddof, 1), jnp.nan)
         if self.ddof:
             sample_var = jnp.where(sample_var > 0, sample_var, state.var)
         mean = a * state.mean + (1 - a) * x
@@ -772,9 +746,10 @@ class WarmupEma(Statistic):
             var = a * state.var + (1 - a) * (x - state.mean) ** 2
         else:
             var = state.var
-        mean = jnp.where(warming, jnp.where(completes, sample_mean, state.mean), mean)
+        mean = jnp.where(warming, jnp.where(completes, sample.mean, state.mean), mean)
         var = jnp.where(warming, jnp.where(completes, sample_var, state.var), var)
-        return WarmupEmaState(mean, var, samples)
+        warmup = _select(warming, sample, state.warmup)
+        return WarmupEmaState(mean, var, warmup)
 
     def report(self, state: Any) -> dict[str, jax.Array]:
         if self.variance is None:

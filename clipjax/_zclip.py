@@ -22,8 +22,9 @@ class ZClipState(NamedTuple):
     """State of :func:`zclip`.
 
     Attributes:
-      stats: EMA mean and variance per group, and the warm-up sample
-        (``[groups, warmup_steps]``).
+      stats: EMA mean and variance per group, and the warm-up sample's
+        running mean and sum of squared deviations (Welford; ``[groups]``
+        each, whatever ``warmup_steps``).
       metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.
       info: static names (algorithm, prefix, groups, leaves).
       leaf_index: each leaf's group index, int32 scalars (empty for one group).
@@ -118,6 +119,11 @@ def zclip(
     and ``clip_factor`` none with ``clip_option="mean"``: passing them there
     raises a ``ValueError``, even at their default values.
 
+    Static arguments: none; every number may be injected or scheduled with
+    ``optax.inject_hyperparams``, with no ``static_args`` (``warmup_steps`` too:
+    the warm-up sample is kept as running sums); a callable ``scope`` goes in
+    ``static_args`` (inject_hyperparams would call it as a schedule).
+
     Args:
       alpha: EMA smoothing factor of mean and variance, in (0, 1).
       z_thresh: z-score threshold (``> 0``).
@@ -173,7 +179,7 @@ def zclip(
     _validation.open_unit("alpha", alpha)
     _validation.positive("z_thresh", z_thresh)
     _validation.non_negative("eps", eps)
-    _validation.integer("warmup_steps", warmup_steps, minimum=1)
+    _validation.integer("warmup_steps", warmup_steps, minimum=1, static=False)
     _validation.choice("mode", mode, ("zscore", "percentile"))
     if mode == "percentile" and clip_option is not None:
         raise ValueError(

@@ -95,6 +95,10 @@ def zscore_clip(
     counts its own finite observations. A non-finite norm never enters the
     statistics (smartclip multiplies the gradient by NaN or 0).
 
+    Static arguments: none; every number may be injected or scheduled with
+    ``optax.inject_hyperparams``, with no ``static_args``; a callable ``scope``
+    goes in ``static_args`` (inject_hyperparams would call it as a schedule).
+
     Args:
       zmax: z-score above which norms are clipped (``> 0``).
       ema_decay: decay of the EMAs, in (0, 1). None (default) means

@@ -1,0 +1,259 @@
+"""``optax.inject_hyperparams`` without surprises, for every public transform factory.
+
+``optax.inject_hyperparams(clipjax.X)(...)`` turns every number it is given,
+and every numeric default, into an array (a tracer under ``jit``). Every
+argument a user would schedule (thresholds, decays, ``max_grad_norm``,
+``z_thresh``, ``alpha``, warm-up lengths, ...) works that way with no
+``static_args``; the few numbers that size a buffer or pick the arithmetic
+are listed on the docstring's "Static arguments:" line, default to None (so
+inject_hyperparams leaves them alone unless given) and must be named in
+``static_args`` when given. Each case injects all of its numeric arguments at
+values other than the defaults, runs 3 updates under ``jit`` (the last a
+spike), and compares updates and metrics with the plain factory called with
+the same values. The coverage test checks that every numeric parameter of
+every factory is injected by some case or listed as static.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import clipjax
+
+PARAMS = {
+    "w": jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(4, 3),
+    "b": jnp.full((3,), 0.5, jnp.float32),
+}
+STEPS = 3
+
+
+def grads_at(step: int) -> Any:
+    factor = 20.0 if step == STEPS - 1 else 1.0 + 0.1 * step
+    return jax.tree.map(lambda p: factor * (0.3 * p + 0.05 * (step + 1)), PARAMS)
+
+
+def hist_clip_zstat(alpha: float = 0.97, z_thresh: float = 2.5, warmup_steps: int = 20) -> Any:
+    """hist_clip's criterion numbers, through a factory that builds the criterion."""
+    criterion = clipjax.zstat_criterion(alpha, z_thresh)
+    return clipjax.hist_clip(criterion, warmup_steps=warmup_steps)
+
+
+def skip_on_spike_adamw(
+    sigma: float = 6.0, min_history: int | None = None, max_consecutive_skips: int | None = None
+) -> Any:
+    return clipjax.skip_on_spike(
+        clipjax.adamw(1e-2),
+        sigma=sigma,
+        min_history=min_history,
+        max_consecutive_skips=max_consecutive_skips,
+    )
+
+
+# case -> (factory, keyword arguments: every number in them is injected)
+CASES: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
+    "autoclip_all": (
+        clipjax.autoclip,
+        dict(warmup_steps=1, min_history=2, eps=1e-6, max_grad_norm=40.0),
+    ),
+    "autoclip_window_clipped": (
+        clipjax.autoclip,
+        dict(feedback="clipped", warmup_steps=1, min_history=1, eps=1e-6, max_grad_norm=40.0),
+    ),
+    "autoclip_percentile": (
+        clipjax.autoclip,
+        dict(mode="percentile", percentile=80.0, warmup_steps=1, min_history=1),
+    ),
+    "autoclip_ema": (
+        clipjax.autoclip,
+        dict(mode="percentile", history="ema", percentile=80.0, ema_decay=0.9, warmup_steps=1),
+    ),
+    "autoclip_geometric": (
+        clipjax.autoclip,
+        dict(mode="percentile", history="geometric", percentile=80.0, quantile_lr=0.3),
+    ),
+    "zscore_clip": (
+        clipjax.zscore_clip,
+        dict(
+            zmax=1.5,
+            ema_decay=0.9,
+            warmup_steps=1,
+            min_history=1,
+            eps=1e-6,
+            feedback="clipped",
+            max_grad_norm=40.0,
+        ),
+    ),
+    "zclip": (
+        clipjax.zclip,
+        dict(
+            alpha=0.8, z_thresh=1.5, max_grad_norm=40.0, eps=1e-5, warmup_steps=2, clip_factor=0.9
+        ),
+    ),
+    "zclip_percentile": (
+        clipjax.zclip,
+        dict(mode="percentile", alpha=0.8, z_thresh=1.0, warmup_steps=1, max_grad_norm=40.0),
+    ),
+    "hist_clip": (
+        clipjax.hist_clip,
+        dict(warmup_steps=2, feedback="clipped", max_grad_norm=40.0),
+    ),
+    "hist_clip_zstat": (hist_clip_zstat, dict(alpha=0.8, z_thresh=1.0, warmup_steps=1)),
+    "adagc": (
+        clipjax.adagc,
+        dict(relative_threshold=1.2, beta=0.9, warmup_steps=1, absolute_threshold=5.0, eps=1e-5),
+    ),
+    "agc": (clipjax.agc, dict(clipping=0.05, eps=1e-2)),
+    "agc_per_layer": (clipjax.agc, dict(clipping=0.05, eps=1e-2, scope="per_layer")),
+    "clip_by_global_norm": (clipjax.clip_by_global_norm, dict(max_norm=2.0, eps=1e-6)),
+    "clip_by_value": (clipjax.clip_by_value, dict(max_abs=0.5)),
+    "clip_by_percentile": (clipjax.clip_by_percentile, dict(percentile=60.0)),
+    "normalize_per_param": (clipjax.normalize_per_param, dict(eps=1e-3)),
+    "zscore_normalize": (clipjax.zscore_normalize, dict(eps=1e-3)),
+    "adaclip": (clipjax.adaclip, dict(theta=0.9)),
+    "ada_norm": (clipjax.ada_norm, dict(gamma1=0.6, gamma2=0.8, eps=1e-6)),
+    "spam": (
+        clipjax.spam,
+        dict(
+            learning_rate=1e-2,
+            b1=0.8,
+            b2=0.99,
+            eps=1e-7,
+            weight_decay=0.1,
+            threshold=3.0,
+            reset_interval=2,
+            warmup_steps=1,
+            clip_delay=1,
+        ),
+    ),
+    "stable_spam": (
+        clipjax.stable_spam,
+        dict(
+            learning_rate=1e-2,
+            b1=0.8,
+            b2=0.99,
+            gamma1=0.6,
+            gamma2=0.8,
+            theta=0.9,
+            eps=1e-7,
+            weight_decay=0.1,
+            reset_interval=2,
+        ),
+    ),
+    "skip_on_spike": (
+        skip_on_spike_adamw,
+        dict(sigma=1.0, min_history=2, max_consecutive_skips=3),
+    ),
+    "adam": (clipjax.adam, dict(learning_rate=1e-2, b1=0.8, b2=0.99, eps=1e-7, eps_root=1e-9)),
+    "adamw": (
+        clipjax.adamw,
+        dict(learning_rate=1e-2, b1=0.8, b2=0.99, eps=1e-7, eps_root=1e-9, weight_decay=0.1),
+    ),
+}
+
+# The public factories the coverage test holds to account, and the case factories
+# standing for them.
+FACTORIES = {
+    name: getattr(clipjax, name)
+    for name in [
+        *("autoclip", "zscore_clip", "zclip", "hist_clip", "adagc", "agc"),
+        *("clip_by_global_norm", "clip_by_value", "clip_by_percentile"),
+        *("normalize_per_param", "zscore_normalize", "adaclip", "ada_norm"),
+        *("spam", "stable_spam", "skip_on_spike", "adam", "adamw"),
+    ]
+}
+STANDS_FOR = {skip_on_spike_adamw: clipjax.skip_on_spike, hist_clip_zstat: clipjax.hist_clip}
+
+
+def numeric(parameter: inspect.Parameter) -> bool:
+    """Whether a user may pass a number for this parameter."""
+    default = parameter.default
+    if isinstance(default, bool):
+        return False
+    if isinstance(default, (int, float)):
+        return True
+    return bool(re.search(r"\b(float|int|ScalarOrSchedule)\b", str(parameter.annotation)))
+
+
+def static_arguments(factory: Any) -> set[str]:
+    """The ``name`` literals of the docstring's "Static arguments:" line (up to its ';')."""
+    doc = inspect.getdoc(factory) or ""
+    match = re.search(r"^Static arguments: (.*?);", doc, re.M | re.S)
+    assert match, f"{factory.__name__}'s docstring has no 'Static arguments: ...;' line"
+    return set(re.findall(r"``(\w+)``", match.group(1)))
+
+
+def test_every_numeric_argument_is_injected_or_documented_static() -> None:
+    injected: dict[str, set[str]] = {name: set() for name in FACTORIES}
+    for factory, kwargs in CASES.values():
+        factory = STANDS_FOR.get(factory, factory)
+        injected[factory.__name__] |= set(kwargs)
+    problems = []
+    for name, factory in FACTORIES.items():
+        static = static_arguments(factory)
+        params = inspect.signature(factory).parameters
+        assert static <= set(params), (name, static)
+        for p in params.values():
+            if numeric(p) and p.name not in static and p.name not in injected[name]:
+                problems.append(f"{name}: {p.name} is neither injected by a case nor static")
+            if p.name in static and isinstance(p.default, (int, float)):
+                problems.append(f"{name}: static {p.name} defaults to a number, not None")
+    assert not problems, "\n".join(problems)
+
+
+def assert_close(got: Any, want: Any, what: str) -> None:
+    got, want = jax.device_get(got), jax.device_get(want)
+    assert jax.tree.structure(got) == jax.tree.structure(want), what
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        # Python floats enter the plain factory's arithmetic before rounding to
+        # float32; injected ones are float32 arrays: last-bit noise.
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6, err_msg=what)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_injected_equals_the_factory_called_with_the_same_values(case: str) -> None:
+    factory, kwargs = CASES[case]
+    injected = optax.inject_hyperparams(factory)(**kwargs)  # no static_args
+    plain = factory(**kwargs)
+    state = injected.init(PARAMS)
+    assert set(state.hyperparams) >= {k for k, v in kwargs.items() if not isinstance(v, str)}
+    plain_state = plain.init(PARAMS)
+    update, plain_update = jax.jit(injected.update), jax.jit(plain.update)
+    for t in range(STEPS):
+        out, state = update(grads_at(t), state, PARAMS)
+        expected, plain_state = plain_update(grads_at(t), plain_state, PARAMS)
+        assert_close(out, expected, f"{case}: updates of step {t}")
+    assert_close(state.inner_state, plain_state, f"{case}: state")
+    if factory not in (clipjax.adam, clipjax.adamw):
+        ours, theirs = clipjax.metrics(state), clipjax.metrics(plain_state)
+        assert ours.keys() == theirs.keys() and ours
+        assert_close(ours, theirs, f"{case}: metrics")
+
+
+def test_the_issue_examples_need_no_static_args() -> None:
+    """Issue 37: each failed on an argument the user never passed."""
+    for tx in (
+        optax.inject_hyperparams(clipjax.zclip)(z_thresh=2.0),
+        optax.inject_hyperparams(clipjax.hist_clip)(),
+        optax.inject_hyperparams(clipjax.clip_by_global_norm)(max_norm=1.0),
+    ):
+        jax.jit(tx.update)(grads_at(0), tx.init(PARAMS), PARAMS)
+
+
+def test_a_static_argument_given_says_to_name_it() -> None:
+    inject = optax.inject_hyperparams(clipjax.clip_by_global_norm)
+    with pytest.raises(ValueError, match=r"norm_type fixes .*static_args=\('norm_type',\)"):
+        inject(max_norm=1.0, norm_type=float("inf")).init(PARAMS)
+    tx = optax.inject_hyperparams(clipjax.clip_by_global_norm, static_args=("norm_type",))(
+        max_norm=1.0, norm_type=float("inf")
+    )
+    out, _ = jax.jit(tx.update)(grads_at(2), tx.init(PARAMS), PARAMS)
+    assert float(clipjax.global_norm(out, float("inf"))) == pytest.approx(1.0, rel=1e-5)
