@@ -21,7 +21,7 @@ import optax
 from clipjax import _engine, _fold, _grouping, _metrics, _state_check, _validation
 from clipjax._grouping import Scope
 from clipjax._metrics import GroupInfo
-from clipjax._spam import _check_common, scale_by_spam
+from clipjax._spam import _check_common, _decay_finite, scale_by_spam
 
 Array = jax.Array
 
@@ -37,8 +37,9 @@ class AdaClipState(NamedTuple):
         (its largest ``|g|``), ``bound`` (the
         bias-corrected EMA the elements were bounded by), ``clipped`` (some
         element was above it), ``clipped_fraction`` (the share of the group's
-        elements that were), and the counters ``count`` (finite steps
-        observed), ``step``, ``clipped_count``, ``nonfinite_count``.
+        elements that were), and the counters ``count`` (steps observed),
+        ``step``, ``clipped_count``, ``nonfinite_count`` (steps with a NaN or
+        infinite element).
       info: static names, ``GroupInfo(algo="adaclip", ...)``.
       leaf_index: each leaf's group index, int32 scalars (empty for one
         group), read at run time so that every leaf of a shape compiles to the
@@ -67,8 +68,9 @@ class AdaNormState(NamedTuple):
         ``grad_norm`` (the step's norm), ``mean`` and ``mean_square`` (the
         bias-corrected EMAs), ``target_norm`` (the norm the gradient was given:
         ``mean / (sqrt(mean_square) + eps)``), ``scale`` (``target_norm /
-        grad_norm``), and the counters ``count`` (steps observed: finite,
-        nonzero norms), ``step``, ``nonfinite_count``.
+        grad_norm``), and the counters ``count`` (steps observed: nonzero
+        norms), ``step``, ``nonfinite_count`` (steps with a NaN or infinite
+        element).
       info: static names, ``GroupInfo(algo="ada_norm", ...)``.
       leaf_index: each leaf's group index, as in :class:`AdaClipState`.
 
@@ -141,9 +143,15 @@ def _transform(make: Any, scope: Scope, name: str | None) -> _engine.ClipTransfo
 
 
 def _max_and_square(x: Array, dtype: Any) -> tuple[Array, Array]:
-    """A leaf's largest ``|x|`` and its sum of squares, in one reduce."""
+    """A leaf's largest finite ``|x|`` and its sum of squares, in one reduce.
+
+    The sum is not finite where an element is not: that says the step had one.
+    """
     squared = _grouping.abs_squared(x, dtype)
     magnitude = jnp.sqrt(squared) if jnp.iscomplexobj(x) else jnp.abs(x.astype(dtype))
+    # A non-finite element counts as 0 for the max: the others are bounded
+    # as in the step without it.
+    magnitude = jnp.where(jnp.isfinite(magnitude), magnitude, jnp.zeros((), dtype))
     largest, square = jax.lax.reduce(
         (magnitude.reshape(-1), squared.reshape(-1)),
         (jnp.zeros((), dtype), jnp.zeros((), dtype)),
@@ -158,6 +166,22 @@ def _max_and_squares(leaves: list[Array], dtype: Any) -> tuple[list[Array], list
     one = _grouping.per_leaf(_max_and_square, dtype)
     pairs = [one(x) for x in leaves]
     return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _finite_square_and_count(
+    x: Array, dtype: Any, keep_axis: int | None = None
+) -> tuple[Array, ...]:
+    """A leaf's sum of squares over its finite elements, and how many are not, in one reduce.
+
+    ``keep_axis``: a stacked leaf's layer axis, one value per slice.
+    """
+    squared = _grouping.abs_squared(x, dtype)
+    ok = jnp.isfinite(squared)
+    terms = (jnp.where(ok, squared, jnp.zeros((), dtype)), jnp.where(ok, 0.0, 1.0).astype(dtype))
+    if keep_axis is None:
+        return _grouping.fused_sums(*terms)
+    axes = tuple(a for a in range(jnp.ndim(x)) if a != keep_axis)
+    return tuple(jnp.sum(t, axis=axes) for t in terms)
 
 
 def _adaclip_leaf(
@@ -206,10 +230,11 @@ def adaclip(
     the maxima, so after a x10 shift it reaches the new maxima within a few
     multiples of ``1 / (1 - theta)`` steps (1,000 with the default).
 
-    **FIX**: a group with a NaN or infinite element is passed through
-    unchanged and its step stays out of ``max_ema`` (``nonfinite_count``
-    counts it); in the reference ``max_ema`` becomes NaN or infinite and every
-    later step of the tensor with it.
+    **FIX**: a NaN or infinite element counts as 0 for the maximum and passes
+    through unchanged; the group's other elements are bounded as in the same
+    step with that element 0, and ``nonfinite_count`` counts the step. In the
+    reference ``max_ema`` becomes NaN or infinite and every later step of the
+    tensor with it.
 
     Static arguments: none; every number may be injected or scheduled with
     ``optax.inject_hyperparams``, with no ``static_args``; a callable ``scope``
@@ -269,14 +294,13 @@ def adaclip(
             dtype = state.max_ema.dtype
             maxima, squares = _max_and_squares(leaves, dtype)
             grad_max = _grouping.group_norms(leaves, grouping, math.inf, maxima)
-            finite = jnp.isfinite(grad_max)
+            # Every step is observed: the max is over the finite elements.
+            finite = jnp.isfinite(_grouping.group_norms(leaves, grouping, 2.0, squares))
             decay = jnp.asarray(theta, dtype)
-            count = state.metrics["count"] + finite.astype(jnp.int32)
-            max_ema = jnp.where(
-                finite, decay * state.max_ema + (1 - decay) * grad_max, state.max_ema
-            )
+            count = state.metrics["count"] + 1
+            max_ema = decay * state.max_ema + (1 - decay) * grad_max
             bound = max_ema / (1 - decay ** count.astype(dtype))
-            clips = finite & (grad_max > bound)
+            clips = grad_max > bound
             ratio = jnp.where(clips, bound / jnp.where(clips, grad_max, 1), 1)
             # Each leaf reads its group's values at a runtime offset (the state's
             # leaf index): with constant offsets every leaf's fusion is distinct and
@@ -307,7 +331,7 @@ def adaclip(
                 "bound": bound,
                 "clipped": clips,
                 **extra,
-                **_counters(state.metrics, finite, clips, finite),
+                **_counters(state.metrics, jnp.ones_like(finite), clips, finite),
             }
             metrics = _cast(metrics, state.metrics)
             new_state = AdaClipState(
@@ -349,10 +373,11 @@ def ada_norm(
     the EMAs, as in the reference (which also skips the tensor's Adam step;
     here the optimizer behind sees a zero gradient).
 
-    **FIX**: a group with a NaN or infinite element is passed through
-    unchanged and its step stays out of the EMAs (``nonfinite_count`` counts
-    it); in the reference the EMAs become NaN and every later step of the
-    tensor with them. The bias corrections count the steps the EMAs observed
+    **FIX**: a NaN or infinite element counts as 0 for the norm and passes
+    through unchanged; the group's other elements are rescaled as in the same
+    step with that element 0, and ``nonfinite_count`` counts the step. In the
+    reference the EMAs become NaN and every later step of the tensor with
+    them. The bias corrections count the steps the EMAs observed
     (the reference counts every step, so after a zero-norm step its ``mean``
     is biased low).
 
@@ -411,9 +436,16 @@ def ada_norm(
             _state_check.check_state(state, AdaNormState, name or "ada_norm")
             leaves, grouping, treedef = _prepare(updates, state.info, scope)
             dtype = state.norm_ema.dtype
-            norm = _grouping.group_norms(leaves, grouping)
-            finite = jnp.isfinite(norm)
-            active = finite & (norm > 0)
+            one = _grouping.per_leaf(_finite_square_and_count, dtype)
+            stacks = grouping.leaf_stacks or (None,) * len(leaves)
+            sums = [
+                one(x) if st is None else _finite_square_and_count(x, dtype, st[0])
+                for x, st in zip(leaves, stacks)
+            ]
+            norm = _grouping.group_norms(leaves, grouping, 2.0, [s[0] for s in sums])
+            bad = _grouping.group_norms(leaves, grouping, 1.0, [s[1] for s in sums])
+            finite = bad == 0
+            active = norm > 0
             g1, g2 = jnp.asarray(gamma1, dtype), jnp.asarray(gamma2, dtype)
             count = state.metrics["count"] + active.astype(jnp.int32)
             norm_ema = jnp.where(active, g1 * state.norm_ema + (1 - g1) * norm, state.norm_ema)
@@ -494,8 +526,12 @@ def stable_spam(
     Differences from the reference (beyond the **FIX**\\ es of
     :func:`clipjax.adaclip` and :func:`clipjax.ada_norm`):
 
-    * **FIX**: a NaN or infinite element leaves its Adam moments as they were
-      and gets a zero update; in the reference it poisons them.
+    * **FIX**: a NaN or infinite element leaves its parameter where it is (a
+      zero update, weight decay included) and its Adam moments as they were;
+      every other element updates exactly as in the same step with that
+      element 0 (AdaClip's maximum and AdaGN's norm are taken over the finite
+      elements). In the reference it poisons the moments and the tensor's
+      EMAs.
     * A tensor whose gradient is exactly 0: the reference skips its Adam step
       (moments unchanged, no update); here its moments decay as for any zero
       gradient and it moves by its momentum, as in optax.
@@ -562,6 +598,6 @@ def stable_spam(
             count_clipped=False,
             algo="stable_spam",
         ),
-        _fold._selecting(optax.add_decayed_weights(weight_decay, mask)),
+        _fold._selecting(_decay_finite(optax.add_decayed_weights(weight_decay, mask))),
         _fold._selecting(optax.scale_by_learning_rate(learning_rate)),
     )
