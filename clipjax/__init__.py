@@ -5,6 +5,7 @@ jit-compatible pytree carrying its per-step metrics; read them with
 :func:`clipjax.metrics`.
 """
 
+from clipjax import _serialization
 from clipjax._adagc import AdaGCState, adagc
 from clipjax._agc import AGCState, agc
 from clipjax._autoclip import AutoClipState, autoclip
@@ -48,6 +49,9 @@ from clipjax._static import (
 )
 from clipjax._zclip import ZClipState, zclip
 from clipjax._zscore_clip import ZScoreClipState, zscore_clip
+
+# With flax installed, its serialization knows clipjax's states from here on.
+_serialization.register()
 
 __version__ = "0.3.0"
 

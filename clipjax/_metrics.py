@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.abc
-import importlib.util
 import sys
 import types
 import warnings
@@ -99,153 +97,6 @@ def is_clipjax_state(x: Any) -> bool:
         and "info" in fields
         and isinstance(getattr(x, "info", None), GroupInfo)
     )
-
-
-class StateMismatchError(ValueError):
-    """A checkpointed clipjax state does not fit the restore target's tree."""
-
-
-def _count(n: int, what: str, plural: str | None = None) -> str:
-    return f"{n} {what}" if n == 1 else f"{n} {plural or what + 's'}"
-
-
-def _saved_sizes(state_dict: Any) -> str:
-    """What a checkpointed state was built for: its groups and, where known, leaves."""
-    parts = []
-    metrics = state_dict.get("metrics") if isinstance(state_dict, dict) else None
-    if isinstance(metrics, dict) and metrics:
-        shape = jnp.shape(next(iter(metrics.values())))
-        if shape:
-            parts.append(_count(shape[-1], "group"))
-    index = state_dict.get("leaf_index") if isinstance(state_dict, dict) else None
-    leaf_metrics = state_dict.get("leaf_metrics") if isinstance(state_dict, dict) else None
-    if isinstance(index, dict) and index:
-        parts.append(_count(len(index), "leaf", "leaves"))
-    elif isinstance(leaf_metrics, dict) and leaf_metrics:
-        shape = jnp.shape(next(iter(leaf_metrics.values())))
-        if shape:
-            parts.append(_count(shape[-1], "leaf", "leaves"))
-    return " and ".join(parts) or "another tree"
-
-
-def _target_sizes(info: GroupInfo) -> str:
-    groups = ", ".join(info.groups[:4]) + (", ..." if len(info.groups) > 4 else "")
-    leaves = _count(len(info.leaves), "leaf", "leaves")
-    return f"{_count(len(info.groups), 'group')} ({groups}) and {leaves}"
-
-
-def _checked_restore(restore: Any, current_path: Any) -> Any:
-    """flax's NamedTuple restore, naming the clipjax state that does not fit."""
-
-    def restore_namedtuple(target: Any, state_dict: Any) -> Any:
-        if not is_clipjax_state(target):
-            return restore(target, state_dict)
-        try:
-            return restore(target, state_dict)
-        except StateMismatchError:
-            raise
-        except ValueError as error:
-            info: GroupInfo = target.info
-            who = info.name or info.algo
-            path = current_path()
-            at = "" if path in ("", ".") else f" at {path}"
-            raise StateMismatchError(
-                f"{who}: the checkpointed state{at} and the restore target do not "
-                f"match: the checkpoint holds a state for "
-                f"{_saved_sizes(state_dict)}, the target was built by init on a tree of "
-                f"{_target_sizes(info)}. Restore into tx.init(params) of the model the "
-                f"checkpoint was saved from."
-            ) from error
-
-    restore_namedtuple.clipjax_checked = True  # type: ignore[attr-defined]
-    return restore_namedtuple
-
-
-# flax.serialization walks a state with its own registry, not jax's pytree
-# registry: it turns NamedTuples and dicts into dicts field by field and keeps
-# an object of an unregistered type as it is, which msgpack then cannot write
-# ("can not serialize 'GroupInfo' object"). GroupInfo (and PlaceholderInfo,
-# which flax looks up by its exact type) are static: they serialise to an empty
-# dict and are restored from the target state. flax is optional, so the
-# registration runs at clipjax's import when flax.serialization is loaded
-# already, and otherwise when it is first imported (_RegisterWithFlax).
-_FLAX_MODULE = "flax.serialization"
-
-
-def _register_with_flax(serialization: Any) -> None:
-    """Registers the static names with one loaded ``flax.serialization`` module."""
-    for info_class in (GroupInfo, PlaceholderInfo):
-        serialization.register_serialization_state(
-            info_class, lambda info: {}, lambda target, state: target, override=True
-        )
-    # A restore that does not fit a clipjax state says which transform and
-    # which trees (flax's own message names the internal field that failed,
-    # ``./0/leaf_index``). flax has no public hook for NamedTuples, so its
-    # NamedTuple handler is wrapped where it is found, and left alone otherwise.
-    marker = getattr(serialization, "_NamedTuple", None)
-    registry = getattr(serialization, "_STATE_DICT_REGISTRY", None)
-    current_path = getattr(serialization, "current_path", None)
-    if isinstance(registry, dict) and marker in registry and callable(current_path):
-        to_state_dict, restore = registry[marker]
-        if not getattr(restore, "clipjax_checked", False):
-            serialization.register_serialization_state(
-                marker, to_state_dict, _checked_restore(restore, current_path), override=True
-            )
-
-
-class _RegistersOnLoad(importlib.abc.Loader):
-    """Runs flax.serialization's own loader, then registers clipjax's names."""
-
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
-
-    def create_module(self, spec: Any) -> Any:
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self.loader.exec_module(module)
-        _register_with_flax(module)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_resource_reader, ...
-        return getattr(self.loader, name)
-
-
-class _RegisterWithFlax(importlib.abc.MetaPathFinder):
-    """An import hook: registers clipjax with flax.serialization once it loads.
-
-    It answers only for ``flax.serialization``, by asking the finders after
-    it for the module and wrapping its loader; every other import passes by.
-    """
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != _FLAX_MODULE:
-            return None
-        finders = sys.meta_path
-        for finder in finders[finders.index(self) + 1 :] if self in finders else ():
-            find_spec = getattr(finder, "find_spec", None)
-            spec = find_spec(fullname, path, target) if find_spec is not None else None
-            if spec is not None:
-                if spec.loader is not None and not isinstance(spec.loader, _RegistersOnLoad):
-                    spec.loader = _RegistersOnLoad(spec.loader)
-                return spec
-        return None
-
-
-def register_serialization() -> None:
-    """Makes every clipjax state serialisable by flax, now or when flax loads.
-
-    Called once, at clipjax's import. With ``flax.serialization`` loaded, it
-    registers :class:`GroupInfo` with it at once; in every case it installs an
-    import hook that registers it when ``flax.serialization`` is (re)loaded.
-    clipjax never imports flax itself.
-    """
-    if not any(isinstance(finder, _RegisterWithFlax) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterWithFlax())
-    if _FLAX_MODULE in sys.modules:
-        _register_with_flax(sys.modules[_FLAX_MODULE])
-
-
-register_serialization()
 
 
 def unwrap(x: Any) -> Any:
@@ -440,8 +291,11 @@ def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
     Args:
       opt_state: an optimizer state, or any pytree containing one: with flax
         NNX, ``optimizer.opt_state``, the ``nnx.Optimizer`` itself, or the
-        tuple ``nnx.split(optimizer)`` returns (not ``nnx.state(optimizer)``
-        alone: flax keeps the group names in the graphdef).
+        tuple ``nnx.split(optimizer)`` returns. Not ``nnx.state(optimizer)``
+        alone: a clipjax state's names are static (its :class:`GroupInfo`
+        holds no array) and flax keeps the static part of a pytree in the
+        graphdef, so that state has the metric arrays but not their names;
+        given it, ``metrics`` warns and says what to pass instead.
       flat: return one flat ``dict`` (True, default) or a nested one (False);
         anything but a bool raises a ``TypeError``.
 
@@ -485,7 +339,9 @@ def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
 
     Warns:
       UserWarning: ``opt_state`` holds no clipjax state, so the result is
-        ``{}``. Python's default warning filter shows it once per calling
+        ``{}``; the warning says why where it can tell (a checkpoint restored
+        without a target, ``nnx.state(optimizer)``, an ``nnx.Optimizer``
+        whose transform holds no clipjax state). Python's default warning filter shows it once per calling
         line, so a training loop that logs every step warns once.
     """
     if isinstance(opt_state, (optax.GradientTransformation, types.FunctionType, functools.partial)):

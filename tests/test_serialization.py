@@ -1,8 +1,8 @@
 """Every clipjax state round-trips through flax.serialization and orbax.
 
 clipjax registers its static names (``GroupInfo``) with ``flax.serialization``
-at its own import, or, when flax is not loaded yet, when flax is first
-imported: a state made before flax is imported serialises too. Each public
+at its own import (importing it when flax is installed), with no import hook:
+a state made before the program imports flax serialises too. Each public
 transform (the contract list) and ``skip_on_spike`` on its three routes
 (``clipjax.adamw`` folds the skip in, a clipjax clipper has its state
 selected, ``optax.adamw`` runs under ``lax.cond``) is stepped a few times,
@@ -134,8 +134,15 @@ def test_group_info_is_registered_at_import() -> None:
     assert serialization.from_state_dict(info, {}) is info
 
 
-# The state is made, stepped and (for "after") saved to bytes before flax is
-# imported; the script checks that clipjax itself did not import flax.
+def test_no_import_hook() -> None:
+    """Issue 37: clipjax inserted a finder at sys.meta_path[0] to wait for flax."""
+    finders = [f"{type(f).__module__}.{type(f).__name__}" for f in sys.meta_path]
+    assert not [f for f in finders if f.startswith("clipjax")], finders
+    assert not hasattr(clipjax._metrics, "register_serialization")
+
+
+# The state is made and stepped before the program imports flax ("after"): clipjax
+# registered at its own import, with no finder in sys.meta_path.
 SCRIPT = textwrap.dedent(
     """
     import sys
@@ -155,7 +162,8 @@ SCRIPT = textwrap.dedent(
         state = tx.init(params)
         _, states[route] = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
     if sys.argv[1] == "after":
-        assert not any(m == "flax" or m.startswith("flax.") for m in sys.modules)
+        hooks = [f for f in sys.meta_path if type(f).__module__.startswith("clipjax")]
+        assert not hooks, hooks
         import flax.serialization
     for route, tx in routes.items():
         data = flax.serialization.to_bytes(states[route])
@@ -182,3 +190,28 @@ def test_flax_imported_before_or_after_clipjax(order: str) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "round-tripped ['cond', 'fold', 'select', 'zclip']" in result.stdout
+
+
+WITHOUT_FLAX = textwrap.dedent(
+    """
+    import sys
+    sys.modules["flax"] = None  # as if flax were not installed: importing it fails
+    import jax.numpy as jnp
+    import clipjax
+    assert not clipjax._serialization.register()
+    assert not [m for m in sys.modules if m.startswith("flax.")]
+    tx = clipjax.zclip()
+    _, state = tx.update({"w": jnp.ones(3)}, tx.init({"w": jnp.zeros(3)}))
+    print(sorted(clipjax.metrics(state))[0])
+    """
+)
+
+
+def test_without_flax_clipjax_imports_and_works() -> None:
+    root = str(Path(clipjax.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-c", WITHOUT_FLAX], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "zclip/global/capped"
