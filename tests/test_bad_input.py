@@ -410,3 +410,38 @@ def test_metrics_flat_must_be_a_bool(flat: Any) -> None:
     with pytest.raises(TypeError, match=r"flat must be a bool"):
         clipjax.metrics(state, flat=flat)
     assert clipjax.metrics(state, flat=np.bool_(False)).keys() == {"zclip"}
+
+
+# --- docs/migrating.md's table of errors -------------------------------------------------
+
+
+def migrating_errors() -> list[tuple[str, str]]:
+    """``(call, exception name)`` of each row of the errors table in docs/migrating.md."""
+    import pathlib
+    import re
+
+    page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "migrating.md"
+    text = page.read_text().split("## Errors that name the mistake", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in text.splitlines():
+        match = re.fullmatch(r"\| (.+) \| `(\w+Error)`: .* \|", line)
+        if match:
+            for call in re.findall(r"`([^`]+)`", match.group(1)):
+                rows.append((call, match.group(2)))
+    return rows
+
+
+MIGRATING_ERRORS = migrating_errors()
+
+
+def test_the_errors_table_is_read() -> None:
+    assert len(MIGRATING_ERRORS) >= 25
+
+
+@pytest.mark.parametrize(("call", "error"), MIGRATING_ERRORS, ids=[c for c, _ in MIGRATING_ERRORS])
+def test_every_error_the_migration_page_lists_is_raised(call: str, error: str) -> None:
+    expected = {"ValueError": ValueError, "TypeError": TypeError}[error]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(expected):
+            eval(call, {"clipjax": clipjax, "optax": optax, "jnp": jnp})
