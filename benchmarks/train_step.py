@@ -28,9 +28,10 @@ full-size ``copy`` ops in the compiled HLO.
 Writes ``benchmarks/TRAIN_STEP.md`` on a CPU and ``benchmarks/TRAIN_STEP_GPU.md``
 on a GPU (``--out DIR`` puts it in DIR). The page is rewritten after each
 layout, so a run stopped by a time limit leaves the layouts it finished.
-``--size cpu`` (every row, both layouts, each step compiled twice) took 12
-minutes on 2 shared cores at a load average of 7; ``--size gpu`` measures a
-few rows by default (``GPU_ROWS``), sized for ``benchmarks/device.sh``.
+``--size cpu`` (every row, both layouts, each step compiled twice) took 19
+minutes on 2 cores shared with others' runs (load average 3 to 8); ``--size
+gpu`` measures a few rows by default (``GPU_ROWS``), sized for
+``benchmarks/device.sh``.
 """
 
 from __future__ import annotations
