@@ -22,7 +22,7 @@ import numpy as np
 
 import clipjax
 
-PERCENTILES = (1.0, 50.0, 99.0, 99.9)
+PERCENTILES = (2.0, 50.0, 99.0, 99.9)
 
 
 def data(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
