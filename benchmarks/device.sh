@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU pages in one command, sized for one GPU lease (about 9 minutes on an H200):
+# The GPU pages in one command, sized for one GPU lease (8 minutes on an H200):
 #
 #   OUT=<empty folder> bash benchmarks/device.sh          # from the repository root
 #
@@ -10,33 +10,38 @@
 #    smartclip section too when smartclip is importable: carry its wheel in .whl/).
 # Each part runs under its own timeout, and each starts only with the seconds the parts
 # after it need kept back, so a slow part cannot cost the others; all within DEADLINE
-# seconds (560 by default). The pages land in $OUT with one log of the three parts
+# seconds (480 by default). The pages land in $OUT with one log of the three parts
 # (device.log): six files. A summary of the parts (exit status, seconds) is printed last.
 #
 # Needs jax with a GPU, optax, flax, numpy, matplotlib and tqdm; clipjax is imported from
 # this checkout (PYTHONPATH), nothing is fetched. PYTHON picks the interpreter (python3).
 #
-# Times of each part. On the 2-core CPU (load average about 7: other jobs ran) at a
-# reduced size, and expected on an H200:
-# * lm_spikes --config cpu --quick --only "$LM_ROWS" (9 settings x 3 seeds x 40 steps): 40 s.
-#   On the H200 each setting took about 15 s with 3 seeds plus ~20 s of model compile
-#   (2026-11-26); with 6 seeds, about 20 s: about 300 s for 14 settings. Timeout 300 s.
-# * train_step --size cpu --rounds 2 --rows recommended,stable_spam (both layouts, 8
-#   configurations, each compiled twice): 130 s. On the H200 the unscanned 24-layer step
-#   compiled in 25-42 s a configuration: the default GPU rows (3 unscanned configurations,
-#   8 scanned ones, each compiled once, and the loss and gradient alone once per layout)
-#   about 200 s. Timeout: what remains after part 1 less part 3's 70 s, at most 190 s;
-#   --budget stops compiling 45 s before it (the page lists what is left out).
-# * run.py --quick --only traffic,steptime: 69 s. Expected about 60 s on the H200 (some
-#   120 optimizer-only steps of a small tree, compiled in well under a second each).
-#   Timeout 70 s.
+# Measured on one H200 (2026-11-26, 6 seeds): the LM table took 26 s a setting (2000
+# steps, all seeds vmapped; the first one 44 s with the model's compile): 9 settings in
+# 300 s. The whole-step page's default GPU rows took 179 s (each 24-layer unscanned step
+# compiles in 20-22 s there; `agc` was left out by --budget). The optimizer-step part was
+# not measured there (it failed on an import since fixed; about 60 s expected: some 120
+# optimizer-only steps of a small tree). On the 2-core CPU at a reduced size: lm_spikes
+# --config cpu --quick with 9 settings 40 s, train_step --size cpu --rounds 2 with 2 rows
+# 130 s, run.py --quick --only traffic,steptime 69 s.
+#
+# The default LM rows are those the recommendation rests on; the other candidates of the
+# GPU table (every feedback="clipped" clipper, adagc, agc, the fourth static clip) run in
+# a second command of about 180 s on the same lease:
+#
+#   OUT=... PARTS=lm LM_ROWS=autoclip_fb,zscore_clip_fb,hist_clip_fb,adagc,agc,static_1 \
+#       bash benchmarks/device.sh
+#
+# PARTS (default lm,train_step,run) picks the parts. A tree exported without its git
+# history names its commit in CLIPJAX_COMMIT (benchmarks/common.py's page headers).
 set -uo pipefail
 
 # The recommended setting and the candidates it was chosen among, the static sweep (the
 # reference), adamw alone, every feedback="clipped" clipper, zclip's and adagc's defaults.
-LM_ROWS=${LM_ROWS:-none,static_0.25,static_0.5,static_1,static_2,recommended,skip_recommended,zclip_fb_nocap,zclip,adagc,autoclip_fb,zscore_clip_fb,hist_clip_fb,agc}
-DEADLINE=${DEADLINE:-560}
-LM_S=300 STEP_S=190 RUN_S=70
+LM_ROWS=${LM_ROWS:-none,static_0.25,static_0.5,static_1,static_2,recommended,skip_recommended,zclip_fb_nocap,zclip}
+PARTS=${PARTS:-lm,train_step,run}
+DEADLINE=${DEADLINE:-480}
+LM_S=270 STEP_S=150 RUN_S=60
 
 if [ ! -f benchmarks/device.sh ] || [ ! -d clipjax ]; then
     echo "device.sh: run it from the repository root (bash benchmarks/device.sh)" >&2
@@ -63,6 +68,7 @@ summary=()
 part() {
     local name=$1 limit=$2 t0=$SECONDS rc
     shift 2
+    case ",$PARTS," in *",$name,"*) ;; *) return ;; esac
     if [ "$limit" -lt 20 ]; then
         summary+=("$(printf '%-10s %6s %5s  %s' "$name" skipped 0 "no time left")")
         return
