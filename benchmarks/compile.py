@@ -363,9 +363,11 @@ def metrics_seconds() -> tuple[int, float, float]:
     return int(out[0]), float(out[1]), float(out[2])
 
 
-def section(
+def select_plan(
     quick: bool, only: str | None = None, rows: str | None = None, trees: str | None = None
-) -> tuple[str, list[tuple[str, str, bool]]]:
+) -> Plan:
+    """The plan of ``--quick`` or of the full page, narrowed to the leaf counts ``only``
+    (comma-separated), the clipjax ``rows`` (semicolon-separated) and the ``trees``."""
     plan = QUICK if quick else FULL
     if only:
         keep = {int(n) for n in only.split(",")}
@@ -382,6 +384,17 @@ def section(
                 p._replace(trees=tuple(t for t in p.trees if t in kinds)) for p in plan.sizes
             )
         )
+    return plan
+
+
+def leaf_count_table(plan: Plan) -> tuple[str, tuple[float, str], list[str]]:
+    """The compile time of every row of ``plan`` and of its optax counterparts.
+
+    Returns:
+      ``(text, worst, missed)``: the table with its heading and notes; the largest
+      CPU-seconds ratio to a counterpart and where it was measured; the rows that
+      missed ``TARGET`` somewhere, in the order measured.
+    """
     repeats = ", ".join(f"{p.reps} at {p.leaves} leaves" for p in plan.sizes)
     # The leaf counts measured on fewer trees than the others.
     most = max((len(p.trees) for p in plan.sizes), default=0)
@@ -423,10 +436,6 @@ def section(
                             f"{wall / ref_wall:.2f}",
                         ]
                     )
-    # The constructs at the largest measured size up to 500 leaves.
-    small = [p.leaves for p in plan.sizes if p.leaves <= 500] or [50]
-    where = constructs(max(small), 1 if quick else 2, missed)
-    groups, first, second = metrics_seconds()
     header = [
         "leaves",
         "tree",
@@ -467,16 +476,33 @@ def section(
             f"\nAt {counts} leaves the rows are measured on the identical tree only (each "
             "compile there takes tens of seconds on 2 cores)."
         )
-    text += [
-        "",
-        common.table(header, table_rows),
-        "",
+    text += ["", common.table(header, table_rows)]
+    return "\n".join(text), worst, missed
+
+
+def first_metrics_call() -> tuple[str, float]:
+    """The sentence on the first eager ``clipjax.metrics()`` call, and its seconds."""
+    groups, first, second = metrics_seconds()
+    text = (
         f"First eager `clipjax.metrics()` call on a state of {METRICS_GROUPS} groups "
         f'(`chain(zclip(scope="per_param"), adamw)`, {groups} values, fresh process): '
-        f"{first:.3f} s; second call {second:.3f} s.",
-        "",
-        where,
-    ]
+        f"{first:.3f} s; second call {second:.3f} s."
+    )
+    return text, first
+
+
+def section(
+    quick: bool, only: str | None = None, rows: str | None = None, trees: str | None = None
+) -> tuple[str, list[tuple[str, str, bool]]]:
+    """The page's body (the leaf-count table, the metrics call, the constructs table)
+    and its checks ``(target, measured, met)``."""
+    plan = select_plan(quick, only, rows, trees)
+    by_leaf_count, worst, missed = leaf_count_table(plan)
+    # The constructs at the largest measured size up to 500 leaves.
+    small = [p.leaves for p in plan.sizes if p.leaves <= 500] or [50]
+    where = constructs(max(small), 1 if quick else 2, missed)
+    metrics_text, first = first_metrics_call()
+    text = [by_leaf_count, "", metrics_text, "", where]
     checks = [
         (
             f"compile time: every clipjax row ≤ {TARGET}× its optax counterpart",
