@@ -22,8 +22,8 @@ class HistClipState(NamedTuple):
 
     Attributes:
       stats: the criterion's running mean (and variance) per group, and the
-        warm-up sample's running mean and sum of squared deviations (Welford;
-        ``[groups]`` each, whatever ``warmup_steps``).
+        warm-up sample's running sums (count, total, sum of squared
+        deviations; ``[groups]`` each, whatever ``warmup_steps``).
       metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.
       info: static names (algorithm, prefix, groups, leaves).
       leaf_index: each leaf's group index, int32 scalars (empty for one group).

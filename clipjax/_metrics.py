@@ -341,8 +341,9 @@ def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
       UserWarning: ``opt_state`` holds no clipjax state, so the result is
         ``{}``; the warning says why where it can tell (a checkpoint restored
         without a target, ``nnx.state(optimizer)``, an ``nnx.Optimizer``
-        whose transform holds no clipjax state). Python's default warning filter shows it once per calling
-        line, so a training loop that logs every step warns once.
+        whose transform holds no clipjax state). Python's default warning
+        filter shows it once per calling line, so a training loop that logs
+        every step warns once.
     """
     if isinstance(opt_state, (optax.GradientTransformation, types.FunctionType, functools.partial)):
         raise TypeError(

@@ -17,7 +17,7 @@ Statistics:
 * P² streaming quantile (Jain & Chlamtac 1985), textbook parabolic step, or
   smartclip's variant for reproduction.
 * EMA mean / variance with the cancellation-free variance recursion, and EMA
-  moments started from a warm-up sample kept as Welford moments.
+  moments started from a warm-up sample kept as running sums.
 * Ring-buffer window with an incrementally sorted copy and numpy's "linear"
   percentile (or median and std).
 * A scale-free stochastic-approximation quantile that forgets at a rate
@@ -80,6 +80,47 @@ def welford_std(state: WelfordState) -> jax.Array:
     n = state.count.astype(state.m2.dtype)
     var = jnp.maximum(state.m2 / jnp.maximum(n - 1, 1), 0)
     return jnp.where(state.count >= 2, jnp.sqrt(var), 0)
+
+
+class SampleState(NamedTuple):
+    """The running sums of a sample: enough for its mean and variance.
+
+    Attributes:
+      count: int32 ``[G]``, observations seen.
+      total: ``[G]``, their sum.
+      m2: ``[G]``, the sum of squared deviations from their mean (Welford's
+        recursion, which does not cancel as a sum of squares would).
+    """
+
+    count: jax.Array
+    total: jax.Array
+    m2: jax.Array
+
+
+def sample_init(num_groups: int, dtype: DTypeLike = jnp.float32) -> SampleState:
+    """An empty sample for ``num_groups`` groups (zeros, as :func:`welford_init`)."""
+    return SampleState(*welford_init(num_groups, dtype))
+
+
+def sample_update(state: SampleState, x: ArrayLike) -> SampleState:
+    """Adds ``x``: ``m2 += (x - mean_before) * (x - mean_after)``, each mean ``total / count``.
+
+    The mean is the sum over the count, as a two-pass mean of the stored
+    sample is (zclip's and drytorch's warm-up), not Welford's running mean,
+    so that both agree to the last bit on the same values.
+    """
+    dtype = state.total.dtype
+    x = jnp.asarray(x, dtype)
+    count = state.count + 1
+    total = state.total + x
+    before = jnp.where(state.count > 0, sample_mean(state), x)
+    after = total / count.astype(dtype)
+    return SampleState(count, total, state.m2 + (x - before) * (x - after))
+
+
+def sample_mean(state: SampleState) -> jax.Array:
+    """``total / count`` (0 for an empty sample)."""
+    return state.total / jnp.maximum(state.count, 1).astype(state.total.dtype)
 
 
 # --------------------------------------------------------------------------
@@ -686,14 +727,14 @@ class WarmupEmaState(NamedTuple):
     Attributes:
       mean: ``[G]`` running mean.
       var: ``[G]`` running variance.
-      warmup: the warm-up sample's Welford moments (count, mean, sum of
-        squared deviations, each ``[G]``): running sums, so the number of
-        warm-up steps fixes no shape and may be a traced value.
+      warmup: the warm-up sample's running sums (:class:`SampleState`, each
+        ``[G]``), so the number of warm-up steps fixes no shape and may be a
+        traced value.
     """
 
     mean: jax.Array
     var: jax.Array
-    warmup: WelfordState
+    warmup: SampleState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -703,9 +744,10 @@ class WarmupEma(Statistic):
     The observation that completes the warm-up sample sets ``mean`` to its mean
     and ``var`` to its variance (``ddof``; with ``ddof=1`` only if positive,
     else ``var`` keeps its start value, as drytorch's ``StatsCollector``).
-    The sample is kept as Welford's running moments (:func:`welford_update`),
-    not stored: zclip and drytorch take the mean and variance of the stored
-    sample in two passes, which Welford's recursion matches to rounding.
+    The sample is kept as running sums (:func:`sample_update`), not stored:
+    zclip and drytorch take the mean and variance of the stored sample in two
+    passes; the sums give the same mean (the total over the count) and
+    Welford's sum of squared deviations matches the second pass to rounding.
     ``warmup_steps`` only enters comparisons, so it may be an array (from
     ``optax.inject_hyperparams``). Afterwards, with ``a = alpha``:
 
@@ -726,13 +768,13 @@ class WarmupEma(Statistic):
         return WarmupEmaState(
             jnp.zeros((num_groups,), dtype),
             jnp.full((num_groups,), self.start_var, dtype),
-            welford_init(num_groups, dtype),
+            sample_init(num_groups, dtype),
         )
 
     def observe(self, state: Any, x: jax.Array, count: jax.Array) -> Any:
         a = self.alpha
         warming = count < self.warmup_steps
-        sample = welford_update(state.warmup, x)
+        sample = sample_update(state.warmup, x)
         completes = count + 1 == self.warmup_steps
         n = sample.count.astype(sample.m2.dtype)
         # Undefined (NaN) with fewer than ddof + 1 values: ddof=1 then keeps the start value.
@@ -746,7 +788,7 @@ class WarmupEma(Statistic):
             var = a * state.var + (1 - a) * (x - state.mean) ** 2
         else:
             var = state.var
-        mean = jnp.where(warming, jnp.where(completes, sample.mean, state.mean), mean)
+        mean = jnp.where(warming, jnp.where(completes, sample_mean(sample), state.mean), mean)
         var = jnp.where(warming, jnp.where(completes, sample_var, state.var), var)
         warmup = _select(warming, sample, state.warmup)
         return WarmupEmaState(mean, var, warmup)

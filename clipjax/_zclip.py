@@ -23,7 +23,7 @@ class ZClipState(NamedTuple):
 
     Attributes:
       stats: EMA mean and variance per group, and the warm-up sample's
-        running mean and sum of squared deviations (Welford; ``[groups]``
+        running sums (count, total, sum of squared deviations; ``[groups]``
         each, whatever ``warmup_steps``).
       metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.
       info: static names (algorithm, prefix, groups, leaves).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import drive
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -155,3 +156,20 @@ def test_clip_option_and_factor_default_to_adaptive_scaling_at_one() -> None:
         runs.append(outs)
     assert runs[0] == runs[1] and runs[0][-1] < 0.5
     clipjax.zclip(mode="percentile")  # accepted without them
+
+
+def test_warmup_statistics_from_running_sums_do_not_cancel() -> None:
+    """The warm-up sample is running sums (no [groups, warmup_steps] buffer): its mean and
+    population variance still match the two-pass float64 values where a sum of squares
+    would cancel (a spread of 1e-3 on a level of 1e3)."""
+    rng = np.random.default_rng(0)
+    norms = (1e3 + 1e-3 * rng.standard_normal(20)).astype(np.float32)
+    tx = clipjax.zclip(warmup_steps=len(norms), max_grad_norm=None)
+    state = tx.init({"w": jnp.zeros(1)})
+    assert all(np.shape(x) == (1,) for x in jax.tree.leaves(state.stats))
+    for x in norms:
+        _, state = tx.update({"w": jnp.array([x])}, state)
+    m = clipjax.metrics(state)
+    reference = norms.astype(np.float64)
+    np.testing.assert_allclose(m["zclip/global/mean"], reference.mean(), rtol=1e-7)
+    np.testing.assert_allclose(m["zclip/global/std"], reference.std(), rtol=1e-2)
