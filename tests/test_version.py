@@ -47,7 +47,12 @@ def page_versions(page: Path) -> list[str]:
 
 
 def generator(page: Path) -> str:
-    """The script that writes ``page``: the one under benchmarks/ or examples/ naming it."""
+    """The script that writes ``page``: the one its header's command runs, else the one
+    under benchmarks/ or examples/ that names it."""
+    header = "\n".join(page.read_text().splitlines()[:HEADER_LINES])
+    command = re.search(r"python ((?:benchmarks|examples)/\w+\.py)", header)
+    if command:
+        return command.group(1)
     # lm_spikes_<config>.md is named after its --config.
     names = (page.name, re.sub(r"_(cpu|gpu)\.md$", "_<config>.md", page.name))
     for folder in SCRIPT_DIRS:
@@ -100,10 +105,10 @@ def test_generated_pages_are_found() -> None:
     "page", generated_pages(), ids=lambda p: str(p.relative_to(ROOT)).replace("/", "_")
 )
 def test_generated_page_states_this_version(page: Path) -> None:
-    script = generator(page)
     stated = set(page_versions(page))
     if stated == {clipjax.__version__}:
         return
+    script = generator(page)
     previous = changelog_versions()[1][0]
     assert stated <= {previous, clipjax.__version__}, (
         f"{page.relative_to(ROOT)} states clipjax {sorted(stated)}; this is "
