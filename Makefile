@@ -49,7 +49,7 @@ $(BIN)/python:
 	$(PIP) install --quiet --upgrade pip
 
 # Full development environment: tests, lint, notebooks tooling.
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
+$(VENV)/.installed: pyproject.toml clipjax/__init__.py | $(BIN)/python
 	$(PIP) install "$(TORCH)"
 	$(PIP) install -e ".[test]" "$(TORCH)"
 	@touch $@

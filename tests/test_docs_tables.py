@@ -305,7 +305,7 @@ def test_feedback_table_names_each_default() -> None:
         ("`warmup_steps=None`", "does not say what None means"),
         ('`warmup_steps=None` (100 under `"observe_first"`)', "leaves out ['10']"),
         ("`min_historyy=50`", "has no parameter 'min_historyy'"),
-        ("`ema_decay=0.9`", "the signature has ema_decay=0.99"),
+        ("`eps=1e-7`", "the signature has eps=1e-08"),
         ("`history=None` (`zstat_criterion()`: `alpha=0.9`)", "after `zstat_criterion()`"),
     ],
 )
@@ -316,7 +316,7 @@ def test_the_checker_reports_a_wrong_cell(cell: str, message: str) -> None:
 
 def test_the_checker_accepts_a_right_cell() -> None:
     cell = (
-        '`mode="auto"` or `"percentile"`, `ema_decay=0.99`, '
+        '`mode="auto"` or `"percentile"`, `eps=1e-8`, '
         '`warmup_steps=None` (100 under `"observe_first"`, 10 otherwise)'
     )
     assert check_defaults_cell("autoclip", cell) == []
