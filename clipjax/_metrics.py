@@ -160,9 +160,23 @@ def _idle_view(values: Any, field: str, idle: Any) -> Any:
     return jnp.where(idle, jnp.asarray(IDLE_VALUES[field], values.dtype), values)
 
 
+def sqrt(x: Any) -> Any:
+    """``sqrt`` for a statistic a state reports: NumPy's on a value that can be read
+    here (no program to compile for a concrete state), jax's inside ``jit``."""
+    x = _host(x)
+    return np.sqrt(x) if isinstance(x, np.ndarray) else jnp.sqrt(x)
+
+
+def state_fields(state: Any) -> dict[str, Any]:
+    """A clipjax state's ``[groups]`` metrics: its ``metrics`` and the statistics it
+    reports from its own variables (its ``statistics()`` method, where it has one)."""
+    statistics = getattr(state, "statistics", None)
+    return {**state.metrics, **(statistics() if callable(statistics) else {})}
+
+
 def _emit(state: Any, prefix: str, out: dict[str, Any], idle: Any = None) -> None:
     info: GroupInfo = state.info
-    for field, values in state.metrics.items():
+    for field, values in state_fields(state).items():
         values = _idle_view(values, field, idle)
         for group, value in zip(info.groups, _split(values, len(info.groups))):
             out[f"{prefix}/{group}/{field}"] = value

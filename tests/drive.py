@@ -17,6 +17,7 @@ import numpy as np
 import optax
 
 import clipjax
+from clipjax._metrics import state_fields
 
 UNIT = np.array([0.5, -0.5, 0.5, -0.5])
 
@@ -42,7 +43,7 @@ def runner(tx: optax.GradientTransformation, groups: int = 1, dtype: Any = jnp.f
         after = jnp.stack([jnp.linalg.norm(o.astype(jnp.float32)) for o in out.values()])
         applied = jnp.where(before > 0, after / jnp.where(before > 0, before, 1.0), 1.0)
         identical = jnp.stack([jnp.all(o == g) for g, o in zip(grads.values(), out.values())])
-        return state, ({**state.metrics, "identical": identical}, applied)
+        return state, ({**state_fields(state), "identical": identical}, applied)
 
     return jax.jit(lambda seq: jax.lax.scan(step, state0, seq)[1])
 

@@ -1,0 +1,312 @@
+"""The small steps a norm clipper's ``init`` and ``update`` are written with.
+
+A clipper calls these from its own ``init_fn`` / ``update_fn``, top to bottom,
+the way optax's ``scale_by_adam`` reads: the norms of the groups, its own rule
+(threshold, scale), what its statistics observe this step, the metrics, the
+scaled leaves. Nothing here calls back into a clipper.
+
+Every clipper state ends with the same four fields (its own variables come
+first, typed and named after the algorithm's):
+
+* ``metrics``: ``{field: [groups] array}`` of this step (``grad_norm``,
+  ``threshold``, ``scale``, ``clipped``, ...) and the counters ``count``
+  (finite observations), ``step``, ``clipped_count``, ``nonfinite_count``
+  (``capped``/``capped_count`` with a ceiling), read by
+  :func:`clipjax.metrics`, which also reads the statistics a state reports
+  from its own variables (its ``statistics()`` method);
+* ``info``: the static :class:`~clipjax.GroupInfo` (algorithm, prefix, group
+  and leaf names), a pytree node with no leaves;
+* ``leaf_index``: each leaf's group index as a runtime int32 scalar (empty for
+  one group), so that leaves of one shape compile to the same fusions;
+* ``leaf_metrics``: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from clipjax import _grouping, _metrics, _state_check
+from clipjax._grouping import Grouping, Scope
+
+Array = jax.Array
+
+# What a step may teach a clipper's statistics (``feedback``); each clipper
+# accepts a subset.
+FEEDBACKS = ("observe_first", "raw", "clipped", "clip_target", "skip")
+COUNTERS = ("count", "step", "clipped_count", "nonfinite_count", "capped_count")
+# The guard in a ceiling's multiplier, max_grad_norm / (g + 1e-6) (zclip's and torch's).
+CEILING_EPS = 1e-6
+
+
+def check_feedback(feedback: Any, allowed: tuple[str, ...]) -> None:
+    if feedback not in allowed:
+        raise ValueError(f"feedback must be one of {allowed}, got {feedback!r}")
+
+
+def check_name(name: Any) -> None:
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"name must be a non-empty str, got {name!r}")
+
+
+# --------------------------------------------------------------------------- init
+
+
+class Start(NamedTuple):
+    """What ``init`` needs besides the clipper's own variables.
+
+    Attributes:
+      num_groups: the number of groups of the tree.
+      dtype: the statistics' dtype (float32, float64 for float64 leaves).
+      info: the state's ``info`` field.
+      leaf_index: the state's ``leaf_index`` field.
+      leaf_metrics: the state's ``leaf_metrics`` field.
+      placeholder: ``init`` got optax's params placeholder (``tree_map_params``).
+    """
+
+    num_groups: int
+    dtype: Any
+    info: _metrics.GroupInfo
+    leaf_index: Any
+    leaf_metrics: dict[str, Array]
+    placeholder: bool
+
+
+def start(params: Any, scope: Scope, algo: str, name: str | None, leaf_norms: bool) -> Start:
+    """The groups of ``params`` under ``scope`` and the shared fields of a new state."""
+    # optax.tree_utils.tree_map_params calls init on a leafless placeholder: the
+    # names are then a leaf, so that the real state's names are mapped onto them.
+    placeholder = type(params).__name__ == "_ParamsPlaceholder"
+    leaves, _, _ = _grouping.leaves_with_names(params)
+    grouping = _grouping.make_grouping(params, scope)
+    info_class = _metrics.PlaceholderInfo if placeholder else _metrics.GroupInfo
+    info = info_class(algo, name, grouping.names, grouping.leaf_names, grouping.leaf_shapes)
+    dtype = _grouping.norm_dtype(leaves)
+    leaf_metrics = {"grad_norm": jnp.zeros((len(leaves),), dtype)} if leaf_norms else {}
+    index = _grouping.leaf_index(grouping, placeholder)
+    return Start(grouping.num_groups, dtype, info, index, leaf_metrics, placeholder)
+
+
+def metric_arrays(
+    num_groups: int, dtype: Any, fields: tuple[str, ...], ceiling: bool = False
+) -> dict[str, Array]:
+    """The ``metrics`` of a new state: ``grad_norm``, ``threshold`` and ``fields``
+    (zeros of ``dtype``), ``scale`` (ones), ``clipped`` (False), and the
+    counters; ``capped`` and ``capped_count`` with a ceiling."""
+    zeros = jnp.zeros((num_groups,), dtype)
+    metrics = {"grad_norm": zeros, "threshold": zeros}
+    metrics["scale"] = jnp.ones((num_groups,), dtype)
+    metrics["clipped"] = jnp.zeros((num_groups,), bool)
+    if ceiling:
+        metrics["capped"] = jnp.zeros((num_groups,), bool)
+    for field in fields:
+        metrics[field] = zeros
+    for counter in COUNTERS:
+        if counter != "capped_count" or ceiling:
+            metrics[counter] = jnp.zeros((num_groups,), jnp.int32)
+    return metrics
+
+
+def own_buffers(state: Any) -> Any:
+    """Gives every state leaf its own buffer.
+
+    ``init`` builds several fields from one ``zeros``; a jitted step that
+    donates the state would then donate one buffer twice and fail.
+    """
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
+
+
+# --------------------------------------------------------------------------- norms
+
+
+class Norms(NamedTuple):
+    """The gradient of one step, grouped.
+
+    Attributes:
+      norm: ``[groups]`` norms (averaged over ``axis_name`` when given).
+      leaves: the gradient's leaves.
+      treedef: their tree structure.
+      grouping: the groups of the leaves.
+      leaf_norms: ``[leaves]`` L2 norms, or None without ``leaf_norms``.
+    """
+
+    norm: Array
+    leaves: list[Array]
+    treedef: Any
+    grouping: Grouping
+    leaf_norms: Array | None
+
+
+def group_norms(
+    updates: Any,
+    state: Any,
+    state_class: type,
+    layout: Callable[[int], Any],
+    *,
+    who: str,
+    scope: Scope,
+    axis_name: str | None = None,
+    leaf_norms: bool = False,
+) -> Norms:
+    """Checks ``state`` against ``updates`` and returns the group norms of ``updates``.
+
+    ``state`` must be a ``state_class`` built by ``init`` for a tree like
+    ``updates`` (``layout(num_groups)`` gives the shapes and dtypes of its
+    arrays, from ``jax.eval_shape``): otherwise a ``TypeError`` or
+    ``ValueError`` says what was expected and how to restore a checkpoint.
+    The norms take one pass over the gradient (squares summed in float32, or
+    float64 for float64 leaves); with ``axis_name`` they are averaged over
+    that mapped axis, so every replica applies the same scale.
+    """
+    _state_check.check_state(state, state_class, who)
+    info: _metrics.GroupInfo = state.info
+    leaves, _, treedef = _grouping.leaves_with_names(updates)
+    grouping = _grouping.make_grouping(updates, scope)
+    grouping.check_matches(info.leaves, info.shapes, who)
+    for field, value in state.metrics.items():
+        if jnp.shape(_metrics.unwrap(value))[:1] != (grouping.num_groups,):
+            groups = ", ".join(grouping.names[:4]) + (", ..." * (grouping.num_groups > 4))
+            raise ValueError(
+                f"{who}: the state does not fit the tree passed to update: its metric "
+                f"{field!r} has shape {jnp.shape(value)}, expected [{grouping.num_groups}] "
+                f"for the groups of this tree ({groups}); was the state restored from "
+                "another model?"
+            )
+    want = layout(grouping.num_groups)
+    for field, value in want.items():
+        _state_check.check_layout(who, field, getattr(state, field), value)
+    _grouping.check_inexact(leaves, grouping, who)
+    partial = _grouping.leaf_power_sums(leaves, 2.0, grouping)
+    norm = _grouping.group_norms(leaves, grouping, 2.0, partial)
+    per_leaf = None
+    if leaf_norms:
+        # A stacked leaf's per-slice sums add up to the whole leaf's.
+        squares = [jnp.sum(s) if jnp.ndim(s) else s for s in partial]
+        per_leaf = jnp.sqrt(jnp.stack(squares)) if squares else state.leaf_metrics["grad_norm"]
+    if axis_name is not None:
+        norm, per_leaf = jax.lax.pmean((norm, per_leaf), axis_name)
+    return Norms(norm, leaves, treedef, grouping, per_leaf)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_layout(build: Callable[[int], Any], num_groups: int) -> Any:
+    return jax.eval_shape(lambda: build(num_groups))
+
+
+def layout_of(build: Callable[[int], Any]) -> Callable[[int], Any]:
+    """``num_groups -> shapes and dtypes`` of the arrays ``build(num_groups)`` makes
+    (its fields other than ``info``, ``leaf_index`` and ``leaf_metrics``), cached."""
+    return functools.partial(_cached_layout, build)
+
+
+# --------------------------------------------------------------------------- a step
+
+
+def ceiling_scale(scale: Array, norm: Array, ceiling: Any) -> tuple[Array, Array]:
+    """``(scale, capped)`` of a step bounded by an absolute ceiling on its group norm.
+
+    The multiplier is the smaller of the rule's ``scale`` and
+    ``ceiling / (norm + 1e-6)`` where the norm exceeds the ceiling; ``capped``
+    says the ceiling was the binding bound. A non-finite norm passes.
+    """
+    finite = jnp.isfinite(norm)
+    over = finite & (norm > ceiling)
+    bound = jnp.where(over, ceiling / (norm + CEILING_EPS), 1.0).astype(scale.dtype)
+    capped = over & (bound <= scale)
+    return jnp.minimum(scale, bound), capped
+
+
+def observation(
+    feedback: str, norm: Array, *, boundary: Array, target: Array | None, fires: Array
+) -> tuple[Array, Array]:
+    """What a step teaches the statistics: ``(value, observed)``, per group.
+
+    ``fires`` marks the groups the rule judges a spike this step; ``boundary``
+    is the norm above which it fires, ``target`` the value it clips to.
+
+    * ``"raw"`` (and ``"observe_first"``): the norm;
+    * ``"clipped"``: ``min(norm, boundary)`` where it fires: a spike teaches no
+      more than a norm at the boundary would, and a norm at the boundary still
+      widens a spread-based boundary, so a lasting rise of the norm is learnt;
+    * ``"clip_target"``: ``target`` where it fires (the reference zclip rule);
+    * ``"skip"``: the norm, but nothing is observed where it fires.
+
+    A non-finite norm is never observed, whatever ``feedback`` says.
+    """
+    value = norm
+    if feedback == "clipped":
+        value = jnp.where(fires, jnp.minimum(norm, boundary), norm)
+    elif feedback == "clip_target":
+        assert target is not None
+        value = jnp.where(fires, target, norm)
+    observed = jnp.isfinite(norm)
+    if feedback == "skip":
+        observed = observed & ~fires
+    return value, observed
+
+
+def select_groups(mask: Array, new: Any, old: Any) -> Any:
+    """Per group, ``new`` where ``mask`` holds, else ``old`` (stacked ``[groups, ...]``
+    arrays, never full tensors)."""
+
+    def pick(n: Array, o: Array) -> Array:
+        m = mask.reshape(mask.shape + (1,) * (jnp.ndim(n) - 1))
+        return jnp.where(m, n, o)
+
+    return jax.tree.map(pick, new, old)
+
+
+def step_metrics(
+    old: dict[str, Array],
+    *,
+    norm: Array,
+    threshold: Array,
+    scale: Array,
+    observed: Array,
+    capped: Array | None = None,
+    **fields: Array,
+) -> dict[str, Array]:
+    """This step's ``metrics``: the per-step fields, and the counters advanced.
+
+    ``clipped`` is ``scale < 1``; ``nonfinite_count`` counts non-finite norms,
+    ``count`` the observations. Every value is cast to the dtype it has in
+    ``old`` (the state's structure never changes).
+    """
+    clipped = scale < 1
+    new = {"grad_norm": norm, "threshold": threshold, "scale": scale, "clipped": clipped}
+    if capped is not None:
+        new["capped"] = capped
+    new.update(fields)
+    increments = {
+        "count": observed,
+        "step": True,
+        "clipped_count": clipped,
+        "nonfinite_count": ~jnp.isfinite(norm),
+        "capped_count": False if capped is None else capped,
+    }
+    for counter, inc in increments.items():
+        if counter in old:
+            new[counter] = old[counter] + jnp.asarray(inc).astype(jnp.int32)
+    return {k: jnp.asarray(v).astype(old[k].dtype) for k, v in new.items()}
+
+
+def scaled(norms: Norms, scale: Array, state: Any) -> Any:
+    """The gradient with each group multiplied by its scale (one multiply a leaf)."""
+    scale = _grouping.materialize(scale)
+    leaves = _grouping.apply_scales(norms.leaves, norms.grouping, scale, state.leaf_index)
+    return jax.tree_util.tree_unflatten(norms.treedef, leaves)
+
+
+def shared_fields(state: Any, norms: Norms, metrics: dict[str, Array]) -> dict[str, Any]:
+    """The new state's ``metrics``, ``leaf_index`` and ``leaf_metrics`` (for ``_replace``)."""
+    leaf_metrics = state.leaf_metrics
+    if norms.leaf_norms is not None:
+        leaf_metrics = {"grad_norm": norms.leaf_norms.astype(leaf_metrics["grad_norm"].dtype)}
+    # Returned through a copy, not passed through: a pass-through output cannot
+    # reuse its donated input buffer (and JAX warns about it).
+    index = _grouping.returned_index(state.leaf_index)
+    return {"metrics": metrics, "leaf_index": index, "leaf_metrics": leaf_metrics}
