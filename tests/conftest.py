@@ -446,17 +446,45 @@ SLOW_PATTERNS = {
 _TESTS_DIR = Path(__file__).parent
 
 
+def _whole_files(config: pytest.Config) -> bool:
+    """Whether this session collects whole files (no ``-k``, no ``file::test`` ids):
+    then every entry above that names a collected file must match one of its tests."""
+    return not config.getoption("keyword") and not any("::" in a for a in config.args)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Marks the long runs listed above ``slow``."""
+    """Marks the long runs listed above ``slow``; fails when an entry names a test that
+    no longer exists (a renamed test would otherwise silently lose its mark)."""
+    matched: set[str] = set()
+    files: set[str] = set()
     for item in items:
         try:
             relative = item.path.relative_to(_TESTS_DIR).as_posix()
         except ValueError:  # doctests under clipjax/
             continue
+        files.add(relative)
         node = relative + "::" + item.nodeid.split("::", 1)[-1] if "::" in item.nodeid else relative
-        if (
-            relative in SLOW_FILES
-            or any(node.startswith(prefix) for prefix in SLOW_TESTS)
-            or any(re.match(pattern, node) for pattern in SLOW_PATTERNS)
-        ):
+        hits = [relative] if relative in SLOW_FILES else []
+        hits += [prefix for prefix in SLOW_TESTS if node.startswith(prefix)]
+        hits += [pattern for pattern in SLOW_PATTERNS if re.match(pattern, node)]
+        if hits:
             item.add_marker(pytest.mark.slow)
+            matched.update(hits)
+    if not _whole_files(config):
+        return
+    entries = [*SLOW_FILES, *SLOW_TESTS]
+    stale = [e for e in entries if e.split("::")[0] in files and e not in matched]
+    stale += [
+        p for p in SLOW_PATTERNS if re.match(r"[\w/]+\\.py", p) and _pattern_file(p) in files
+    ]
+    stale = [e for e in stale if e not in matched]
+    if stale:
+        raise pytest.UsageError(
+            "tests/conftest.py marks tests slow that no collected test matches (renamed or "
+            "removed? update the list): " + ", ".join(stale)
+        )
+
+
+def _pattern_file(pattern: str) -> str:
+    """The file a SLOW_PATTERNS regex names (``test_contract\\.py::...``)."""
+    return pattern.split("::")[0].replace("\\.", ".")
