@@ -559,7 +559,7 @@ def _norm_step(
         if threshold is not None:
             threshold = jnp.where(gate_open, jnp.minimum(threshold, rule.ceiling), rule.ceiling)
     clipped = scale < 1
-    metrics = {"grad_norm": norm}
+    metrics: dict[str, Any] = {"grad_norm": norm}
     if rule.threshold_name is not None and threshold is not None:
         metrics[rule.threshold_name] = threshold
     metrics["scale"] = scale

@@ -171,7 +171,9 @@ def state_fields(state: Any) -> dict[str, Any]:
     """A clipjax state's ``[groups]`` metrics: its ``metrics`` and the statistics it
     reports from its own variables (its ``statistics()`` method, where it has one)."""
     statistics = getattr(state, "statistics", None)
-    return {**state.metrics, **(statistics() if callable(statistics) else {})}
+    if statistics is None:
+        return dict(state.metrics)
+    return {**state.metrics, **statistics()}
 
 
 def _emit(state: Any, prefix: str, out: dict[str, Any], idle: Any = None) -> None:

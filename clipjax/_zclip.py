@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -63,7 +63,7 @@ def _checked(
     clip_factor: Any,
     skip_update_on_spike: bool,
     feedback: Any,
-) -> tuple[str, Any, str]:
+) -> tuple[ClipOption, float, TargetFeedback]:
     """Validates zclip's arguments; returns ``(clip_option, clip_factor, feedback)``
     with their defaults filled in (``skip_update_on_spike`` is ``feedback="skip"``)."""
     _validation.open_unit("alpha", alpha)
@@ -96,7 +96,8 @@ def _checked(
         feedback = "skip"
     if max_grad_norm is not None:
         _validation.positive("max_grad_norm", max_grad_norm)
-    return clip_option, clip_factor, feedback
+    # clip_factor stays as given: a traced value under inject_hyperparams.
+    return cast(ClipOption, clip_option), cast(float, clip_factor), cast(TargetFeedback, feedback)
 
 
 def zclip(
@@ -221,7 +222,7 @@ def zclip(
 
     layout = _kit.layout_of(arrays)
 
-    def init_fn(params: Any) -> ZClipState:
+    def init_fn(params: Any) -> Any:
         start = _kit.start(params, scope, "zclip", name, leaf_norms)
         state = ZClipState(
             **arrays(start.num_groups, start.dtype),
@@ -304,6 +305,7 @@ def zclip(
         )
         return _kit.scaled(grads, scale, state), new_state
 
-    tx = ClipTransform(init_fn, update_fn)
+    # optax types a state as OptState (an array tree), not as ZClipState.
+    tx = ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
     tx.configure = lambda **overrides: zclip(**{**settings, **overrides})
     return tx

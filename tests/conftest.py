@@ -474,9 +474,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     entries = [*SLOW_FILES, *SLOW_TESTS]
     stale = [e for e in entries if e.split("::")[0] in files and e not in matched]
-    stale += [
-        p for p in SLOW_PATTERNS if re.match(r"[\w/]+\\.py", p) and _pattern_file(p) in files
-    ]
+    stale += [p for p in SLOW_PATTERNS if re.match(r"[\w/]+\\.py", p) and _pattern_file(p) in files]
     stale = [e for e in stale if e not in matched]
     if stale:
         raise pytest.UsageError(
