@@ -37,7 +37,7 @@ LR = 1e-3
 WARM = 5
 SCOPES = ("global", "per_layer", "per_param")
 
-# Bounds the report checks the measurements against (SPEC 7 and the issues).
+# Bounds the report checks the measurements against (the project's cost targets).
 TARGETS = {
     # extra "bytes accessed" over adam alone, in gradient bytes, of a norm clipper + adam
     "traffic": 1.2,

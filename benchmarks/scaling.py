@@ -1,4 +1,4 @@
-"""How compile time, step time and state grow with the number of leaves (SPEC 7).
+"""How compile time, step time and state grow with the number of leaves.
 
 Stacks of identical dense layers (kernel + bias per layer, so ``per_layer``
 has half as many groups as ``per_param``) of a fixed parameter count. ``zclip``

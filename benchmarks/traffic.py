@@ -1,4 +1,4 @@
-"""Memory traffic of each configuration: XLA's "bytes accessed" of one jitted step (SPEC 7).
+"""Memory traffic of each configuration: XLA's "bytes accessed" of one jitted step.
 
 Extra bytes over the group's floor (adam alone, or the inner optimizer of a
 wrapper), in units of the gradients' bytes, from

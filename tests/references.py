@@ -35,7 +35,7 @@ numpy arrays whose first axis is the step. The fields every driver returns:
 
 Statistics fields (``mean``, ``std``, ``var``, ``median``, ``quantile``) are
 read from the reference objects' attributes *after* the step (post-update), as
-SPEC 8.4 reports them; NaN where the reference holds none (``None``).
+clipjax reports them; NaN where the reference holds none (``None``).
 
 ``torch`` (and the torch-based references) are imported lazily, inside the
 drivers, so ``import references`` works without torch; use
@@ -637,7 +637,7 @@ def drytorch_reference(
       fired step has ``min(1, threshold / (g + 1e-6))`` (torch
       ``clip_grad_norm_``), an unfired one exactly 1.
     * ``hist_scale``: ``scale`` on non-warm-up steps, 1.0 on warm-up steps
-      (what clipjax's hist_clip reports as its own scale, SPEC 8.2).
+      (what clipjax's hist_clip reports as its own scale).
     * ``warmup_threshold``: ``warmup_max_norm`` (+inf when None) on warm-up
       steps, NaN otherwise.
     * ``mean``: ``criterion._mu_t`` after the step (drytorch's initial 0.0

@@ -1,19 +1,19 @@
-"""Float64 NumPy restatements of SPEC 9 (feedback, geometric quantile, adagc).
+"""Float64 NumPy restatements of the adaptive rules (feedback, geometric quantile, adagc).
 
-Written from /work/shared/SPEC.md (sections 3, 4, 8, 9) and the 0.2 CONTRACT,
-not from clipjax's code: each function walks a sequence of group norms step by
+Written from the rules as the docstrings and the papers state them, not from
+clipjax's code: each function walks a sequence of group norms step by
 step in float64 Python and returns what clipjax must report, per step:
 
 ``grad_norm``, ``threshold``, ``scale``, ``clipped``, ``count``, ``step``,
 ``clipped_count``, ``nonfinite_count`` and the algorithm's statistics
-(post-update, SPEC 8.4). A value the SPEC leaves undefined (a threshold before
+(after the step's update). A value no rule defines (a threshold before
 any observation, a threshold on a non-finite step) is NaN here and is not
 compared (see :func:`compare`).
 
 Every "clipper" function takes a 1-D float sequence of norms (NaN/Inf allowed)
 and a ``feedback`` in ``"observe_first"``, ``"raw"``, ``"clipped"``,
 ``"clip_target"`` (zclip, hist_clip), ``"skip"``. ``threshold`` is the spike
-boundary on every step (SPEC 8.1 as amended); zclip and hist_clip also give
+boundary on every step; zclip and hist_clip also give
 ``clip_to``, the norm a step leaves with.
 :func:`adagc` takes ``[steps, groups]`` (its warm-up uses the global norm).
 """
@@ -33,7 +33,7 @@ import clipjax
 
 NAN = math.nan
 INF = math.inf
-RTOL = 3e-5  # SPEC 8.14: float32 clipjax vs a float64 restatement
+RTOL = 3e-5  # float32 clipjax vs a float64 restatement
 # z = (g - mean) / std is a difference quotient: near z = 0 its float32 error is
 # absolute, about ulp(g) / std = 6e-8 / 0.01..0.1 (measured up to 9e-6 on the
 # noise-0.1 streams), not relative. Only ``z`` gets this absolute slack.
@@ -46,7 +46,7 @@ Z_ATOL = 5e-5
 
 
 class _Log:
-    """Per-step records plus the counters of SPEC 8.5."""
+    """Per-step records plus the counters (count, step, clipped_count, nonfinite_count)."""
 
     def __init__(self, fields: Sequence[str]) -> None:
         self.rows: dict[str, list] = {k: [] for k in fields}
@@ -113,7 +113,7 @@ def _positive(g: float, eps: float) -> float:
 
 
 # ----------------------------------------------------------------------------
-# autoclip / zscore_clip (SPEC 4.1, 4.2, 9.1, 9.4)
+# autoclip / zscore_clip
 # ----------------------------------------------------------------------------
 
 
@@ -183,7 +183,7 @@ class _WindowMedianStats:
 
 
 class _GeometricStats:
-    """SPEC 9.4: start at the first value, ``q <- q exp(-lr (1[x <= q] - p))``."""
+    """The geometric quantile: start at the first value, ``q <- q exp(-lr (1[x <= q] - p))``."""
 
     def __init__(self, percentile: float, quantile_lr: float) -> None:
         self.p, self.lr, self.q = percentile / 100.0, quantile_lr, NAN
@@ -202,7 +202,7 @@ class _GeometricStats:
 
 
 class _ZScoreStats:
-    """EMA mean and variance, both starting at the first value (SPEC 4.2, 8.14)."""
+    """EMA mean and variance, both starting at the first value."""
 
     def __init__(self, zmax: float, decay: float) -> None:
         self.zmax, self.d, self.m, self.s = zmax, decay, NAN, 0.0
@@ -235,7 +235,7 @@ def _smartclip_family(
     clipped_value: str,
     cap: float = INF,
 ) -> dict[str, np.ndarray]:
-    """autoclip / zscore_clip under SPEC 9.1 + CONTRACT (one group); ``cap`` is
+    """autoclip / zscore_clip with their feedback (one group); ``cap`` is
     the ceiling (``max_grad_norm``), ``capped`` is reported when it is finite.
 
     ``clipped_value`` is what ``feedback="clipped"`` observes on a fire:
@@ -246,8 +246,8 @@ def _smartclip_family(
     gate = max(warmup_steps, min_history)
     for g in map(float, norms):
         if not math.isfinite(g):
-            # SPEC 3: nothing observed, scale 1; the threshold on such a step is
-            # not pinned by the SPEC (NaN here: not compared).
+            # A non-finite norm: nothing observed, scale 1; the threshold on such a step is
+            # not defined by the rule (NaN here: not compared).
             log.add(g=g, threshold=NAN, scale=1.0, observed=False, capped=False, **stats.report())
             continue
         x = _positive(g, eps)
@@ -260,7 +260,7 @@ def _smartclip_family(
             continue
         # Judge first: T from the statistics before this step; the gate counts the
         # observations before it (CONTRACT: >= max(warmup, min_history, 1)).
-        # SPEC 8.1 as amended: no observation yet, no statistics: T = +inf.
+        # No observation yet, no statistics: T = +inf.
         raw = stats.raw_threshold()
         threshold = max(eps, raw) if not math.isnan(raw) else INF
         open_ = log.count >= max(gate, 1)
@@ -344,15 +344,15 @@ def zscore_clip(
 
 
 # ----------------------------------------------------------------------------
-# zclip (SPEC 4.3, 9.1)
+# zclip
 # ----------------------------------------------------------------------------
 
 _ZCLIP_DIV = 1e-6  # zclip's fixed guard in T / (g + 1e-6)
 
 
 def _observation(feedback: str, g: float, boundary: float, target: float, fired: bool) -> float:
-    """What a judge-first clip-then-observe step teaches the statistics (SPEC 9.1 as
-    amended): ``min(g, B)`` under "clipped", the clip target on a (high-side) fire
+    """What a judge-first clip-then-observe step teaches the statistics:
+    ``min(g, B)`` under "clipped", the clip target on a (high-side) fire
     under "clip_target", the norm otherwise ("raw"; "skip" observes nothing)."""
     if feedback == "clipped":
         return min(g, boundary)
@@ -455,7 +455,7 @@ def zclip(
 
 
 # ----------------------------------------------------------------------------
-# hist_clip (SPEC 4.4, 8.1, 8.2, 9.1), with warmup_clip=None
+# hist_clip, with warmup_clip=None
 # ----------------------------------------------------------------------------
 
 _CLIP_FNS: dict[str, Callable[[float, float], float]] = {
@@ -509,7 +509,7 @@ def hist_clip(
         if log.count < warmup_steps:
             samples.append(g)
             # The statistics reported on the step that completes the warm-up set are
-            # not pinned by the SPEC (drytorch still shows its initial 0 / 1.0 there,
+            # not defined by the rule (drytorch still shows its initial 0 / 1.0 there,
             # clipjax may show them initialised): not compared.
             last = len(samples) == warmup_steps
             shown = {k: NAN for k in stats()} if last else stats()
@@ -573,7 +573,7 @@ def hist_clip(
 
 
 # ----------------------------------------------------------------------------
-# adagc (SPEC 9.3, CONTRACT)
+# adagc
 # ----------------------------------------------------------------------------
 
 
@@ -682,7 +682,7 @@ def compare(
 ) -> None:
     """``got[prefix + field]`` vs ``want[field]`` for every field the restatement defines.
 
-    Positions where the restatement has NaN (undefined by the SPEC) are not
+    Positions where the restatement has NaN (undefined by the rule) are not
     compared; elsewhere the finite/infinite pattern must match and finite values
     agree to ``rtol`` (``atol`` only for values near 0, e.g. a std of ~0).
     Integer/boolean fields must match exactly. ``atol_for`` overrides ``atol``

@@ -1,7 +1,7 @@
 """The benchmarks run and write every section; the repeatable figures (bytes accessed) hold.
 
 Memory traffic comes from XLA's cost analysis and does not depend on the
-machine's load, so it is asserted (SPEC 7); wall-clock times never are.
+machine's load, so it is asserted; wall-clock times never are.
 """
 
 from __future__ import annotations

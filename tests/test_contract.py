@@ -1,4 +1,4 @@
-"""One contract, every public transform (SPEC 1): the checks optax users rely on.
+"""One contract, every public transform: the checks optax users rely on.
 
 For each transform: state structure, shapes and dtypes identical after
 updates, with and without ``jit`` (``chex.variants``); works as a ``lax.scan``

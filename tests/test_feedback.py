@@ -1,4 +1,4 @@
-"""SPEC 9.1 ``feedback``: every adaptive clipper against a float64 restatement.
+"""``feedback``: every adaptive clipper against a float64 restatement.
 
 The restatements live in ``tests/restate.py`` and are written from SPEC 3, 4,
 8, 9.1 and the 0.2 CONTRACT. ``test_default_*`` pin them against today's
@@ -6,7 +6,7 @@ default behaviour (observe-first autoclip/zscore_clip, zclip "clipped",
 hist_clip "raw"), so that the tests of the new ``feedback`` values compare with
 an oracle that is known to agree where the behaviour already exists.
 
-Tolerance: rtol 3e-5 (SPEC 8.14) on every float field; ``z`` also has an
+Tolerance: rtol 3e-5 (float32 against float64) on every float field; ``z`` also has an
 absolute 5e-5 (see ``restate.Z_ATOL``); counters and ``clipped`` exactly.
 """
 
@@ -100,7 +100,7 @@ CONFIGS = {
         default="raw",
     ),
 }
-# Feedback values each configuration accepts besides its default (SPEC 9.1).
+# Feedback values each configuration accepts besides its default.
 ACCEPTED = {
     "autoclip_auto": ("observe_first", "raw", "clipped", "skip"),
     "autoclip_window": ("observe_first", "raw", "clipped"),
@@ -214,7 +214,7 @@ def test_feedback_matches_restatement(config):
 @pytest.mark.parametrize("feedback", ["raw", "clipped"])
 def test_ema_percentile_judge_first_is_observe_first_shifted(feedback):
     """history="ema" has no float64 restatement here; instead: in percentile mode
-    "raw" and "clipped" both observe g (SPEC 9.1), so the statistics (post-update)
+    "raw" and "clipped" both observe g, so the statistics (post-update)
     are the observe-first ones, and the threshold of step t is the observe-first
     quantile of step t-1 (floored at eps), used once count-before >= gate."""
     kw = dict(mode="percentile", history="ema", ema_decay=0.95, **AUTO_KW)
@@ -258,7 +258,7 @@ SCOPE_CASES = {
     "defaults": [("autoclip_auto", None), ("zclip", None), ("hist_zstat", None)],
     "feedback": [("autoclip_auto", "clipped"), ("zscore_clip", "skip"),
                  ("zclip_percentile", "skip"), ("hist_zstat", "clipped"), ("hist_ema", "skip")],
-    # SPEC 9.1 as amended: min(g, B) and the reference's clip target, per group, with a cap
+    # "clipped" observes min(g, B), "clip_target" the reference's clip target, per group, with a cap
     "boundary": [("zclip", "clipped"), ("zclip_cap", "clipped"), ("zclip_cap", "clip_target"),
                  ("zclip_percentile", "clipped"), ("hist_zstat", "clip_target"),
                  ("hist_ema", "clipped")],
@@ -361,7 +361,7 @@ def test_spike_moves_threshold_no_more_than_its_clip_value(config):
     """Replace the x1000 spike by the value it is clipped to (its threshold; no
     max_grad_norm cap in these configurations): under "clipped" the statistics
     after it are those of the replaced stream; under "skip" they do not move
-    (SPEC 9.1); "raw" feedback of the spike moves them much more."""
+    ; "raw" feedback of the spike moves them much more."""
     algo, configured, _ = CONFIGS[config]
     # No ceiling (zclip's configurations already say max_grad_norm=None).
     make = configured if algo == "zclip" else partial(configured, max_grad_norm=None)

@@ -1,7 +1,7 @@
 """flax: every clipper trains a small model through ``nnx.Optimizer`` and linen's ``TrainState``.
 
 Metrics are read from the flax optimizer state with ``clipjax.metrics``, inside
-and outside ``jit``, and group names are flax's module paths (SPEC 8.6).
+and outside ``jit``, and group names are flax's module paths.
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ def test_window_follows_a_noisy_shift_as_restated(feedback, factor):
 
 
 # ----------------------------------------------------------------------------
-# SPEC 8.1: +inf before the first finite observation under judge-first
+# The threshold is +inf before the first finite observation under judge-first
 # ----------------------------------------------------------------------------
 
 FIRST = np.array([math.nan, math.inf, 1.0, 2.0, 1.5])

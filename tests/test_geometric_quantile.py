@@ -1,4 +1,4 @@
-"""SPEC 9.4: autoclip(mode="percentile", history="geometric").
+"""autoclip(mode="percentile", history="geometric"): a quantile tracked in log space.
 
 ``q <- q * exp(-quantile_lr * (1[x <= q] - p))`` from the first finite norm
 (Andrew et al. 2021). Checked step by step against the float64 restatement in

@@ -1,4 +1,4 @@
-"""Groups, names and group norms (SPEC 2, 7) against float64 NumPy."""
+"""Groups, names and group norms against float64 NumPy; what the hot path compiles to."""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def full_size_ops(hlo: str, shape: str) -> set[str]:
     [lambda: clipjax.clip_by_global_norm(1.0), lambda: clipjax.zclip(), lambda: clipjax.autoclip()],
 )
 def test_scaling_is_one_multiply_without_select(make) -> None:
-    """SPEC 7: the hot path over full tensors is a multiply: no select, no divide."""
+    """The hot path over full tensors is a multiply: no select, no divide."""
     params = {"w": jnp.ones((256, 256))}
     tx = make()
     hlo = jax.jit(tx.update).lower(params, tx.init(params)).compile().as_text()
@@ -164,7 +164,7 @@ def distinct_fusions(tx, params) -> int:
 
 @pytest.mark.parametrize("scope", ["per_param", "per_layer"])
 def test_many_groups_compile_like_one(scope: str) -> None:
-    """Compile time does not grow with the number of groups (SPEC 7): per-leaf
+    """Compile time does not grow with the number of groups: per-leaf
     scales are indexed with runtime offsets, so a grouping adds no distinct fused
     computations."""
     params = {f"layer{i}": {"w": jnp.ones((8, 8)), "b": jnp.ones(8)} for i in range(60)}

@@ -1,4 +1,4 @@
-"""Issue 12, diagnostics (SPEC 10): ``leaf_norms=True`` and ``metrics(flat=False)``.
+"""Per-leaf diagnostics: ``leaf_norms=True`` and ``metrics(flat=False)``.
 
 * every clipper with a scope records each leaf's pre-clip L2 norm as
   ``{prefix}/leaf/{leaf path}/grad_norm``, equal to NumPy's float64 norm; a NaN

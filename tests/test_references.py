@@ -159,7 +159,7 @@ def test_smartclip_ema_percentile_restated_and_never_decreases(smartclip_availab
     for t, v in enumerate(x):
         q = v if q is None else q + a * (v - q) * (p - (1.0 if v < q else 0.0))
         assert r["quantile"][t] == pytest.approx(q, rel=1e-13)
-    # smartclip's update can only move up (SPEC 4.1 FIX): it never follows the drop.
+    # smartclip's update can only move up (clipjax fixes this): it never follows the drop.
     assert np.all(np.diff(r["quantile"]) >= 0)
     assert r["quantile"][-1] > 1.0
 

@@ -239,7 +239,7 @@ def test_p2_textbook_matches_reference(p, x64):
     # float32 desired positions are exact only for dyadic increments (p = 0.5);
     # for p = 0.9 their rounding moves markers on different steps.
     np.testing.assert_allclose(values32[-1, 0], expected[-1], rtol=1e-5 if p == 0.5 else 1e-2)
-    # The two formulas really differ (the point of the SPEC 4.1 FIX).
+    # The two formulas really differ (why clipjax does not use smartclip's).
     _, buggy = p2_run(xs, p, False, jnp.float64)
     assert not np.allclose(buggy[:, 0], expected, rtol=1e-6)
 
@@ -329,7 +329,7 @@ def test_window_matches_smartclip_and_numpy(size, x64):
 
 
 def test_window_float32_matches_smartclip_to_spec_tolerance():
-    """SPEC 8.14: float32 thresholds within 3e-5 of smartclip's float64 ones."""
+    """Float32 thresholds within 3e-5 of smartclip's float64 ones."""
     rng = np.random.default_rng(12)
     xs = rng.lognormal(0, 0.3, 1500) * np.where(rng.uniform(size=1500) < 0.02, 20.0, 1.0)
     xs = xs.astype(np.float32)
@@ -431,7 +431,7 @@ def streams():
 
 
 def test_squantile_converges_on_stationary_streams(streams):
-    """SPEC 8.13: within 5 % of the true 0.95-quantile (decay 0.99)."""
+    """Within 5 % of the true 0.95-quantile (decay 0.99)."""
     xs, true = streams
     _, values = squantile_run(xs[:10_000])
     final = np.abs(values[-1] / true - 1)
@@ -444,7 +444,7 @@ def test_squantile_converges_on_stationary_streams(streams):
 @pytest.mark.parametrize("decay", [0.99, 0.95])
 @pytest.mark.parametrize("factor", [0.2, 5.0])
 def test_squantile_follows_a_shift(streams, factor, decay):
-    """SPEC 8.13: within 20 % of the new quantile by 50/(1-decay) steps after."""
+    """Within 20 % of the new quantile by 50/(1-decay) steps after."""
     xs, true = streams
     shifted = xs.copy()
     shifted[10_000:] *= np.float32(factor)

@@ -412,7 +412,7 @@ def check_if_finite(name: str, run: list[tuple[Any, Any]]) -> None:
         assert all(not np.any(x) for x in jax.tree.leaves(run[t][0]))
         assert_trees_equal(clip[t], clip[3], f"{name} step {t}")
     # Step 6 is let through (third error in a row): the clipper counts it as
-    # non-finite and keeps it out of its statistics (SPEC 3).
+    # non-finite and keeps it out of its statistics.
     m3, m6, m7 = (clipjax.metrics(clip[t]) for t in (3, 6, 7))
     for key, value in m6.items():
         if key.count("/") != 2:

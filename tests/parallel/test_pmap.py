@@ -1,4 +1,4 @@
-"""``jax.pmap`` data parallelism on 8 devices (SPEC 5).
+"""``jax.pmap`` data parallelism on 8 devices.
 
 * Gradients averaged with ``lax.pmean`` before the optimizer: every replica's
   clipjax state is bit-identical and equals a single-device run on the full

@@ -1,4 +1,4 @@
-"""``jax.shard_map`` on 8 devices (SPEC 5, 8.7).
+"""``jax.shard_map`` on 8 devices.
 
 ``out_specs=P()`` for the clipjax state makes JAX prove at trace time that the
 state does not vary over the mesh axis (``check_vma``); the tests also read

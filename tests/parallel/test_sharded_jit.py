@@ -1,4 +1,4 @@
-"""``jax.jit`` over sharded arrays on 8 devices (SPEC 5).
+"""``jax.jit`` over sharded arrays on 8 devices.
 
 The same train step as on one device, called with
 
