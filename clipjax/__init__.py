@@ -15,7 +15,6 @@ from clipjax._elementwise import (
     clip_by_percentile,
     clip_by_value,
 )
-from clipjax._engine import ClipTransform
 from clipjax._fold import SkippableTransform, UpdateClippingState, adam, adamw, chain
 from clipjax._grouping import path_name, stacked
 from clipjax._hist_clip import (
@@ -28,6 +27,7 @@ from clipjax._hist_clip import (
     reciprocal_clipping,
     zstat_criterion,
 )
+from clipjax._kit import ClipTransform
 from clipjax._metrics import GroupInfo, metrics
 from clipjax._percentile import approx_percentile, approx_relative_error, exact_percentile
 from clipjax._skip import (

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _engine, _grouping, _metrics, _state_check
+from clipjax import _conditional, _grouping, _metrics, _state_check
 
 Array = jax.Array
 
@@ -81,8 +81,8 @@ def _skippable(
         updates: Any, state: Any, params: Any = None, **extra_args: Any
     ) -> tuple[Any, Any]:
         # Inside a wrapper (inject_hyperparams, MultiSteps) that skip_on_spike
-        # runs, fold its decision in (see _engine.FoldClaim); otherwise update.
-        return _engine.fold_or_update(update, update_if, updates, state, params, **extra_args)
+        # runs, fold its decision in (see _conditional.FoldClaim); otherwise update.
+        return _conditional.fold_or_update(update, update_if, updates, state, params, **extra_args)
 
     tx = SkippableTransform(init, update_or_fold)
     tx.update_if = update_if
@@ -123,7 +123,7 @@ def _selecting(tx: optax.GradientTransformation) -> SkippableTransform:
         pred: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
     ) -> tuple[Any, Any]:
         pred = jnp.asarray(pred, bool)
-        return _engine.run_and_select(pred, tx, updates, state, params, **extra_args)
+        return _conditional.run_and_select(pred, tx, updates, state, params, **extra_args)
 
     return _skippable(tx.init, tx.update, _zeroing(keep_state_if), keep_state_if)
 
@@ -347,7 +347,7 @@ def _scale_by_stable_adam(
             if pred is None:
                 out, new_decay = decay.update(out, state.decay, params)
             else:
-                out, new_decay = _engine.run_and_select(pred, decay, out, state.decay, params)
+                out, new_decay = _conditional.run_and_select(pred, decay, out, state.decay, params)
 
         g_leaves = jax.tree.leaves(grads)
         v_leaves = jax.tree.leaves(adam.nu)
@@ -451,7 +451,7 @@ def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
                 # Zeroed once, by update_if after the last member.
                 updates, member_state = keep(pred, updates, member_state, params, **extra_args)
             else:
-                updates, member_state = _engine.run_if(
+                updates, member_state = _conditional.run_if(
                     pred, member, updates, member_state, params, **extra_args
                 )
             new_state.append(member_state)

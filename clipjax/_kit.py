@@ -29,8 +29,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
-from clipjax import _grouping, _metrics, _state_check
+from clipjax import _grouping, _metrics, _state_check, _validation
 from clipjax._grouping import Grouping, Scope
 
 Array = jax.Array
@@ -43,9 +44,59 @@ COUNTERS = ("count", "step", "clipped_count", "nonfinite_count", "capped_count")
 CEILING_EPS = 1e-6
 
 
+class ClipTransform(optax.GradientTransformationExtraArgs):
+    """The transform every clipjax clipper returns: an optax transform.
+
+    A ``ClipTransform`` is an ``optax.GradientTransformationExtraArgs`` (a
+    named tuple of ``init`` and ``update``), so it goes wherever optax takes
+    a transform: ``optax.chain``, ``MultiSteps``, ``inject_hyperparams``, flax
+    optimizers. ``init(params)`` returns the clipper's state, a pytree whose
+    metrics :func:`clipjax.metrics` reads; ``update(updates, state,
+    params=None, **extra_args)`` returns the clipped updates and the new
+    state (the clippers that need ``params``, such as :func:`clipjax.agc`, say
+    so).
+
+    It adds one attribute, ``configure``: ``configure(scope=...,
+    axis_name=...)`` returns the same clipper with other grouping settings.
+    :func:`clipjax.hist_clip` uses it to run a clipjax ``warmup_clip`` on its
+    own groups.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, clipjax
+      >>> tx = clipjax.clip_by_global_norm(1.0)
+      >>> isinstance(tx, clipjax.ClipTransform), isinstance(tx, optax.GradientTransformation)
+      (True, True)
+      >>> updates, state = tx.update({"w": jnp.full(4, 2.0)}, tx.init({"w": jnp.zeros(4)}))
+      >>> float(clipjax.metrics(state)["clip_by_global_norm/global/scale"])
+      0.25
+    """
+
+    configure: Callable[..., ClipTransform] | None = None
+
+
 def check_feedback(feedback: Any, allowed: tuple[str, ...]) -> None:
     if feedback not in allowed:
         raise ValueError(f"feedback must be one of {allowed}, got {feedback!r}")
+
+
+# The ceiling of the spike-defence setting (feedback="clipped") where the
+# reference has none: the field's standard clip, ZClip's default.
+DEFAULT_CEILING = 1.0
+
+
+def resolve_ceiling(max_grad_norm: Any, feedback: str) -> float | None:
+    """``max_grad_norm="auto"``: :data:`DEFAULT_CEILING` under ``feedback="clipped"``
+    (a spike defence bounds every step from the first), None otherwise (the
+    reference's behaviour); a number must be positive."""
+    if isinstance(max_grad_norm, str):
+        if max_grad_norm != "auto":
+            raise ValueError(
+                f'max_grad_norm must be a positive number, None or "auto", got {max_grad_norm!r}'
+            )
+        return DEFAULT_CEILING if feedback == "clipped" else None
+    if max_grad_norm is not None:
+        _validation.positive("max_grad_norm", max_grad_norm)
+    return max_grad_norm
 
 
 def check_name(name: Any) -> None:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _engine, _grouping, _state_check, _validation
+from clipjax import _conditional, _grouping, _kit, _state_check, _validation
 from clipjax._metrics import GroupInfo
 from clipjax._static import global_norm
 from clipjax._stats import ring_mean_std
@@ -305,7 +305,7 @@ def skip_on_spike(
         raise ValueError(f"min_history must be <= window_size ({window_size}), got {min_history!r}")
     if max_consecutive_skips is not None:
         _validation.integer("max_consecutive_skips", max_consecutive_skips, 1, static=False)
-    _engine.check_feedback(feedback, FEEDBACKS)
+    _kit.check_feedback(feedback, FEEDBACKS)
     if name is not None and not (isinstance(name, str) and name):
         raise ValueError(f"name must be a non-empty str or None, got {name!r}")
     if axis_name is not None and not isinstance(axis_name, (str, tuple)):
@@ -398,7 +398,7 @@ def skip_on_spike(
         inner_args = dict(extra_args)
         if has_value:
             inner_args["value"] = value
-        route, new_updates, inner_state = _engine.run_if_routed(
+        route, new_updates, inner_state = _conditional.run_if_routed(
             take, inner, updates, state.inner_state, params, **inner_args
         )
         if tx.route != route:
@@ -454,7 +454,7 @@ def skip_on_spike(
     tx = SkipOnSpikeTransform(init_fn, update_fn)
     if getattr(inner, "update_if", None) is not None:
         tx.route = "fold"
-    elif isinstance(inner, _engine.ClipTransform):
+    elif isinstance(inner, _kit.ClipTransform):
         tx.route = "select"
     return tx
 

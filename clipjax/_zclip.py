@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from clipjax import _grouping, _kit, _metrics, _stats, _validation
-from clipjax._engine import ClipTransform
 from clipjax._grouping import Scope
+from clipjax._kit import ClipTransform
 from clipjax._metrics import GroupInfo
 from clipjax._types import ClipOption, TargetFeedback, ZClipMode
 
