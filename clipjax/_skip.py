@@ -96,17 +96,13 @@ def _push(window: jax.Array, seen: jax.Array, x: jax.Array, enter: jax.Array) ->
 def _observation(
     x: jax.Array, threshold: jax.Array, skip: jax.Array, forced: jax.Array, feedback: str
 ) -> tuple[jax.Array, jax.Array]:
-    """What a step teaches one buffer: ``(value, enters)``.
-
-    A non-finite value never enters. A forced step's values enter as they are.
-    """
-    finite = jnp.isfinite(x)
-    if feedback == "clipped":
-        value = jnp.where(forced, x, jnp.minimum(x, threshold))
-        return value, finite
-    if feedback == "skip":
-        return x, finite & ~skip
-    return x, finite
+    """What a step teaches one buffer: ``(value, enters)``, by the clippers' own
+    feedback rule: under ``"clipped"`` a value above its threshold enters at the
+    threshold, except on a forced step (a run of skips ends: the value is the new
+    level); under ``"skip"`` a skipped step enters nothing. A non-finite value
+    never enters."""
+    fires = skip if feedback == "skip" else (x > threshold) & ~forced
+    return _kit.observation(feedback, x, boundary=threshold, target=None, fires=fires)
 
 
 def skip_on_spike(
