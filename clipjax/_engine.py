@@ -39,6 +39,7 @@ from clipjax._kit import (
     ceiling_scale,
     check_feedback,  # noqa: F401 (the clippers not yet written on the kit call these here)
     check_name,
+    is_placeholder,
     own_buffers,
     resolve_ceiling,  # noqa: F401
     select_groups,
@@ -289,11 +290,6 @@ def _elementwise_metrics(state: Any, step: Step) -> dict[str, Array]:
     return {k: jnp.asarray(v).astype(old[k].dtype) for k, v in metrics.items()}
 
 
-def _is_placeholder(params: Any) -> bool:
-    # optax.tree_utils.tree_map_params calls init on a leafless placeholder.
-    return type(params).__name__ == "_ParamsPlaceholder"
-
-
 def transform(
     rule: Rule,
     state_class: type,
@@ -354,7 +350,7 @@ def transform(
         return jax.eval_shape(lambda: arrays(num_groups, jnp.float32))
 
     def init_fn(params: Any) -> Any:
-        placeholder = _is_placeholder(params)
+        placeholder = is_placeholder(params)
         leaves, _, _ = _grouping.leaves_with_names(params)
         grouping = _grouping.make_grouping(params, scope)
         if isinstance(rule, ElementwiseRule) and rule.check_leaves is not None:

@@ -127,11 +127,16 @@ class Start(NamedTuple):
     placeholder: bool
 
 
+def is_placeholder(params: Any) -> bool:
+    """``init`` was given optax's leafless params placeholder (``tree_map_params``
+    calls init on one): the state's names are then a leaf, so that the real
+    state's names are mapped onto them."""
+    return type(params).__name__ == "_ParamsPlaceholder"
+
+
 def start(params: Any, scope: Scope, algo: str, name: str | None, leaf_norms: bool) -> Start:
     """The groups of ``params`` under ``scope`` and the shared fields of a new state."""
-    # optax.tree_utils.tree_map_params calls init on a leafless placeholder: the
-    # names are then a leaf, so that the real state's names are mapped onto them.
-    placeholder = type(params).__name__ == "_ParamsPlaceholder"
+    placeholder = is_placeholder(params)
     leaves, _, _ = _grouping.leaves_with_names(params)
     grouping = _grouping.make_grouping(params, scope)
     info_class = _metrics.PlaceholderInfo if placeholder else _metrics.GroupInfo

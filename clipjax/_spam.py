@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _engine, _fold, _grouping, _metrics, _state_check, _validation
+from clipjax import _fold, _grouping, _kit, _metrics, _state_check, _validation
 from clipjax._metrics import GroupInfo
 
 Array = jax.Array
@@ -201,7 +201,7 @@ def scale_by_spam(
         adam = optax.scale_by_adam(mu_dtype=mu_dtype).init(params)
         grouping = _grouping.make_grouping(params, "global")
         # On optax's params placeholder (tree_map_params) the names are a leaf.
-        info_class = _metrics.PlaceholderInfo if _engine._is_placeholder(params) else GroupInfo
+        info_class = _metrics.PlaceholderInfo if _kit.is_placeholder(params) else GroupInfo
         info = info_class(algo, name, ("global",), grouping.leaf_names, grouping.leaf_shapes)
         return adam, SpamState(_init_metrics(count_clipped), info)
 
@@ -454,7 +454,7 @@ def spam(
     _validation.integer("reset_interval", reset_interval, 1, static=False)
     _validation.integer("warmup_steps", warmup_steps, 0, static=False)
     _validation.integer("clip_delay", clip_delay, 0, static=False)
-    _check_name(name)
+    _kit.check_name(name)
     return _fold.chain(
         scale_by_spam(
             b1,
@@ -471,8 +471,3 @@ def spam(
         _fold._selecting(_decay_finite(optax.add_decayed_weights(weight_decay, mask))),
         _fold._selecting(optax.scale_by_learning_rate(learning_rate)),
     )
-
-
-def _check_name(name: Any) -> None:
-    if name is not None and (not isinstance(name, str) or not name):
-        raise ValueError(f"name must be a non-empty str, got {name!r}")

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _engine, _fold, _grouping, _metrics, _state_check, _validation
+from clipjax import _fold, _grouping, _kit, _metrics, _state_check, _validation
 from clipjax._grouping import Scope
 from clipjax._metrics import GroupInfo
 from clipjax._spam import _check_common, _decay_finite, scale_by_spam
@@ -95,7 +95,7 @@ def _start(
     grouping = _grouping.make_grouping(params, scope)
     # On optax's params placeholder (tree_map_params) the names are a leaf, and
     # the index one leaf standing for the tuple (as in the engine's states).
-    placeholder = _engine._is_placeholder(params)
+    placeholder = _kit.is_placeholder(params)
     info_class = _metrics.PlaceholderInfo if placeholder else GroupInfo
     info = info_class(algo, name, grouping.names, grouping.leaf_names, grouping.leaf_shapes)
     leaves, _, _ = _grouping.leaves_with_names(params)
@@ -106,7 +106,7 @@ def _start(
 
 def _own(state: Any) -> Any:
     """Each leaf its own buffer (a donated state), except on optax's placeholder."""
-    return state if isinstance(state.info, _metrics.PlaceholderInfo) else _engine.own_buffers(state)
+    return state if isinstance(state.info, _metrics.PlaceholderInfo) else _kit.own_buffers(state)
 
 
 def _cast(metrics: dict[str, Any], like: dict[str, Array]) -> dict[str, Array]:
@@ -133,9 +133,9 @@ def _counters(old: dict[str, Array], observed: Array, clipped: Array, finite: Ar
     return out
 
 
-def _transform(make: Any, scope: Scope, name: str | None) -> _engine.ClipTransform:
+def _transform(make: Any, scope: Scope, name: str | None) -> _kit.ClipTransform:
     init_fn, update_fn = make(scope, name)
-    tx = _engine.ClipTransform(init_fn, update_fn)
+    tx = _kit.ClipTransform(init_fn, update_fn)
     tx.configure = lambda **overrides: _transform(
         make, overrides.get("scope", scope), overrides.get("name", name)
     )
@@ -212,7 +212,7 @@ def adaclip(
     scope: Scope = "per_param",
     count_clipped: bool = True,
     name: str | None = None,
-) -> _engine.ClipTransform:
+) -> _kit.ClipTransform:
     """Stable-SPAM's AdaClip: bounds each element by an EMA of the largest one.
 
     Per group (a tensor with the default ``scope="per_param"``, as the
@@ -270,7 +270,7 @@ def adaclip(
     """
     _validation.open_unit("theta", theta)
     _grouping.validate_scope(scope)
-    _engine.check_name(name)
+    _kit.check_name(name)
 
     def make(scope: Scope, name: str | None) -> tuple[Any, Any]:
         def init_fn(params: Any) -> AdaClipState:
@@ -351,7 +351,7 @@ def ada_norm(
     *,
     scope: Scope = "per_param",
     name: str | None = None,
-) -> _engine.ClipTransform:
+) -> _kit.ClipTransform:
     """Stable-SPAM's AdaGN: gives the gradient an adaptive norm from EMAs of its norm.
 
     Per group (a tensor with the default ``scope="per_param"``, as the
@@ -415,7 +415,7 @@ def ada_norm(
     _validation.open_unit("gamma2", gamma2)
     _validation.non_negative("eps", eps)
     _grouping.validate_scope(scope)
-    _engine.check_name(name)
+    _kit.check_name(name)
 
     def make(scope: Scope, name: str | None) -> tuple[Any, Any]:
         def init_fn(params: Any) -> AdaNormState:
