@@ -570,7 +570,7 @@ def adamw(
     references and in optax; wrap the optimizer in
     :func:`clipjax.skip_on_spike` to skip such steps.
 
-    **FIX** (pytorch-optimizer ``StableAdamW``): there a NaN RMS (one NaN
+    Unlike pytorch-optimizer's ``StableAdamW``, where a NaN RMS (one NaN
     gradient element) clamps to NaN and makes the tensor's whole step NaN,
     at that step and every later one. Here, as in torch-optimi (and in Adam),
     a NaN RMS divides by 1 and only the NaN elements' step is NaN.

@@ -120,7 +120,7 @@ def _clip(g: Array, finite: Array, v: Array, a: _StepArgs) -> tuple[Array, Array
     """``(v before the step, its limit threshold * v, where g spikes)``."""
     v0 = jnp.where(a.reset, jnp.zeros((), v.dtype), v)
     limit = jnp.asarray(a.threshold, v.dtype) * v0
-    # **FIX**: an element whose second moment is 0 has no history: it is not
+    # An element whose second moment is 0 has no history: it is not
     # clipped (the reference clips it to 0, and then it stays there).
     # |g| * |g|, not g * g: the norm of a skip_on_spike around this takes
     # g * g, and XLA would write that shared product out.
@@ -381,13 +381,13 @@ def spam(
 
     Differences from the reference:
 
-    * **FIX**: a NaN or infinite gradient element leaves its parameter where
+    * A NaN or infinite gradient element leaves its parameter where
       it is (a zero update, weight decay included) and its moments as they
       were, and the step counts in ``nonfinite_count``; every other element
       updates exactly as in the step without it (SPAM is element-wise). In
       the reference a NaN passes the clip and poisons the element's moments,
       hence every later step of its parameter.
-    * **FIX**: an element whose ``v`` is 0 (it has seen only zero gradients
+    * An element whose ``v`` is 0 (it has seen only zero gradients
       since the last reset: an unused embedding row, a masked weight) is not
       clipped. The reference clips it to ``sqrt(threshold * 0) = 0``, so its
       ``v`` stays 0 and it can never move again until the next reset.

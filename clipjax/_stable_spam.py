@@ -230,7 +230,7 @@ def adaclip(
     the maxima, so after a x10 shift it reaches the new maxima within a few
     multiples of ``1 / (1 - theta)`` steps (1,000 with the default).
 
-    **FIX**: a NaN or infinite element counts as 0 for the maximum and passes
+    Unlike the reference, a NaN or infinite element counts as 0 for the maximum and passes
     through unchanged; the group's other elements are bounded as in the same
     step with that element 0, and ``nonfinite_count`` counts the step. In the
     reference ``max_ema`` becomes NaN or infinite and every later step of the
@@ -373,7 +373,7 @@ def ada_norm(
     the EMAs, as in the reference (which also skips the tensor's Adam step;
     here the optimizer behind sees a zero gradient).
 
-    **FIX**: a NaN or infinite element counts as 0 for the norm and passes
+    Unlike the reference, a NaN or infinite element counts as 0 for the norm and passes
     through unchanged; the group's other elements are rescaled as in the same
     step with that element 0, and ``nonfinite_count`` counts the step. In the
     reference the EMAs become NaN and every later step of the tensor with
@@ -523,10 +523,10 @@ def stable_spam(
     ``ada_norm/{tensor}/...`` and ``stable_spam/global/...`` (``resets``,
     ``steps_since_reset``, ``nonfinite_count``, ``step``).
 
-    Differences from the reference (beyond the **FIX**\\ es of
-    :func:`clipjax.adaclip` and :func:`clipjax.ada_norm`):
+    Differences from the reference (beyond those of :func:`clipjax.adaclip`
+    and :func:`clipjax.ada_norm`):
 
-    * **FIX**: a NaN or infinite element leaves its parameter where it is (a
+    * A NaN or infinite element leaves its parameter where it is (a
       zero update, weight decay included) and its Adam moments as they were;
       every other element updates exactly as in the same step with that
       element 0 (AdaClip's maximum and AdaGN's norm are taken over the finite

@@ -177,7 +177,7 @@ def _p2_adjust(
     right_, left_ = jnp.where(spaced, right, 1), jnp.where(spaced, left, 1)
     bracket = (left_ + d) * (q_hi - q_i) / right_ + (right_ - d) * (q_i - q_lo) / left_
     # Jain & Chlamtac's piecewise-parabolic formula has the 1/(n[i+1]-n[i-1])
-    # factor; smartclip drops it (a FIX), kept reachable for comparison.
+    # factor, which clipjax uses; smartclip drops it (textbook=False, for comparison).
     factor = d / (right_ + left_) if textbook else d
     parabolic = q_i + factor * bracket
     q_nb = jnp.where(step > 0, q_hi, q_lo)
@@ -258,7 +258,7 @@ def p2_update(state: P2State, x: ArrayLike, p: ArrayLike = 0.5, textbook: bool =
 def p2_value(state: P2State) -> jax.Array:
     """Middle marker once ``count >= 5``; before that the exact (numpy) median.
 
-    smartclip has no value before the 5th observation (a FIX). Empty
+    smartclip has no value before the 5th observation. Empty
     groups report 0.
     """
     count = state.count
