@@ -11,15 +11,13 @@
   mean the same thing (a window with no spike in it yet), their thresholds and
   decisions agree; after a spike or a NaN loss they differ, because they keep
   it in their windows.
-* It composes: ``MultiSteps``, ``inject_hyperparams``, ``jit``, ``lax.scan``,
-  buffer donation, ``nnx.Optimizer.update(..., value=loss)``, orbax.
+
+How it composes with jit, scan, wrappers and checkpoints, and what its
+compiled step costs: test_skip_on_spike_steps.py.
 """
 
 from __future__ import annotations
 
-import re
-import warnings
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -28,11 +26,23 @@ import numpy as np
 import optax
 import pytest
 from conftest import version_of
+from skip_streams import (
+    MIN_HISTORY,
+    SHAPES,
+    SIGMA,
+    STEPS,
+    WINDOW,
+    directions,
+    held,
+    make_stream,
+    norm64,
+    run,
+    tree_equal,
+)
 
 import clipjax
 from clipjax._metrics import state_fields
 
-WINDOW, MIN_HISTORY, SIGMA, STEPS = 16, 8, 4.0, 60
 FIELDS = {
     "grad_norm",
     "value",
@@ -45,58 +55,6 @@ FIELDS = {
     "step",
     "count",
 }
-SHAPES = {"w": (4, 3), "b": (3,)}
-
-
-# --------------------------------------------------------------------------- streams
-
-
-def directions(steps: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
-    """Random float32 trees of global norm 1 (in float64)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(steps):
-        tree = {k: rng.standard_normal(s) for k, s in SHAPES.items()}
-        norm = np.sqrt(sum(np.sum(v**2) for v in tree.values()))
-        out.append({k: (v / norm).astype(np.float32) for k, v in tree.items()})
-    return out
-
-
-def make_stream(case: str, seed: int = 0) -> tuple[list[dict[str, np.ndarray]], list[float]]:
-    """Gradients (float32 trees) and losses of ``STEPS`` steps for one scenario."""
-    rng = np.random.default_rng(100 + seed)
-    norms = 1.0 + 0.1 * rng.standard_normal(STEPS)
-    losses = 2.0 - 0.005 * np.arange(STEPS) + 0.05 * rng.standard_normal(STEPS)
-    bad_grads: dict[int, float] = {}
-    if case == "loss_spike":
-        losses[[25, 40]] = [10.0, 2.6]
-    elif case == "norm_spike":
-        norms[[4, 25, 41]] = [30.0, 20.0, 2.0]  # step 4: gate still closed, taken
-    elif case == "burst":
-        norms[25:29] = 20.0
-    elif case == "both":
-        norms[[25, 30]] = [20.0, 10.0]
-        losses[[25, 35]] = [10.0, 8.0]
-    elif case == "nan_loss":
-        losses[[3, 28, 29, 50]] = [np.nan, np.nan, np.inf, -np.inf]
-    elif case == "nan_grad":
-        bad_grads = {2: np.nan, 30: np.nan, 31: np.inf}
-    elif case == "shift":
-        norms[30:] *= 10.0
-        losses[30:] += 5.0
-    elif case != "clean":
-        raise ValueError(case)
-    grads = [
-        {k: v * np.float32(n) for k, v in d.items()} for d, n in zip(directions(STEPS, seed), norms)
-    ]
-    for t, bad in bad_grads.items():
-        grads[t]["w"][0, 0] = bad
-    return grads, [float(np.float32(x)) for x in losses]
-
-
-def norm64(tree: dict[str, np.ndarray]) -> float:
-    return float(np.sqrt(sum(np.sum(np.asarray(v, np.float64) ** 2) for v in tree.values())))
-
 
 # --------------------------------------------------------------------------- restatement
 
@@ -172,48 +130,6 @@ def reference(
             }
         )
     return out
-
-
-# --------------------------------------------------------------------------- runs
-
-
-def run(
-    tx: optax.GradientTransformation,
-    grads: list[Any],
-    values: list[float] | None,
-    params: Any = None,
-) -> list[tuple[Any, Any]]:
-    """``(updates, state)`` after every step, on the host; one compiled step."""
-    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()} if params is None else params
-    state = tx.init(params)
-    if values is None:
-        step = jax.jit(lambda u, s: tx.update(u, s, params))
-    else:
-        step = jax.jit(lambda u, s, v: tx.update(u, s, params, value=v))
-    out = []
-    for t, g in enumerate(grads):
-        args = (g, state) if values is None else (g, state, jnp.float32(values[t]))
-        updates, state = step(*args)
-        out.append(jax.device_get((updates, state)))
-    assert step._cache_size() == 1
-    return out
-
-
-def held(window: np.ndarray, seen: int) -> list[float]:
-    """The values in a ring buffer, oldest first."""
-    size = len(window)
-    if seen <= size:
-        return list(window[:seen])
-    start = seen % size
-    return list(np.concatenate([window[start:], window[:start]]))
-
-
-def tree_equal(a: Any, b: Any) -> bool:
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return jax.tree.structure(a) == jax.tree.structure(b) and all(
-        np.asarray(x).dtype == np.asarray(y).dtype and np.array_equal(x, y, equal_nan=True)
-        for x, y in zip(la, lb)
-    )
 
 
 CASES = [
@@ -533,189 +449,6 @@ def test_olmo_core_agrees_until_its_window_holds_a_nan_loss() -> None:
     assert skipped == [25, 45]
 
 
-# --------------------------------------------------------------------------- composition
-
-
-def test_lax_scan_traces_once_and_equals_the_loop() -> None:
-    grads, losses = make_stream("both")
-    tx = clipjax.skip_on_spike(
-        optax.adam(1e-2), window_size=WINDOW, min_history=MIN_HISTORY, sigma=SIGMA
-    )
-    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
-    traces = []
-
-    def body(carry: Any, xs: Any) -> tuple[Any, Any]:
-        traces.append(1)
-        params, state = carry
-        g, loss = xs
-        updates, state = tx.update(g, state, params, value=loss)
-        return (optax.apply_updates(params, updates), state), state.metrics["skipped"][0]
-
-    stacked = jax.tree.map(lambda *x: jnp.stack(x), *grads)
-    (_, state), skipped = jax.jit(lambda c, xs: jax.lax.scan(body, c, xs))(
-        (params, tx.init(params)), (stacked, jnp.asarray(losses, jnp.float32))
-    )
-    assert len(traces) == 1
-    loop = run(tx, grads, losses)
-    assert list(np.asarray(skipped)) == [bool(s.metrics["skipped"][0]) for _, s in loop]
-    # adam's state does not depend on the parameters, which `run` keeps at zero.
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
-        state.inner_state,
-        loop[-1][1].inner_state,
-    )
-    assert np.asarray(skipped).sum() == 3
-
-
-def test_buffers_can_be_donated() -> None:
-    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
-    tx = clipjax.skip_on_spike(optax.adam(1e-3))
-    steps = {
-        "without value": jax.jit(lambda g, s: tx.update(g, s, params), donate_argnums=1),
-        "with value": jax.jit(lambda g, s: tx.update(g, s, params, value=1.0), donate_argnums=1),
-    }
-    for step in steps.values():
-        state = tx.init(params)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("error", message=".*donated.*")
-            for g in directions(3):
-                _, state = step(g, state)
-
-
-def test_inside_multisteps() -> None:
-    grads, losses = make_stream("clean")
-    grads[21] = {k: 1000.0 * v for k, v in grads[21].items()}  # a spike in one micro-batch
-    tx = optax.MultiSteps(
-        clipjax.skip_on_spike(optax.adam(1e-2), window_size=8, min_history=4), every_k_schedule=2
-    )
-    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
-    states = [s for _, s in run(tx, grads[:24], losses[:24], params)]
-    inner = [s.inner_opt_state for s in states]
-    # The inner transform runs on every second micro-batch (its state is
-    # unchanged in between); the one holding micro-batch 21 is skipped.
-    skipped = [bool(s.metrics["skipped"][0]) for s in inner[1::2]]
-    assert skipped.count(True) == 1 and skipped[10]
-    assert int(inner[21].metrics["step"][0]) == 11  # one inner call per 2 micro-batches
-    assert tree_equal(inner[21].inner_state, inner[19].inner_state)
-    assert clipjax.metrics(states[21])["skip_on_spike/global/skipped"]
-
-
-def test_nnx_optimizer_passes_the_loss_through() -> None:
-    nnx = pytest.importorskip("flax.nnx", reason="needs flax")
-
-    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
-    opt = nnx.Optimizer(
-        model, clipjax.skip_on_spike(optax.adam(1e-2), window_size=4, min_history=2), wrt=nnx.Param
-    )
-    x, y = jnp.ones((5, 3)), jnp.zeros((5, 2))
-
-    @nnx.jit
-    def train_step(model: nnx.Linear, opt: nnx.Optimizer, scale: jax.Array) -> jax.Array:
-        loss, grads = nnx.value_and_grad(lambda m: scale * jnp.mean((m(x) - y) ** 2))(model)
-        opt.update(model, grads, value=loss)
-        return loss
-
-    for scale in (1.0, 1.0, 1.0, 1e4):
-        kernel = np.asarray(model.kernel.get_value())
-        loss = train_step(model, opt, jnp.float32(scale))
-    found = clipjax.metrics(opt.opt_state)
-    np.testing.assert_array_equal(found["skip_on_spike/global/value"], loss)
-    assert bool(found["skip_on_spike/global/skipped"])
-    np.testing.assert_array_equal(model.kernel.get_value(), kernel)
-
-
-def test_orbax_checkpoint_continues_bit_identically(tmp_path: Path) -> None:
-    ocp = pytest.importorskip("orbax.checkpoint", reason="needs orbax-checkpoint")
-
-    grads, losses = make_stream("both")
-    tx = clipjax.skip_on_spike(
-        optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
-        window_size=WINDOW,
-        min_history=MIN_HISTORY,
-        sigma=SIGMA,
-    )
-    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
-    step = jax.jit(lambda p, s, g, v: tx.update(g, s, p, value=v))
-
-    def train(params: Any, state: Any, ts: range) -> tuple[Any, Any]:
-        for t in ts:
-            updates, state = step(params, state, grads[t], jnp.float32(losses[t]))
-            params = optax.apply_updates(params, updates)
-        return params, state
-
-    middle = train(params, tx.init(params), range(28))
-    final = train(*middle, range(28, STEPS))
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(tmp_path / "ckpt", middle)
-        checkpointer.wait_until_finished()
-        abstract = jax.eval_shape(lambda: (params, tx.init(params)))
-        restored = checkpointer.restore(tmp_path / "ckpt", abstract)
-    assert tree_equal(jax.device_get(restored), jax.device_get(middle))
-    assert tree_equal(jax.device_get(train(*restored, range(28, STEPS))), jax.device_get(final))
-
-
-def full_size_copies(hlo: str, shapes: set[tuple[int, ...]]) -> int:
-    """The ``copy`` instructions of compiled HLO text whose shape is one of ``shapes``."""
-    count = 0
-    for line in hlo.splitlines():
-        match = re.search(r"= [a-z0-9]+\[([\d,]*)\][^ ]* copy\(", line)
-        if match and tuple(int(x) for x in match.group(1).split(",") if x) in shapes:
-            count += 1
-    return count
-
-
-def compiled_train_step(tx: optax.GradientTransformation) -> Any:
-    """A donated training step: gradients of a small regression, update, apply."""
-    params = {f"layer{i}": {"w": jnp.full((64, 64), 0.01), "b": jnp.zeros(64)} for i in range(4)}
-    x = jnp.ones((8, 64))
-
-    def loss_fn(p: Any) -> jax.Array:
-        h = x
-        for layer in p.values():
-            h = jnp.tanh(h @ layer["w"] + layer["b"])
-        return jnp.mean(h**2)
-
-    def step(p: Any, state: Any) -> tuple[Any, Any]:
-        loss, grads = jax.value_and_grad(loss_fn)(p)
-        updates, state = tx.update(grads, state, p, value=loss)
-        return optax.apply_updates(p, updates), state
-
-    traced = jax.jit(step, donate_argnums=(0, 1)).lower(params, tx.init(params))
-    return traced.compile(), 4 * sum(v.size for v in jax.tree.leaves(params))
-
-
-def bytes_accessed(compiled: Any) -> float:
-    analysis = compiled.cost_analysis()
-    return (analysis[0] if isinstance(analysis, list) else analysis)["bytes accessed"]
-
-
-@pytest.mark.parametrize(
-    "inner",
-    [optax.adam(1e-3), optax.chain(clipjax.zclip(), optax.adamw(1e-3))],
-    ids=["adam", "chain_zclip_adamw"],
-)
-def test_the_donated_step_copies_no_optimizer_state(inner: optax.GradientTransformation) -> None:
-    compiled, _ = compiled_train_step(clipjax.skip_on_spike(inner))
-    assert full_size_copies(compiled.as_text(), {(64, 64), (64,)}) == 0
-
-
-@pytest.mark.skipif(
-    version_of(jax) < (0, 5),
-    reason="bytes accessed are calibrated on jaxlib >= 0.5's cost analysis",
-)
-def test_a_taken_step_costs_the_norm_and_one_round_trip_of_the_updates() -> None:
-    """Over adam: the norm (as any global clipper), plus the conditional's boundary.
-
-    The inner update runs under ``lax.cond``, so its updates are written out and
-    read back instead of fusing into ``apply_updates``: one write and one read.
-    """
-    adam, grad_bytes = compiled_train_step(optax.chain(optax.adam(1e-3)))
-    skip, _ = compiled_train_step(clipjax.skip_on_spike(optax.adam(1e-3)))
-    extra = (bytes_accessed(skip) - bytes_accessed(adam)) / grad_bytes
-    # 1.8 measured on jax 0.10.2 (XLA:CPU); 0.2's skipped-branch-first cond: 7.
-    assert 0.5 < extra <= 2.5, extra
-
-
 # --------------------------------------------------------------------------- feedback
 
 
@@ -833,118 +566,3 @@ def test_integer_gradients_name_the_leaf() -> None:
     params = {"w": jnp.ones(3), "steps": jnp.ones(2, jnp.int32)}
     with pytest.raises(ValueError, match="steps"):
         tx.update(params, tx.init(params), params)
-
-
-# --------------------------------------------------------------------------- routes
-
-WRAPPED = {
-    "inject_hyperparams": (
-        lambda: optax.inject_hyperparams(clipjax.adamw)(learning_rate=1e-2, weight_decay=0.1),
-        lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, weight_decay=0.1),
-    ),
-    "multi_steps": (
-        lambda: optax.MultiSteps(clipjax.adamw(1e-2), every_k_schedule=3),
-        lambda: optax.MultiSteps(optax.adamw(1e-2), every_k_schedule=3),
-    ),
-}
-
-
-def test_route_says_how_a_step_is_skipped() -> None:
-    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
-    routes = {
-        "fold": clipjax.adamw(1e-3),
-        "select": clipjax.zclip(),
-        "cond": optax.sgd(0.1),
-        "fold_through_inject": WRAPPED["inject_hyperparams"][0](),
-        "fold_through_multi_steps": WRAPPED["multi_steps"][0](),
-        "cond_with_a_loss": optax.contrib.reduce_on_plateau(),
-    }
-    for label, inner in routes.items():
-        tx = clipjax.skip_on_spike(inner)
-        known = label in ("fold", "select")
-        assert tx.route == (label if known else None)
-        state = tx.init(params)
-        jax.jit(tx.update)(params, state, params, value=1.0)
-        assert tx.route == label.split("_")[0], label
-
-
-def wrapper_run(tx: Any, params: Any) -> list[Any]:
-    """Ten steps of fixed gradients with spikes at steps 5 and 8."""
-    state, out = tx.init(params), []
-    step = jax.jit(tx.update)  # op by op under jax.disable_jit()
-    for t, direction in enumerate(directions(10)):
-        grads = {
-            k: v * (50.0 if t in (5, 8) else 1.0 + 0.1 * (t % 2)) for k, v in direction.items()
-        }
-        updates, state = step(grads, state, params)
-        out.append(jax.device_get((updates, state)))
-    return out
-
-
-@pytest.mark.parametrize("wrapper", sorted(WRAPPED))
-def test_wrappers_around_clipjax_adamw_fold_and_equal_the_conditional_route(
-    wrapper: str,
-) -> None:
-    """Op by op bit for bit; compiled, the same decisions and counts, and the
-    moments and updates up to fused multiply-add rounding (as
-    test_fold.test_skip_on_spike_is_the_same_as_around_optax)."""
-    ours, theirs = (
-        clipjax.skip_on_spike(m(), window_size=4, min_history=2, sigma=3.0)
-        for m in WRAPPED[wrapper]
-    )
-    params = {k: jnp.linspace(-1.0, 1.0, int(np.prod(s))).reshape(s) for k, s in SHAPES.items()}
-    with jax.disable_jit():
-        got, expected = wrapper_run(ours, params), wrapper_run(theirs, params)
-    assert (ours.route, theirs.route) == ("fold", "cond")
-    skipped = [t for t, (_, s) in enumerate(expected) if s.metrics["skipped"][0]]
-    assert skipped == [5, 8]
-    for t, (a, b) in enumerate(zip(got, expected)):
-        assert tree_equal(a, b), t
-    for t in skipped:
-        assert not any(np.asarray(u).any() for u in jax.tree.leaves(got[t][0]))
-    compiled, compiled_expected = wrapper_run(ours, params), wrapper_run(theirs, params)
-    for (u, s), (eu, es) in zip(compiled, compiled_expected):
-        assert tree_equal(s.metrics, es.metrics)
-        for a, b in zip(jax.tree.leaves((u, s)), jax.tree.leaves((eu, es))):
-            if jnp.issubdtype(a.dtype, jnp.inexact):
-                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
-            else:
-                np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.parametrize("wrapper", sorted(WRAPPED))
-def test_the_fold_route_through_a_wrapper_copies_no_more(wrapper: str) -> None:
-    ours, _ = compiled_train_step(clipjax.skip_on_spike(WRAPPED[wrapper][0]()))
-    theirs, _ = compiled_train_step(clipjax.skip_on_spike(WRAPPED[wrapper][1]()))
-    shapes = {(64, 64), (64,)}
-    # inject_hyperparams: 0 and 0 (measured); MultiSteps copies for its own
-    # accumulation and selects: 24 folded, 56 under the conditional.
-    assert full_size_copies(ours.as_text(), shapes) <= full_size_copies(theirs.as_text(), shapes)
-    assert bytes_accessed(ours) < bytes_accessed(theirs)
-    if wrapper == "inject_hyperparams":
-        assert full_size_copies(ours.as_text(), shapes) == 0
-
-
-def test_the_conditional_route_around_full_size_moments_warns() -> None:
-    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
-    tx = clipjax.skip_on_spike(optax.adam(1e-3))
-    state = tx.init(params)
-    with pytest.warns(clipjax.ConditionalRouteWarning, match="route 'cond'"):
-        _, state = tx.update(params, state, params)
-    assert tx.route == "cond"
-    with warnings.catch_warnings():  # once: the route is known now
-        warnings.simplefilter("error", clipjax.ConditionalRouteWarning)
-        tx.update(params, state, params)
-        jax.jit(tx.update)(params, state, params)
-    quiet = [
-        optax.sgd(0.1),  # no full-size state: nothing to gain
-        clipjax.adamw(1e-3),
-        clipjax.zclip(),
-        WRAPPED["inject_hyperparams"][0](),
-        WRAPPED["multi_steps"][0](),
-    ]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", clipjax.ConditionalRouteWarning)
-        for inner in quiet:
-            tx = clipjax.skip_on_spike(inner)
-            tx.update(params, tx.init(params), params)
