@@ -64,7 +64,7 @@ class SkippableTransform(optax.GradientTransformationExtraArgs):
     update_if: Callable[..., tuple[Any, Any]] | None = None
 
 
-def _skippable(
+def skippable(
     init: Callable[..., Any],
     update: Callable[..., Any],
     update_if: Callable[..., tuple[Any, Any]],
@@ -110,7 +110,7 @@ def _zero_unless(pred: Array, tree: Any) -> Any:
     return jax.tree.map(lambda x: jnp.where(pred, x, jnp.zeros_like(x)), tree)
 
 
-def _selecting(tx: optax.GradientTransformation) -> SkippableTransform:
+def selecting(tx: optax.GradientTransformation) -> SkippableTransform:
     """A transform whose state is scalars: it runs every step, its state is selected.
 
     For optax's stateless or count-only members (``scale``,
@@ -125,7 +125,7 @@ def _selecting(tx: optax.GradientTransformation) -> SkippableTransform:
         pred = jnp.asarray(pred, bool)
         return _conditional.run_and_select(pred, tx, updates, state, params, **extra_args)
 
-    return _skippable(tx.init, tx.update, _zeroing(keep_state_if), keep_state_if)
+    return skippable(tx.init, tx.update, _zeroing(keep_state_if), keep_state_if)
 
 
 def _adam_arithmetic(
@@ -250,7 +250,7 @@ def _scale_by_adam(
         )
         return out, new_state
 
-    return _skippable(base.init, update, _zeroing(keep_state_if), keep_state_if)
+    return skippable(base.init, update, _zeroing(keep_state_if), keep_state_if)
 
 
 class UpdateClippingState(NamedTuple):
@@ -396,7 +396,7 @@ def _scale_by_stable_adam(
         del extra_args
         return step(jnp.asarray(pred, bool), updates, state, params)
 
-    return _skippable(init, update, _zeroing(keep_state_if), keep_state_if)
+    return skippable(init, update, _zeroing(keep_state_if), keep_state_if)
 
 
 def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
@@ -457,7 +457,7 @@ def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
             new_state.append(member_state)
         return updates, tuple(new_state)
 
-    return _skippable(base.init, update, _zeroing(keep_state_if), keep_state_if)
+    return skippable(base.init, update, _zeroing(keep_state_if), keep_state_if)
 
 
 def adam(
@@ -516,11 +516,11 @@ def adam(
     if update_clipping:
         return chain(
             _scale_by_stable_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, None),
-            _selecting(optax.scale_by_learning_rate(learning_rate)),
+            selecting(optax.scale_by_learning_rate(learning_rate)),
         )
     return chain(
         _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov),
-        _selecting(optax.scale_by_learning_rate(learning_rate)),
+        selecting(optax.scale_by_learning_rate(learning_rate)),
     )
 
 
@@ -634,10 +634,10 @@ def adamw(
                 nesterov,
                 optax.add_decayed_weights(weight_decay, mask),
             ),
-            _selecting(optax.scale_by_learning_rate(learning_rate)),
+            selecting(optax.scale_by_learning_rate(learning_rate)),
         )
     return chain(
         _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov),
-        _selecting(optax.add_decayed_weights(weight_decay, mask)),
-        _selecting(optax.scale_by_learning_rate(learning_rate)),
+        selecting(optax.add_decayed_weights(weight_decay, mask)),
+        selecting(optax.scale_by_learning_rate(learning_rate)),
     )

@@ -289,7 +289,7 @@ def scale_by_spam(
         return step(pred, updates, state, params)
 
     base = optax.with_extra_args_support(optax.GradientTransformation(init_fn, update_fn))
-    return _fold._skippable(base.init, base.update, update_if)
+    return _fold.skippable(base.init, base.update, update_if)
 
 
 def _kept(u: Array) -> Array:
@@ -468,6 +468,6 @@ def spam(
             count_clipped=count_clipped,
             name=name,
         ),
-        _fold._selecting(_decay_finite(optax.add_decayed_weights(weight_decay, mask))),
-        _fold._selecting(optax.scale_by_learning_rate(learning_rate)),
+        _fold.selecting(_decay_finite(optax.add_decayed_weights(weight_decay, mask))),
+        _fold.selecting(optax.scale_by_learning_rate(learning_rate)),
     )

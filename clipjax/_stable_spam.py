@@ -598,6 +598,6 @@ def stable_spam(
             count_clipped=False,
             algo="stable_spam",
         ),
-        _fold._selecting(_decay_finite(optax.add_decayed_weights(weight_decay, mask))),
-        _fold._selecting(optax.scale_by_learning_rate(learning_rate)),
+        _fold.selecting(_decay_finite(optax.add_decayed_weights(weight_decay, mask))),
+        _fold.selecting(optax.scale_by_learning_rate(learning_rate)),
     )
