@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_skip_on_spike import full_size_copies
+from compiled_step import full_size_copies
 
 import clipjax
 

@@ -26,15 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from compiled_step import bytes_accessed, compiled_train_step, full_size_copies
 from conftest import version_of
-from test_skip_on_spike import (
+from skip_streams import (
     MIN_HISTORY,
     SHAPES,
     SIGMA,
     WINDOW,
-    bytes_accessed,
-    compiled_train_step,
-    full_size_copies,
     make_stream,
     run,
     tree_equal,
@@ -284,7 +282,7 @@ def test_lax_scan_traces_once_and_equals_the_loop() -> None:
 COMPILED_WITHOUT_FMA = """
 import jax.numpy as jnp, optax, clipjax
 from test_fold import SCHEDULE, SHAPES, skipping, spiky_stream
-from test_skip_on_spike import run, tree_equal
+from skip_streams import run, tree_equal
 grads, losses = spiky_stream()
 params = {k: jnp.full(s, 0.3, jnp.float32) for k, s in SHAPES.items()}
 ours = clipjax.chain(clipjax.zclip(warmup_steps=5), clipjax.adamw(SCHEDULE, weight_decay=0.1))

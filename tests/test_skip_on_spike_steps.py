@@ -5,7 +5,6 @@ of its compiled step; and the route each kind of inner transform takes.
 
 from __future__ import annotations
 
-import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from compiled_step import bytes_accessed, compiled_train_step, full_size_copies
 from conftest import version_of
 from skip_streams import (
     MIN_HISTORY,
@@ -149,41 +149,6 @@ def test_orbax_checkpoint_continues_bit_identically(tmp_path: Path) -> None:
         restored = checkpointer.restore(tmp_path / "ckpt", abstract)
     assert tree_equal(jax.device_get(restored), jax.device_get(middle))
     assert tree_equal(jax.device_get(train(*restored, range(28, STEPS))), jax.device_get(final))
-
-
-def full_size_copies(hlo: str, shapes: set[tuple[int, ...]]) -> int:
-    """The ``copy`` instructions of compiled HLO text whose shape is one of ``shapes``."""
-    count = 0
-    for line in hlo.splitlines():
-        match = re.search(r"= [a-z0-9]+\[([\d,]*)\][^ ]* copy\(", line)
-        if match and tuple(int(x) for x in match.group(1).split(",") if x) in shapes:
-            count += 1
-    return count
-
-
-def compiled_train_step(tx: optax.GradientTransformation) -> Any:
-    """A donated training step: gradients of a small regression, update, apply."""
-    params = {f"layer{i}": {"w": jnp.full((64, 64), 0.01), "b": jnp.zeros(64)} for i in range(4)}
-    x = jnp.ones((8, 64))
-
-    def loss_fn(p: Any) -> jax.Array:
-        h = x
-        for layer in p.values():
-            h = jnp.tanh(h @ layer["w"] + layer["b"])
-        return jnp.mean(h**2)
-
-    def step(p: Any, state: Any) -> tuple[Any, Any]:
-        loss, grads = jax.value_and_grad(loss_fn)(p)
-        updates, state = tx.update(grads, state, p, value=loss)
-        return optax.apply_updates(p, updates), state
-
-    traced = jax.jit(step, donate_argnums=(0, 1)).lower(params, tx.init(params))
-    return traced.compile(), 4 * sum(v.size for v in jax.tree.leaves(params))
-
-
-def bytes_accessed(compiled: Any) -> float:
-    analysis = compiled.cost_analysis()
-    return (analysis[0] if isinstance(analysis, list) else analysis)["bytes accessed"]
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from compiled_step import compiled_train_step, full_size_copies
 from references_spam import (
     have_pytorch_optimizer,
     restate_spam,
@@ -34,7 +35,7 @@ from references_spam import (
     run_reference,
     spiky_gradients,
 )
-from test_skip_on_spike import compiled_train_step, full_size_copies, tree_equal
+from skip_streams import tree_equal
 
 import clipjax
 

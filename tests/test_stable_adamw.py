@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_skip_on_spike import compiled_train_step, full_size_copies, tree_equal
+from compiled_step import compiled_train_step, full_size_copies
+from skip_streams import tree_equal
 
 import clipjax
 

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from compiled_step import compiled_train_step, full_size_copies
 from parallel.cases import CLIPPERS, IDS, batches, loss_fn, mlp_params
-from test_skip_on_spike import compiled_train_step, full_size_copies
 
 import clipjax
 
