@@ -289,62 +289,20 @@ def skip_on_spike(
       Levanter ``SkipStepConfig`` (``levanter/optim/skipstep.py``,
       stanford-crfm/levanter).
     """
-    _check_inner(inner)
-    window_size = 128 if window_size is None else window_size
-    _validation.integer("window_size", window_size, 1)
-    _validation.positive("sigma", sigma)
-    if min_history is None:
-        min_history = max(1, window_size // 2)
-    _validation.integer("min_history", min_history, 1, static=False)
-    concrete_history = _validation.concrete(min_history)
-    if concrete_history is not None and concrete_history > window_size:
-        raise ValueError(f"min_history must be <= window_size ({window_size}), got {min_history!r}")
-    if max_consecutive_skips is not None:
-        _validation.integer("max_consecutive_skips", max_consecutive_skips, 1, static=False)
-    _kit.check_feedback(feedback, FEEDBACKS)
-    if name is not None and not (isinstance(name, str) and name):
-        raise ValueError(f"name must be a non-empty str or None, got {name!r}")
-    if axis_name is not None and not isinstance(axis_name, (str, tuple)):
-        raise ValueError(f"axis_name must be a str (or a tuple of str), got {axis_name!r}")
-
+    window_size, min_history = _checked(
+        inner, window_size, sigma, min_history, max_consecutive_skips, feedback, name, axis_name
+    )
     inner = optax.with_extra_args_support(inner)
     info = GroupInfo(algo=ALGO, name=name, groups=("global",))
 
-    def settle_route(route: str, inner_state: Any, updates: Any) -> None:
-        tx.route = route
-        if route == "cond" and _has_full_size(inner_state, updates):
-            warnings.warn(
-                f"{name or ALGO}: the inner transform has full-size state and no update_if, "
-                "so a skipped step goes through lax.cond (route 'cond'), which costs about "
-                "two extra passes over the updates per step. clipjax.adam, clipjax.adamw and "
-                "clipjax.chain (also inside optax.inject_hyperparams or optax.MultiSteps) "
-                "fold the skip into the update instead (route 'fold').",
-                ConditionalRouteWarning,
-                stacklevel=3,
-            )
-
     def init_fn(params: Any) -> Any:
-        f32 = lambda x: jnp.full((1,), x, jnp.float32)
-        i32 = lambda: jnp.zeros((1,), jnp.int32)
-        metrics = {
-            "grad_norm": f32(jnp.nan),
-            "value": f32(jnp.nan),
-            "grad_threshold": f32(jnp.inf),
-            "value_threshold": f32(jnp.inf),
-            "skipped": jnp.zeros((1,), jnp.bool_),
-            "skipped_count": i32(),
-            "consecutive_skips": i32(),
-            "nonfinite_count": i32(),
-            "step": i32(),
-            "count": i32(),
-        }
         return SkipOnSpikeState(
             inner_state=inner.init(params),
             grad_norm_window=jnp.zeros((window_size,), jnp.float32),
             value_window=jnp.zeros((window_size,), jnp.float32),
             grad_norm_seen=jnp.zeros((), jnp.int32),
             value_seen=jnp.zeros((), jnp.int32),
-            metrics=metrics,
+            metrics=_initial_metrics(),
             info=info,
         )
 
@@ -357,19 +315,8 @@ def skip_on_spike(
         **extra_args: Any,
     ) -> tuple[Any, Any]:
         _state_check.check_state(state, SkipOnSpikeState, name or ALGO)
-        leaves, _, _ = _grouping.leaves_with_names(updates)
-        _grouping.check_inexact(leaves, _grouping.make_grouping(updates, "global"), name or ALGO)
-        norm = global_norm(updates).astype(jnp.float32)
+        norm, loss = _norm_and_loss(updates, value, axis_name, name or ALGO)
         has_value = value is not None
-        loss = jnp.full((), jnp.nan, jnp.float32)
-        if has_value:
-            if jnp.size(value) != 1:
-                raise ValueError(f"value must be a scalar (the loss), got shape {jnp.shape(value)}")
-            loss = jnp.asarray(value).astype(jnp.float32).reshape(())
-        if axis_name is not None:
-            norm = jax.lax.pmean(norm, axis_name)
-            if has_value:
-                loss = jax.lax.pmean(loss, axis_name)
 
         grad_threshold = _threshold(
             state.grad_norm_window, state.grad_norm_seen, sigma, min_history
@@ -398,7 +345,9 @@ def skip_on_spike(
             take, inner, updates, state.inner_state, params, **inner_args
         )
         if tx.route != route:
-            settle_route(route, state.inner_state, updates)
+            tx.route = route
+            if route == "cond" and _has_full_size(state.inner_state, updates):
+                _warn_conditional(name or ALGO)
         # On a skipped step the updates passed through: zero them. The select
         # fuses into whatever consumes the updates (apply_updates), and, unlike
         # a multiply by 0, keeps a NaN gradient out. An inner update_if has
@@ -420,22 +369,9 @@ def skip_on_spike(
             # through cannot reuse that input's donated buffer.
             value_window, value_seen = jnp.copy(state.value_window), jnp.copy(state.value_seen)
 
-        old = state.metrics
-        one = jnp.ones((1,), jnp.int32)
-        skip1 = skip.reshape(1)
-        metrics = {
-            "grad_norm": norm.reshape(1),
-            "value": loss.reshape(1),
-            "grad_threshold": grad_threshold.reshape(1),
-            "value_threshold": value_threshold.reshape(1),
-            "skipped": skip1,
-            "skipped_count": old["skipped_count"] + skip1.astype(jnp.int32),
-            "consecutive_skips": jnp.where(skip1, old["consecutive_skips"] + one, 0),
-            "nonfinite_count": old["nonfinite_count"]
-            + jnp.logical_not(finite).reshape(1).astype(jnp.int32),
-            "step": old["step"] + one,
-            "count": old["count"] + take.reshape(1).astype(jnp.int32),
-        }
+        metrics = _step_metrics(
+            state.metrics, norm, loss, grad_threshold, value_threshold, skip, finite, take
+        )
         new_state = SkipOnSpikeState(
             inner_state=inner_state,
             grad_norm_window=grad_norm_window,
@@ -453,6 +389,114 @@ def skip_on_spike(
     elif isinstance(inner, _kit.ClipTransform):
         tx.route = "select"
     return tx
+
+
+def _checked(
+    inner: Any,
+    window_size: Any,
+    sigma: Any,
+    min_history: Any,
+    max_consecutive_skips: Any,
+    feedback: Any,
+    name: Any,
+    axis_name: Any,
+) -> tuple[int, int]:
+    """Validates skip_on_spike's arguments; returns ``(window_size, min_history)``
+    with their defaults (128, half the window) filled in."""
+    _check_inner(inner)
+    window_size = 128 if window_size is None else window_size
+    _validation.integer("window_size", window_size, 1)
+    _validation.positive("sigma", sigma)
+    if min_history is None:
+        min_history = max(1, window_size // 2)
+    _validation.integer("min_history", min_history, 1, static=False)
+    concrete_history = _validation.concrete(min_history)
+    if concrete_history is not None and concrete_history > window_size:
+        raise ValueError(f"min_history must be <= window_size ({window_size}), got {min_history!r}")
+    if max_consecutive_skips is not None:
+        _validation.integer("max_consecutive_skips", max_consecutive_skips, 1, static=False)
+    _kit.check_feedback(feedback, FEEDBACKS)
+    if name is not None and not (isinstance(name, str) and name):
+        raise ValueError(f"name must be a non-empty str or None, got {name!r}")
+    if axis_name is not None and not isinstance(axis_name, (str, tuple)):
+        raise ValueError(f"axis_name must be a str (or a tuple of str), got {axis_name!r}")
+    return window_size, min_history
+
+
+def _initial_metrics() -> dict[str, jax.Array]:
+    f32 = lambda x: jnp.full((1,), x, jnp.float32)
+    i32 = lambda: jnp.zeros((1,), jnp.int32)
+    return {
+        "grad_norm": f32(jnp.nan),
+        "value": f32(jnp.nan),
+        "grad_threshold": f32(jnp.inf),
+        "value_threshold": f32(jnp.inf),
+        "skipped": jnp.zeros((1,), jnp.bool_),
+        "skipped_count": i32(),
+        "consecutive_skips": i32(),
+        "nonfinite_count": i32(),
+        "step": i32(),
+        "count": i32(),
+    }
+
+
+def _norm_and_loss(
+    updates: Any, value: Any, axis_name: Any, who: str
+) -> tuple[jax.Array, jax.Array]:
+    """The step's global gradient norm and loss (NaN without one), float32,
+    averaged over ``axis_name``; an integer leaf or a non-scalar loss raise."""
+    leaves, _, _ = _grouping.leaves_with_names(updates)
+    _grouping.check_inexact(leaves, _grouping.make_grouping(updates, "global"), who)
+    norm = global_norm(updates).astype(jnp.float32)
+    loss = jnp.full((), jnp.nan, jnp.float32)
+    if value is not None:
+        if jnp.size(value) != 1:
+            raise ValueError(f"value must be a scalar (the loss), got shape {jnp.shape(value)}")
+        loss = jnp.asarray(value).astype(jnp.float32).reshape(())
+    if axis_name is not None:
+        norm = jax.lax.pmean(norm, axis_name)
+        if value is not None:
+            loss = jax.lax.pmean(loss, axis_name)
+    return norm, loss
+
+
+def _step_metrics(
+    old: dict[str, jax.Array],
+    norm: jax.Array,
+    loss: jax.Array,
+    grad_threshold: jax.Array,
+    value_threshold: jax.Array,
+    skip: jax.Array,
+    finite: jax.Array,
+    take: jax.Array,
+) -> dict[str, jax.Array]:
+    one = jnp.ones((1,), jnp.int32)
+    skip1 = skip.reshape(1)
+    return {
+        "grad_norm": norm.reshape(1),
+        "value": loss.reshape(1),
+        "grad_threshold": grad_threshold.reshape(1),
+        "value_threshold": value_threshold.reshape(1),
+        "skipped": skip1,
+        "skipped_count": old["skipped_count"] + skip1.astype(jnp.int32),
+        "consecutive_skips": jnp.where(skip1, old["consecutive_skips"] + one, 0),
+        "nonfinite_count": old["nonfinite_count"]
+        + jnp.logical_not(finite).reshape(1).astype(jnp.int32),
+        "step": old["step"] + one,
+        "count": old["count"] + take.reshape(1).astype(jnp.int32),
+    }
+
+
+def _warn_conditional(who: str) -> None:
+    warnings.warn(
+        f"{who}: the inner transform has full-size state and no update_if, "
+        "so a skipped step goes through lax.cond (route 'cond'), which costs about "
+        "two extra passes over the updates per step. clipjax.adam, clipjax.adamw and "
+        "clipjax.chain (also inside optax.inject_hyperparams or optax.MultiSteps) "
+        "fold the skip into the update instead (route 'fold').",
+        ConditionalRouteWarning,
+        stacklevel=3,
+    )
 
 
 def _has_full_size(state: Any, params: Any) -> bool:
