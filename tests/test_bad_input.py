@@ -307,7 +307,7 @@ SMALL = {"w": jnp.ones(3), "b": jnp.ones(2)}
 
 
 def _every_update() -> dict[str, Callable[[], Any]]:
-    from test_contract import ALL
+    from transforms import ALL
 
     out = {name: make for name, (make, _, _) in ALL.items()}
     out["skip_on_spike"] = lambda: clipjax.skip_on_spike(clipjax.adamw(1e-3), window_size=4)

@@ -27,7 +27,7 @@ import optax
 import pytest
 from conftest import version_of
 from parallel.cases import CLIPPERS, mlp_params
-from test_contract import IDS, TRANSFORMS
+from transforms import IDS, TRANSFORMS
 
 import clipjax
 

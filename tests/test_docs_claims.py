@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 
 import pytest
-from test_docs_tables import tables
+from markdown_tables import tables
 
 import clipjax
 

@@ -29,7 +29,7 @@ import pytest
 
 ocp = pytest.importorskip("orbax.checkpoint", reason="needs orbax-checkpoint")
 serialization = pytest.importorskip("flax.serialization", reason="needs flax")
-from test_contract import TRANSFORMS, grads_at, make_params
+from transforms import TRANSFORMS, grads_at, make_params
 
 import clipjax
 
