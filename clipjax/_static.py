@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from clipjax import _engine, _grouping, _validation
-from clipjax._engine import ElementwiseRule, Judgement, NormRule, Step
-from clipjax._grouping import Grouping
+from clipjax import _grouping, _kit, _metrics, _state_check, _validation
+from clipjax._grouping import Grouping, Scope
+from clipjax._kit import ClipTransform
 from clipjax._metrics import GroupInfo
 
 Array = jax.Array
 
 
 class ClipByGlobalNormState(NamedTuple):
-    """State of :func:`clip_by_global_norm`: no statistics, only metrics.
+    """State of :func:`clip_by_global_norm`: no statistics, only the shared fields.
 
     Attributes:
-      stats: empty.
-      metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.
+      metrics: this step's metrics and the counters (``clipjax._kit``).
       info: static names (algorithm, prefix, groups, leaves).
       leaf_index: each leaf's group index, int32 scalars (empty for one group).
       leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
@@ -32,7 +32,6 @@ class ClipByGlobalNormState(NamedTuple):
       (True, ('global',))
     """
 
-    stats: Any
     metrics: dict[str, jax.Array]
     info: GroupInfo
     leaf_index: tuple[jax.Array, ...]
@@ -40,14 +39,13 @@ class ClipByGlobalNormState(NamedTuple):
 
 
 class NormalizePerParamState(NamedTuple):
-    """State of :func:`normalize_per_param`: no statistics, only metrics.
+    """State of :func:`normalize_per_param`: no statistics, only the shared fields.
 
     Attributes:
-      stats: empty.
-      metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.
+      metrics: this step's metrics and the counters (``clipjax._kit``).
       info: static names (algorithm, prefix, groups, leaves).
       leaf_index: each leaf's group index, int32 scalars (empty for one group).
-      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+      leaf_metrics: empty (the metrics are per leaf already).
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -56,7 +54,6 @@ class NormalizePerParamState(NamedTuple):
       (True, ('w',))
     """
 
-    stats: Any
     metrics: dict[str, jax.Array]
     info: GroupInfo
     leaf_index: tuple[jax.Array, ...]
@@ -64,14 +61,13 @@ class NormalizePerParamState(NamedTuple):
 
 
 class ZScoreNormalizeState(NamedTuple):
-    """State of :func:`zscore_normalize`: no statistics, only metrics.
+    """State of :func:`zscore_normalize`: no statistics, only the shared fields.
 
     Attributes:
-      stats: empty.
-      metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.
+      metrics: this step's metrics and the counters (``clipjax._kit``).
       info: static names (algorithm, prefix, groups, leaves).
       leaf_index: each leaf's group index, int32 scalars (empty for one group).
-      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+      leaf_metrics: empty (the metrics are per leaf already).
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -80,11 +76,75 @@ class ZScoreNormalizeState(NamedTuple):
       (True, ('w',))
     """
 
-    stats: Any
     metrics: dict[str, jax.Array]
     info: GroupInfo
     leaf_index: tuple[jax.Array, ...]
     leaf_metrics: dict[str, jax.Array]
+
+
+# ------------------------------------------------ steps the kit does not have yet
+# (Candidates for clipjax._kit: group_norms without the norms, or of another
+# order; the metrics of a new state without ``threshold``; step_metrics for a
+# rule without a threshold.)
+
+
+def check_tree(
+    updates: Any, state: Any, state_class: type, layout: Callable[[int], Any], *, who: str,
+    scope: Scope,
+) -> tuple[list[Any], list[Any], Any, Grouping]:  # fmt: skip
+    """The state checks of :func:`clipjax._kit.group_norms`, without the norms.
+
+    ``state`` must be a ``state_class`` built by ``init`` for a tree like
+    ``updates`` (``layout(num_groups)`` gives its arrays' shapes): otherwise a
+    ``TypeError`` or ``ValueError`` says what was expected. Returns the
+    leaves of ``updates``, their paths, the tree structure and the groups.
+    The leaves' dtypes are not checked (``_grouping.check_inexact``): a
+    clipper that needs ``params`` checks them first.
+    """
+    _state_check.check_state(state, state_class, who)
+    info: GroupInfo = state.info
+    leaves, paths, treedef = _grouping.leaves_with_names(updates)
+    grouping = _grouping.make_grouping(updates, scope)
+    grouping.check_matches(info.leaves, info.shapes, who)
+    for field, value in state.metrics.items():
+        if jnp.shape(_metrics.unwrap(value))[:1] != (grouping.num_groups,):
+            groups = ", ".join(grouping.names[:4]) + (", ..." * (grouping.num_groups > 4))
+            raise ValueError(
+                f"{who}: the state does not fit the tree passed to update: its metric "
+                f"{field!r} has shape {jnp.shape(value)}, expected [{grouping.num_groups}] "
+                f"for the groups of this tree ({groups}); was the state restored from "
+                "another model?"
+            )
+    for field, value in layout(grouping.num_groups).items():
+        _state_check.check_layout(who, field, getattr(state, field), value)
+    return leaves, paths, treedef, grouping
+
+
+def counters(num_groups: int, names: tuple[str, ...]) -> dict[str, Array]:
+    """The counters ``names`` of a new state's metrics, int32 zeros per group."""
+    return {counter: jnp.zeros((num_groups,), jnp.int32) for counter in names}
+
+
+def counted(
+    old: dict[str, Array], finite: Array, clipped: Array | None = None, /, **fields: Array
+) -> dict[str, Array]:
+    """This step's ``metrics``: ``fields``, then the counters of ``old`` advanced.
+
+    ``count`` counts the finite norms, ``nonfinite_count`` the others,
+    ``clipped_count`` the groups ``clipped`` marks. Every value is cast to
+    its dtype in ``old``.
+    """
+    increments = {
+        "count": finite,
+        "step": True,
+        "clipped_count": jnp.zeros_like(finite) if clipped is None else clipped,
+        "nonfinite_count": ~finite,
+    }
+    new = dict(fields)
+    for counter, inc in increments.items():
+        if counter in old:
+            new[counter] = old[counter] + jnp.asarray(inc).astype(jnp.int32)
+    return {k: jnp.asarray(v).astype(old[k].dtype) for k, v in new.items()}
 
 
 def _norm_type(norm_type: Any) -> float:
@@ -98,6 +158,9 @@ def _norm_type(norm_type: Any) -> float:
     return p
 
 
+_CLIP_COUNTERS = ("count", "step", "clipped_count", "nonfinite_count")
+
+
 def clip_by_global_norm(
     max_norm: float,
     norm_type: float | None = None,
@@ -105,15 +168,18 @@ def clip_by_global_norm(
     *,
     leaf_norms: bool = False,
     name: str | None = None,
-) -> _engine.ClipTransform:
+) -> ClipTransform:
     """Clips updates to a maximum global p-norm, recording metrics in state.
 
-    The p-norm is taken over all leaves (``norm_type`` any ``p > 0`` or
-    ``inf``), accumulated in float32. If ``norm > |max_norm|`` every leaf is
-    multiplied by ``|max_norm| / (norm + eps)`` (lucid's and torch's rule);
-    otherwise updates pass unchanged. With ``eps=0`` and ``p=2`` this equals
-    ``optax.clip_by_global_norm``, but reads the gradients once instead of
-    several times: one scalar multiplier, no select, no full-size division.
+    With ``g`` the p-norm over all leaves (``norm_type`` any ``p > 0`` or
+    ``inf``, accumulated in float32)::
+
+        scale = |max_norm| / (g + eps)   where g > |max_norm|   (lucid's and torch's rule)
+              = 1                        otherwise, and where g is not finite
+
+    and every leaf is multiplied by ``scale``. With ``eps=0`` and ``p=2`` this
+    equals ``optax.clip_by_global_norm``, but reads the gradients once instead
+    of several times: one scalar multiplier, no select, no full-size division.
 
     A non-finite norm leaves the updates unchanged and increments
     ``nonfinite_count`` (optax would produce NaNs; chain
@@ -134,8 +200,9 @@ def clip_by_global_norm(
       name: metrics prefix (default ``clip_by_global_norm``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform` whose state records
-      ``grad_norm``, ``scale``, ``clipped`` and the counters.
+      A :class:`~clipjax.ClipTransform` whose state, a
+      :class:`ClipByGlobalNormState`, records ``grad_norm``, ``scale``,
+      ``clipped`` and the counters.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -152,15 +219,102 @@ def clip_by_global_norm(
     p = _norm_type(2.0 if norm_type is None else norm_type)
     _validation.nonzero_bound("max_norm", max_norm)
     _validation.non_negative("eps", eps)
+    _kit.check_name(name)
+    return _clip_by_norm(max_norm, p, eps, leaf_norms, name, "global", None)
 
-    def judge(stats: Any, norm: jax.Array, count: jax.Array, aux: Any) -> Judgement:
-        limit = jnp.abs(jnp.asarray(max_norm, norm.dtype))
-        ratio = limit / (norm + jnp.asarray(eps, norm.dtype))
-        # lucid/torch: scale only when the norm exceeds |max_norm|.
-        return Judgement(None, jnp.where(norm > limit, jnp.minimum(ratio, 1.0), 1.0))
 
-    rule = NormRule("clip_by_global_norm", judge, ord=p, threshold_name=None)
-    return _engine.transform(rule, ClipByGlobalNormState, name=name, leaf_norms=leaf_norms)
+def _clip_by_norm(
+    max_norm: Any,
+    p: float,
+    eps: Any,
+    leaf_norms: bool,
+    name: str | None,
+    scope: Scope,
+    axis_name: str | None,
+) -> ClipTransform:
+    """:func:`clip_by_global_norm` on the groups of ``scope``, norms averaged over
+    ``axis_name``: what its ``configure`` returns (:func:`clipjax.hist_clip`
+    runs its warm-up clip on its own groups)."""
+    _grouping.validate_scope(scope)
+    who = name or "clip_by_global_norm"
+
+    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
+        metrics = {
+            "grad_norm": jnp.zeros((num_groups,), dtype),
+            "scale": jnp.ones((num_groups,), dtype),
+            "clipped": jnp.zeros((num_groups,), bool),
+            **counters(num_groups, _CLIP_COUNTERS),
+        }
+        return {"metrics": metrics}
+
+    layout = _kit.layout_of(arrays)
+
+    def init_fn(params: Any) -> Any:
+        start = _kit.start(params, scope, "clip_by_global_norm", name, leaf_norms)
+        state = ClipByGlobalNormState(
+            **arrays(start.num_groups, start.dtype),
+            info=start.info,
+            leaf_index=start.leaf_index,
+            leaf_metrics=start.leaf_metrics,
+        )
+        return state if start.placeholder else _kit.own_buffers(state)
+
+    def update_fn(
+        updates: Any, state: ClipByGlobalNormState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, ClipByGlobalNormState]:
+        del params, extra_args
+        if p == 2.0:
+            grads = _kit.group_norms(
+                updates, state, ClipByGlobalNormState, layout, who=who, scope=scope,
+                axis_name=axis_name, leaf_norms=leaf_norms,
+            )  # fmt: skip
+        else:
+            grads = _p_norms(updates, state, layout, p, who, scope, axis_name, leaf_norms)
+        g = grads.norm
+        limit = jnp.abs(jnp.asarray(max_norm, g.dtype))
+        ratio = limit / (g + jnp.asarray(eps, g.dtype))
+        scale = jnp.where(g > limit, jnp.minimum(ratio, 1.0), 1.0)
+        finite = jnp.isfinite(g)
+        scale = jnp.where(finite, scale, 1.0).astype(g.dtype)
+        clipped = scale < 1
+        metrics = counted(state.metrics, finite, clipped, grad_norm=g, scale=scale, clipped=clipped)
+        new_state = state._replace(**_kit.shared_fields(state, grads, metrics))
+        return _kit.scaled(grads, scale, state), new_state
+
+    # optax types a state as OptState (an array tree), not as ClipByGlobalNormState.
+    tx = ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+    settings = dict(scope=scope, axis_name=axis_name)
+    tx.configure = lambda **overrides: _clip_by_norm(
+        max_norm, p, eps, leaf_norms, name, **{**settings, **overrides}
+    )
+    return tx
+
+
+def _p_norms(
+    updates: Any,
+    state: Any,
+    layout: Callable[[int], Any],
+    p: float,
+    who: str,
+    scope: Scope,
+    axis_name: str | None,
+    leaf_norms: bool,
+) -> _kit.Norms:
+    """:func:`clipjax._kit.group_norms` for the ``p``-norm of each group (the
+    leaves' norms, with ``leaf_norms``, stay L2)."""
+    leaves, _, treedef, grouping = check_tree(
+        updates, state, ClipByGlobalNormState, layout, who=who, scope=scope
+    )
+    _grouping.check_inexact(leaves, grouping, who)
+    norm = _grouping.group_norms(leaves, grouping, p)
+    per_leaf = None
+    if leaf_norms:
+        # A stacked leaf's per-slice sums add up to the whole leaf's.
+        squares = [jnp.sum(s) if jnp.ndim(s) else s for s in _grouping.leaf_power_sums(leaves)]
+        per_leaf = jnp.sqrt(jnp.stack(squares)) if squares else state.leaf_metrics["grad_norm"]
+    if axis_name is not None:
+        norm, per_leaf = jax.lax.pmean((norm, per_leaf), axis_name)
+    return _kit.Norms(norm, leaves, treedef, grouping, per_leaf)
 
 
 def global_norm(tree: Any, norm_type: float = 2.0) -> jax.Array:
@@ -177,15 +331,85 @@ def global_norm(tree: Any, norm_type: float = 2.0) -> jax.Array:
     return _grouping.group_norms(leaves, grouping, p)[0]
 
 
-def normalize_per_param(eps: float = 1e-8, *, name: str | None = None) -> _engine.ClipTransform:
+# A per-leaf normaliser's step: (leaves, groups, statistics dtype, leaf index)
+# -> ([groups] L2 norms before the step, the new leaves).
+Normalise = Callable[[list[Array], Grouping, Any, Any], tuple[Array, list[Array]]]
+_NORMALIZER_COUNTERS = ("count", "step", "nonfinite_count")
+
+
+def _normalizer(
+    algo: str,
+    state_class: type,
+    normalise: Normalise,
+    name: str | None,
+    scope: Scope = "per_param",
+    axis_name: str | None = None,
+) -> ClipTransform:
+    """A transform that changes every leaf by ``normalise``, with its ``[groups]``
+    ``grad_norm`` and the counters ``count`` (finite norms), ``step`` and
+    ``nonfinite_count`` in its state. ``configure`` may give another ``scope``;
+    ``axis_name`` is accepted and has no effect (no norm is shared)."""
+    del axis_name
+    if isinstance(scope, _grouping.Stacked):
+        raise ValueError(
+            f"{algo}: clipjax.stacked scopes apply to the norm-based clippers; "
+            f"{algo} changes elements, use scope='per_param' or 'per_layer'"
+        )
+    who = name or algo
+
+    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
+        metrics = {
+            "grad_norm": jnp.zeros((num_groups,), dtype),
+            **counters(num_groups, _NORMALIZER_COUNTERS),
+        }
+        return {"metrics": metrics}
+
+    layout = _kit.layout_of(arrays)
+
+    def init_fn(params: Any) -> Any:
+        start = _kit.start(params, scope, algo, name, False)
+        state = state_class(
+            **arrays(start.num_groups, start.dtype),
+            info=start.info,
+            leaf_index=start.leaf_index,
+            leaf_metrics=start.leaf_metrics,
+        )
+        return state if start.placeholder else _kit.own_buffers(state)
+
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        del params, extra_args
+        leaves, _, treedef, grouping = check_tree(
+            updates, state, state_class, layout, who=who, scope=scope
+        )
+        _grouping.check_inexact(leaves, grouping, who)
+        dtype = _grouping.norm_dtype(leaves)
+        norm, out = normalise(leaves, grouping, dtype, state.leaf_index)
+        metrics = counted(state.metrics, jnp.isfinite(norm), grad_norm=norm)
+        grads = _kit.Norms(norm, leaves, treedef, grouping, None)
+        new_state = state._replace(**_kit.shared_fields(state, grads, metrics))
+        return jax.tree_util.tree_unflatten(treedef, out), new_state
+
+    tx = ClipTransform(init_fn, update_fn)
+    settings = dict(name=name, scope=scope)
+    tx.configure = lambda **overrides: _normalizer(
+        algo, state_class, normalise, **{**settings, **overrides}
+    )
+    return tx
+
+
+def normalize_per_param(eps: float = 1e-8, *, name: str | None = None) -> ClipTransform:
     """Scales every leaf to unit L2 norm: ``g / (‖g‖ + eps)``.
 
-    drytorch's ``GradParamNormalizer``. One pass computes all leaf norms (in
-    float32, float64 for float64 leaves), then each leaf is multiplied by the
-    scalar ``1 / (‖g‖ + eps)`` in its own dtype. A leaf with a non-finite norm
-    passes through unchanged and increments ``nonfinite_count``. An integer or
-    boolean leaf raises a ``ValueError`` naming it. ``eps`` may
-    be injected with ``optax.inject_hyperparams``.
+    drytorch's ``GradParamNormalizer``. Per leaf::
+
+        out = g * 1 / (‖g‖ + eps)   where ‖g‖ is finite
+            = g                     otherwise
+
+    One pass computes all leaf norms (in float32, float64 for float64
+    leaves), then each leaf is multiplied by its scalar in its own dtype. A
+    leaf with a non-finite norm passes through unchanged and increments
+    ``nonfinite_count``. An integer or boolean leaf raises a ``ValueError``
+    naming it.
 
     Static arguments: none; every number may be injected or scheduled with
     ``optax.inject_hyperparams``, with no ``static_args``.
@@ -195,9 +419,9 @@ def normalize_per_param(eps: float = 1e-8, *, name: str | None = None) -> _engin
       name: metrics prefix (default ``normalize_per_param``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform` whose state records per
-      leaf ``grad_norm`` (before normalisation) and the counters ``count``,
-      ``step``, ``nonfinite_count``.
+      A :class:`~clipjax.ClipTransform` whose state, a
+      :class:`NormalizePerParamState`, records per leaf ``grad_norm`` (before
+      normalisation) and the counters ``count``, ``step``, ``nonfinite_count``.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -213,28 +437,24 @@ def normalize_per_param(eps: float = 1e-8, *, name: str | None = None) -> _engin
       drytorch, ``drytorch.lib.gradient_ops.GradParamNormalizer``.
     """
     _validation.non_negative("eps", eps)
+    _kit.check_name(name)
 
-    def kernel(
-        leaves: list[Array], _: Any, grouping: Grouping, dtype: Any, index: Any = ()
-    ) -> Step:
-        _grouping.check_inexact(leaves, grouping, name or "normalize_per_param")
+    def normalise(
+        leaves: list[Array], grouping: Grouping, dtype: Any, index: Any
+    ) -> tuple[Array, list[Array]]:
         norm = _grouping.group_norms(leaves, grouping)
         finite = jnp.isfinite(norm)
         scale = jnp.where(finite, 1 / (norm + jnp.asarray(eps, dtype)), jnp.ones_like(norm))
-        out = _grouping.apply_scales(leaves, grouping, scale, index)
-        return Step(out, {"grad_norm": norm}, finite)
+        return norm, _grouping.apply_scales(leaves, grouping, scale, index)
 
-    rule = ElementwiseRule(
-        "normalize_per_param", kernel, {"grad_norm": None}, clipped_count=False, indexed=True
-    )
-    return _engine.transform(rule, NormalizePerParamState, scope="per_param", name=name)
+    return _normalizer("normalize_per_param", NormalizePerParamState, normalise, name)
 
 
-def _standardise(x: Array, dtype: Any, eps: Any) -> tuple[Array, Array, Array]:
-    """One leaf's norm, whether it is finite, and the leaf standardised."""
+def _standardise(x: Array, dtype: Any, eps: Any) -> tuple[Array, Array]:
+    """One leaf's norm and the leaf standardised (unchanged where its norm is not finite)."""
     size = x.size
     if size == 0:
-        return jnp.zeros((), dtype), jnp.ones((), bool), x
+        return jnp.zeros((), dtype), x
     # Complex leaves are standardised in complex arithmetic: the deviations
     # keep their phase, the std is that of |deviation|.
     xs = x.astype(jnp.result_type(dtype, x.dtype) if jnp.iscomplexobj(x) else dtype)
@@ -256,28 +476,32 @@ def _standardise(x: Array, dtype: Any, eps: Any) -> tuple[Array, Array, Array]:
         std = jnp.sqrt(jnp.maximum(centred, 0) / (size - 1))
         inverse = 1 / (std + jnp.asarray(eps, dtype))
     else:
-        inverse = jnp.zeros((), dtype)  # FIX: drytorch gives NaN here.
+        inverse = jnp.zeros((), dtype)  # Unlike drytorch (NaN): the deviation, 0.
     rough = jnp.where(ok, rough, jnp.zeros_like(rough))
     residual = jnp.where(ok, residual, jnp.zeros_like(residual))
     scale = jnp.where(ok, inverse, jnp.ones_like(inverse))
-    return norm, ok, (((xs - rough) - residual) * scale).astype(x.dtype)
+    return norm, (((xs - rough) - residual) * scale).astype(x.dtype)
 
 
-def zscore_normalize(eps: float = 1e-8, *, name: str | None = None) -> _engine.ClipTransform:
+def zscore_normalize(eps: float = 1e-8, *, name: str | None = None) -> ClipTransform:
     """Standardises every leaf: ``(g - mean) / (std + eps)``, ``std`` with ddof=1.
 
-    drytorch's ``GradZScoreNormalizer``. Mean and standard deviation are taken
-    over the leaf's elements in float32 (float64 for float64 leaves), by the
-    corrected two-pass algorithm (mean, then the sums of the deviations and of
-    their squares), which stays accurate when ``|mean| >> std``; the result is
-    cast back to the leaf's dtype. An integer or boolean leaf raises a
-    ``ValueError`` naming it.
+    drytorch's ``GradZScoreNormalizer``. Per leaf, over its elements::
 
-    **FIX**: a one-element leaf becomes 0 (its deviation from its own mean);
-    drytorch divides by the undefined ddof=1 std and gives NaN. A leaf with a
+        out = (g - mean(g)) / (std(g) + eps)   where ‖g‖ is finite
+            = g                                otherwise
+
+    Mean and standard deviation are taken in float32 (float64 for float64
+    leaves) by the corrected two-pass algorithm (mean, then the sums of the
+    deviations and of their squares), which stays accurate when ``|mean| >>
+    std``; the result is cast back to the leaf's dtype. A leaf with a
     non-finite norm passes through unchanged and increments
-    ``nonfinite_count``. ``eps`` may be injected with
-    ``optax.inject_hyperparams``.
+    ``nonfinite_count``. An integer or boolean leaf raises a ``ValueError``
+    naming it.
+
+    Unlike drytorch, which divides by the undefined ddof=1 std of a
+    one-element leaf and gives NaN, a one-element leaf becomes 0 (its
+    deviation from its own mean).
 
     Static arguments: none; every number may be injected or scheduled with
     ``optax.inject_hyperparams``, with no ``static_args``.
@@ -287,9 +511,10 @@ def zscore_normalize(eps: float = 1e-8, *, name: str | None = None) -> _engine.C
       name: metrics prefix (default ``zscore_normalize``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform` whose state records per
-      leaf ``grad_norm`` (L2, before normalisation) and the counters ``count``,
-      ``step``, ``nonfinite_count``.
+      A :class:`~clipjax.ClipTransform` whose state, a
+      :class:`ZScoreNormalizeState`, records per leaf ``grad_norm`` (L2,
+      before normalisation) and the counters ``count``, ``step``,
+      ``nonfinite_count``.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -303,19 +528,18 @@ def zscore_normalize(eps: float = 1e-8, *, name: str | None = None) -> _engine.C
       drytorch, ``drytorch.lib.gradient_ops.GradZScoreNormalizer``.
     """
     _validation.non_negative("eps", eps)
+    _kit.check_name(name)
 
-    def kernel(leaves: list[Array], _: Any, grouping: Grouping, dtype: Any) -> Step:
-        _grouping.check_inexact(leaves, grouping, name or "zscore_normalize")
+    def normalise(
+        leaves: list[Array], grouping: Grouping, dtype: Any, index: Any
+    ) -> tuple[Array, list[Array]]:
+        del grouping, index
         one = _grouping.per_leaf(_standardise, dtype, eps)
-        norms, finites, out = [], [], []
+        norms, out = [], []
         for x in leaves:
-            norm, ok, standardised = one(x)
+            norm, standardised = one(x)
             norms.append(norm)
-            finites.append(ok)
             out.append(standardised)
-        norm = jnp.stack(norms) if norms else jnp.zeros((0,), dtype)
-        finite = jnp.stack(finites) if finites else jnp.zeros((0,), bool)
-        return Step(out, {"grad_norm": norm}, finite)
+        return (jnp.stack(norms) if norms else jnp.zeros((0,), dtype)), out
 
-    rule = ElementwiseRule("zscore_normalize", kernel, {"grad_norm": None}, clipped_count=False)
-    return _engine.transform(rule, ZScoreNormalizeState, scope="per_param", name=name)
+    return _normalizer("zscore_normalize", ZScoreNormalizeState, normalise, name)
