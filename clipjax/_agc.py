@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clipjax import _engine, _grouping, _validation
-from clipjax._engine import ElementwiseRule, Judgement, NormRule, Step
-from clipjax._grouping import AGCScope, Grouping
+from clipjax import _grouping, _kit, _validation
+from clipjax._grouping import AGCScope, Scope
+from clipjax._kit import ClipTransform
 from clipjax._metrics import GroupInfo
+from clipjax._static import check_tree, counted, counters
 
 # optax's guard in unitwise_clip, "distinct from the normal eps".
 _DIV_EPS = 1e-6
@@ -20,11 +21,11 @@ Axis = int | tuple[int, ...] | None
 
 
 class AGCState(NamedTuple):
-    """State of :func:`agc`: metrics per group (per leaf when unitwise).
+    """State of :func:`agc`: no statistics, only the shared fields (per group, per
+    leaf when unitwise).
 
     Attributes:
-      stats: empty.
-      metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.
+      metrics: this step's metrics and the counters (``clipjax._kit``).
       info: static names (algorithm, prefix, groups, leaves).
       leaf_index: each leaf's group index, int32 scalars (empty for one group).
       leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
@@ -36,7 +37,6 @@ class AGCState(NamedTuple):
       (True, ('w',))
     """
 
-    stats: Any
     metrics: dict[str, jax.Array]
     info: GroupInfo
     leaf_index: tuple[jax.Array, ...]
@@ -151,19 +151,22 @@ def agc(
     axis_name: str | None = None,
     leaf_norms: bool = False,
     name: str | None = None,
-) -> _engine.ClipTransform:
+) -> ClipTransform:
     """Adaptive Gradient Clipping: bound each gradient relative to its weights.
 
-    * ``scope="unitwise"`` (default) is exactly ``optax.adaptive_grad_clip``:
-      per-unit norms with optax's axis rule, ``max_norm = clipping *
-      max(||w||, eps)``, the unit kept where ``||g|| < max_norm`` and scaled by
-      ``max_norm / max(||g||, 1e-6)`` otherwise. The scale is formed on the
-      unit-norm array and broadcast-multiplied, instead of optax's full-size
-      select between two full-size arrays.
-    * ``scope`` in ``"global"``, ``"per_layer"``, ``"per_param"`` or a
-      callable: smartclip's grouped AGC on whole-group norms,
-      ``target = max(eps, clipping * (||w|| + eps))`` and
-      ``scale = min(1, target / (||g|| + eps))``, one scalar per group.
+    With ``g`` a gradient norm and ``w`` the norm of the same weights::
+
+        unitwise (default), per unit (optax.adaptive_grad_clip, its axis rule):
+            max_norm = clipping * max(w, eps)
+            scale = 1 where g < max_norm, else max_norm / max(g, 1e-6)
+        grouped (scope "global", "per_layer", "per_param" or a callable), per group
+        (smartclip's AGC, one scalar per group):
+            target = max(eps, clipping * (w + eps))
+            scale = min(1, target / (g + eps))
+
+    Unitwise is exactly ``optax.adaptive_grad_clip``; its scale is formed on
+    the unit-norm array and broadcast-multiplied, instead of optax's
+    full-size select between two full-size arrays.
 
     ``exclude_bias_bn=True`` leaves parameters with ``ndim <= 1`` (biases,
     norm scales) unclipped; grouped norms leave them out and they report
@@ -191,9 +194,10 @@ def agc(
       name: metrics prefix (default ``agc``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform` whose ``update`` needs
-      ``params``. Metrics per group (per leaf when unitwise): ``grad_norm``,
-      ``weight_norm``, ``target``, ``scale``, ``clipped`` and the counters;
+      A :class:`~clipjax.ClipTransform` whose ``update`` needs ``params`` and
+      whose state is an :class:`AGCState`. Metrics per group (per leaf when
+      unitwise): ``grad_norm``, ``weight_norm``, ``target``, ``scale``,
+      ``clipped`` and the counters;
       unitwise also ``clipped_fraction`` (share of clipped units), with
       ``scale`` the smallest unit scale, ``target`` the leaf's
       ``clipping * max(||w||, eps)`` and the norms over the whole leaf.
@@ -216,24 +220,117 @@ def agc(
         return _unitwise(clipping, eps, exclude_bias_bn, axis, name, axis_name, leaf_norms)
     if axis is not None:
         raise ValueError(f'axis applies to scope="unitwise" only, got scope={scope!r}')
+    return _grouped(clipping, eps, exclude_bias_bn, name, scope, axis_name, leaf_norms)
 
-    def judge(stats: Any, g: jax.Array, count: jax.Array, aux: Any) -> Judgement:
-        weight_norm = aux["weight_norm"]
+
+_COUNTERS = ("count", "step", "clipped_count", "nonfinite_count")
+
+
+def _param_leaves(params: Any, scope: Scope, info: GroupInfo, who: str) -> list[Any]:
+    """The leaves of ``params``, which must have the tree the state was built for."""
+    if params is None:
+        raise ValueError(f"{who} needs the parameters: call update(updates, state, params).")
+    leaves, _, _ = _grouping.leaves_with_names(params)
+    _grouping.make_grouping(params, scope).check_matches(
+        info.leaves, info.shapes, who, "update's params"
+    )
+    return leaves
+
+
+def _grouped(
+    clipping: Any,
+    eps: Any,
+    exclude_bias_bn: bool,
+    name: str | None,
+    scope: Scope,
+    axis_name: str | None,
+    leaf_norms: bool,
+) -> ClipTransform:
+    """Grouped AGC, one scale per group of ``scope``."""
+    _kit.check_name(name)
+    _grouping.validate_scope(scope)
+    who = name or "agc"
+
+    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
+        zeros = jnp.zeros((num_groups,), dtype)
+        metrics = {
+            "grad_norm": zeros,
+            "target": zeros,
+            "scale": jnp.ones((num_groups,), dtype),
+            "clipped": jnp.zeros((num_groups,), bool),
+            **counters(num_groups, _COUNTERS),
+            "weight_norm": zeros,
+        }
+        return {"metrics": metrics}
+
+    layout = _kit.layout_of(arrays)
+
+    def init_fn(params: Any) -> Any:
+        start = _kit.start(params, scope, "agc", name, leaf_norms)
+        state = AGCState(
+            **arrays(start.num_groups, start.dtype),
+            info=start.info,
+            leaf_index=start.leaf_index,
+            leaf_metrics=start.leaf_metrics,
+        )
+        return state if start.placeholder else _kit.own_buffers(state)
+
+    def update_fn(
+        updates: Any, state: AGCState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, AGCState]:
+        del extra_args
+        leaves, paths, treedef, grouping = check_tree(
+            updates, state, AGCState, layout, who=who, scope=scope
+        )
+        p_leaves = _param_leaves(params, scope, state.info, who)
+        _grouping.check_inexact(leaves, grouping, who)
+        # The norms of the kept leaves; a stacked leaf is judged by one layer's
+        # slice (what the unstacked model has).
+        keep = None
+        if exclude_bias_bn:
+            views = _grouping.layer_views(leaves, grouping)
+            keep = [bool(_exclude_small(p, x)) for p, x in zip(paths, views)]
+        partial = _grouping.leaf_power_sums(leaves, 2.0, grouping)
+        kept = partial if keep is None else [s * k for s, k in zip(partial, keep)]
+        g = _grouping.group_norms(leaves, grouping, 2.0, kept)
+        if keep is not None:
+            p_leaves = [p if k else jnp.zeros((), p.dtype) for p, k in zip(p_leaves, keep)]
+        weight_norm = _grouping.group_norms(p_leaves, grouping)
+        per_leaf = None
+        if leaf_norms:
+            # A stacked leaf's per-slice sums add up to the whole leaf's.
+            squares = [jnp.sum(s) if jnp.ndim(s) else s for s in partial]
+            per_leaf = jnp.sqrt(jnp.stack(squares)) if squares else state.leaf_metrics["grad_norm"]
+        if axis_name is not None:
+            g, weight_norm, per_leaf = jax.lax.pmean((g, weight_norm, per_leaf), axis_name)
+
+        # The rule.
         target = jnp.maximum(eps, clipping * (weight_norm + eps))
         scale = jnp.minimum(1.0, target / (g + eps))
-        return Judgement(target, scale, extra={"weight_norm": weight_norm})
+        finite = jnp.isfinite(g)
+        scale = jnp.where(finite, scale, 1.0).astype(g.dtype)
+        clipped = scale < 1
 
-    rule = NormRule(
-        "agc",
-        judge,
-        extra_fields=("weight_norm",),
-        threshold_name="target",
-        needs_params=True,
-        leaf_filter=_exclude_small if exclude_bias_bn else None,
+        metrics = counted(
+            state.metrics, finite, clipped, grad_norm=g, target=target, scale=scale,
+            clipped=clipped, weight_norm=weight_norm,
+        )  # fmt: skip
+        grads = _kit.Norms(g, leaves, treedef, grouping, per_leaf)
+        new_state = state._replace(**_kit.shared_fields(state, grads, metrics))
+        scaled = _grouping.apply_scales(
+            leaves, grouping, _grouping.materialize(scale), state.leaf_index
+        )
+        if keep is not None:
+            scaled = [s if k else x for x, s, k in zip(leaves, scaled, keep)]
+        return jax.tree_util.tree_unflatten(treedef, scaled), new_state
+
+    # optax types a state as OptState (an array tree), not as AGCState.
+    tx = ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+    settings = dict(scope=scope, axis_name=axis_name)
+    tx.configure = lambda **overrides: _grouped(
+        clipping, eps, exclude_bias_bn, name, **{**settings, **overrides}, leaf_norms=leaf_norms
     )
-    return _engine.transform(
-        rule, AGCState, scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms
-    )
+    return tx
 
 
 def _unitwise(
@@ -244,18 +341,54 @@ def _unitwise(
     name: str | None,
     axis_name: str | None,
     leaf_norms: bool,
-) -> _engine.ClipTransform:
+    scope: Scope = "per_param",
+) -> ClipTransform:
+    """Unitwise AGC: each leaf scaled unit by unit, its metrics per group of
+    ``scope`` (a leaf each: ``configure`` may change ``scope``, not ``axis_name``)."""
+    _kit.check_name(name)
+    if isinstance(scope, _grouping.Stacked):
+        raise ValueError(
+            "agc: clipjax.stacked scopes apply to the norm-based clippers; "
+            "agc changes elements, use scope='per_param' or 'per_layer'"
+        )
+    who = name or "agc"
     fields = ("grad_norm", "weight_norm", "target", "scale", "clipped", "clipped_fraction")
 
-    def check_leaves(leaves: list[Any]) -> None:
-        for x in leaves:
-            unit_axes(x, axis)
+    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
+        metrics = {
+            f: (jnp.ones if f == "scale" else jnp.zeros)(
+                (num_groups,), jnp.bool_ if f == "clipped" else dtype
+            )
+            for f in fields
+        }
+        return {"metrics": {**metrics, **counters(num_groups, _COUNTERS)}}
 
-    def kernel(leaves: list[jax.Array], params: Any, grouping: Grouping, dtype: Any) -> Step:
-        _grouping.check_inexact(leaves, grouping, name or "agc")
-        unit_norm = _grouping.per_leaf(_unit_norm, dtype, axis)
+    layout = _kit.layout_of(arrays)
+
+    def init_fn(params: Any) -> Any:
+        start = _kit.start(params, scope, "agc", name, leaf_norms)
+        for x in _grouping.leaves_with_names(params)[0]:
+            unit_axes(x, axis)
+        state = AGCState(
+            **arrays(start.num_groups, start.dtype),
+            info=start.info,
+            leaf_index=start.leaf_index,
+            leaf_metrics=start.leaf_metrics,
+        )
+        return state if start.placeholder else _kit.own_buffers(state)
+
+    def update_fn(
+        updates: Any, state: AGCState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, AGCState]:
+        del extra_args
+        leaves, _, treedef, grouping = check_tree(
+            updates, state, AGCState, layout, who=who, scope=scope
+        )
+        p_leaves = _param_leaves(params, scope, state.info, who)
+        _grouping.check_inexact(leaves, grouping, who)
+        unit_norm = _grouping.per_leaf(_unit_norm, _grouping.norm_dtype(leaves), axis)
         g_units = [unit_norm(x) for x in leaves]
-        w_units = [unit_norm(p) for p in params]
+        w_units = [unit_norm(p) for p in p_leaves]
         if axis_name is not None:
             # Every replica decides from the same (averaged) unit norms.
             g_units = jax.lax.pmean(g_units, axis_name)
@@ -271,12 +404,20 @@ def _unitwise(
             for x, g, w, skip in zip(leaves, g_units, w_units, excluded)
         ]
         if leaves:
-            metrics = _leaf_metrics(g_units, w_units, excluded, clipping, eps)
+            step = _leaf_metrics(g_units, w_units, excluded, clipping, eps)
         else:
-            metrics = {f: jnp.zeros((grouping.num_groups,)) for f in fields}
-        finite = jnp.isfinite(metrics["grad_norm"])
-        return Step(out, metrics, finite, metrics["clipped"], metrics["grad_norm"])
+            step = {f: jnp.zeros((grouping.num_groups,)) for f in fields}
+        finite = jnp.isfinite(step["grad_norm"])
+        metrics = counted(state.metrics, finite, step["clipped"], **step)
+        per_leaf = step["grad_norm"] if leaf_norms else None
+        grads = _kit.Norms(step["grad_norm"], leaves, treedef, grouping, per_leaf)
+        new_state = state._replace(**_kit.shared_fields(state, grads, metrics))
+        return jax.tree_util.tree_unflatten(treedef, out), new_state
 
-    kinds = {f: (jnp.bool_ if f == "clipped" else None) for f in fields}
-    rule = ElementwiseRule("agc", kernel, kinds, needs_params=True, check_leaves=check_leaves)
-    return _engine.transform(rule, AGCState, scope="per_param", name=name, leaf_norms=leaf_norms)
+    # optax types a state as OptState (an array tree), not as AGCState.
+    tx = ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+    tx.configure = lambda **overrides: _unitwise(
+        clipping, eps, exclude_bias_bn, axis, name, axis_name, leaf_norms,
+        overrides.get("scope", scope),
+    )  # fmt: skip
+    return tx
