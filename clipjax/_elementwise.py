@@ -15,16 +15,18 @@ such steps altogether.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clipjax import _engine, _grouping, _percentile, _validation
-from clipjax._engine import ElementwiseRule, Step
+from clipjax import _grouping, _kit, _percentile, _validation
 from clipjax._grouping import Grouping, Scope
+from clipjax._kit import ClipTransform
 from clipjax._metrics import GroupInfo
+from clipjax._static import check_tree, counted, counters
 from clipjax._types import PercentileMethod
 
 Array = jax.Array
@@ -34,11 +36,10 @@ PERCENTILE_SCOPES = ("per_param", "per_layer", "global")
 
 
 class ClipByValueState(NamedTuple):
-    """State of :func:`clip_by_value`: no statistics, only metrics.
+    """State of :func:`clip_by_value`: no statistics, only the shared fields.
 
     Attributes:
-      stats: empty.
-      metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.
+      metrics: this step's metrics and the counters (``clipjax._kit``).
       info: static names (algorithm, prefix, groups, leaves).
       leaf_index: each leaf's group index, int32 scalars (empty for one group).
       leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
@@ -50,7 +51,6 @@ class ClipByValueState(NamedTuple):
       (True, ('global',))
     """
 
-    stats: Any
     metrics: dict[str, jax.Array]
     info: GroupInfo
     leaf_index: tuple[jax.Array, ...]
@@ -58,11 +58,10 @@ class ClipByValueState(NamedTuple):
 
 
 class ClipByPercentileState(NamedTuple):
-    """State of :func:`clip_by_percentile`: no statistics, only metrics.
+    """State of :func:`clip_by_percentile`: no statistics, only the shared fields.
 
     Attributes:
-      stats: empty.
-      metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.
+      metrics: this step's metrics and the counters (``clipjax._kit``).
       info: static names (algorithm, prefix, groups, leaves).
       leaf_index: each leaf's group index, int32 scalars (empty for one group).
       leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
@@ -74,7 +73,6 @@ class ClipByPercentileState(NamedTuple):
       (True, ('w',))
     """
 
-    stats: Any
     metrics: dict[str, jax.Array]
     info: GroupInfo
     leaf_index: tuple[jax.Array, ...]
@@ -151,13 +149,85 @@ def _fraction(counts: Array, grouping: Grouping, dtype: Any) -> Array:
     return counts / jnp.asarray(sizes, dtype)
 
 
+# A clamp's step: (leaves, groups, statistics dtype, leaf index) -> (the new
+# leaves, its [groups] metrics with "clipped", [groups] finite norms, [leaves]
+# L2 norms).
+Clamped = tuple[list[Array], dict[str, Array], Array, Array]
+Clamp = Callable[[list[Array], Grouping, Any, Any], Clamped]
+_COUNTERS = ("count", "step", "clipped_count", "nonfinite_count")
+
+
+def _clamper(
+    algo: str,
+    state_class: type,
+    clamp: Clamp,
+    fields: dict[str, Any],
+    name: str | None,
+    leaf_norms: bool,
+    scope: Scope,
+    axis_name: str | None = None,
+) -> ClipTransform:
+    """A transform that changes elements by ``clamp``, with its ``[groups]``
+    ``fields`` (``{metric: dtype}``, None: the statistics dtype) and the
+    counters in its state: ``count`` (finite norms), ``step``,
+    ``clipped_count`` (groups with a clamped element), ``nonfinite_count``.
+    ``configure`` may give another ``scope``; ``axis_name`` is accepted and
+    has no effect (each replica clamps its own elements)."""
+    del axis_name
+    if isinstance(scope, _grouping.Stacked):
+        raise ValueError(
+            f"{algo}: clipjax.stacked scopes apply to the norm-based clippers; "
+            f"{algo} changes elements, use scope='per_param' or 'per_layer'"
+        )
+    who = name or algo
+
+    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
+        metrics = {
+            field: jnp.zeros((num_groups,), dtype if kind is None else kind)
+            for field, kind in fields.items()
+        }
+        return {"metrics": {**metrics, **counters(num_groups, _COUNTERS)}}
+
+    layout = _kit.layout_of(arrays)
+
+    def init_fn(params: Any) -> Any:
+        start = _kit.start(params, scope, algo, name, leaf_norms)
+        state = state_class(
+            **arrays(start.num_groups, start.dtype),
+            info=start.info,
+            leaf_index=start.leaf_index,
+            leaf_metrics=start.leaf_metrics,
+        )
+        return state if start.placeholder else _kit.own_buffers(state)
+
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        del params, extra_args
+        leaves, _, treedef, grouping = check_tree(
+            updates, state, state_class, layout, who=who, scope=scope
+        )
+        _grouping.check_inexact(leaves, grouping, who)
+        dtype = _grouping.norm_dtype(leaves)
+        out, step, finite, leaf_norm = clamp(leaves, grouping, dtype, state.leaf_index)
+        metrics = counted(state.metrics, finite, step["clipped"], **step)
+        per_leaf = leaf_norm if leaf_norms else None
+        grads = _kit.Norms(step["grad_norm"], leaves, treedef, grouping, per_leaf)
+        new_state = state._replace(**_kit.shared_fields(state, grads, metrics))
+        return jax.tree_util.tree_unflatten(treedef, out), new_state
+
+    tx = ClipTransform(init_fn, update_fn)
+    tx.configure = lambda **overrides: _clamper(
+        algo, state_class, clamp, fields, name, leaf_norms, **{"scope": scope, **overrides}
+    )
+    return tx
+
+
 def clip_by_value(
     max_abs: float,
     *,
     scope: Scope = "global",
     leaf_norms: bool = False,
     name: str | None = None,
-) -> _engine.ClipTransform:
+) -> ClipTransform:
     """Clamps every element of the updates to ``[-|max_abs|, |max_abs|]``.
 
     Element-wise ``clip(g, -|max_abs|, |max_abs|)``; for ``max_abs > 0`` the
@@ -185,10 +255,11 @@ def clip_by_value(
       name: metrics prefix (default ``clip_by_value``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform` whose state records per
-      group ``grad_norm`` (L2, before clipping), ``clipped_fraction`` (share of
-      elements with ``|g| > |max_abs|``), ``clipped`` (some element was) and
-      the counters ``count``, ``step``, ``clipped_count``, ``nonfinite_count``.
+      A :class:`~clipjax.ClipTransform` whose state, a
+      :class:`ClipByValueState`, records per group ``grad_norm`` (L2, before
+      clipping), ``clipped_fraction`` (share of elements with ``|g| >
+      |max_abs|``), ``clipped`` (some element was) and the counters
+      ``count``, ``step``, ``clipped_count``, ``nonfinite_count``.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -207,20 +278,19 @@ def clip_by_value(
     """
     _validation.nonzero_bound("max_abs", max_abs)
     _grouping.validate_scope(scope)
+    _kit.check_name(name)
 
-    def kernel(leaves: list[Array], _: Any, grouping: Grouping, dtype: Any) -> Step:
-        _grouping.check_inexact(leaves, grouping, name or "clip_by_value")
+    def clamp(leaves: list[Array], grouping: Grouping, dtype: Any, index: Any) -> Clamped:
+        del index  # the bound is the same for every group
         limit = jnp.abs(jnp.asarray(max_abs, dtype))
         bound = jnp.broadcast_to(limit, (grouping.num_groups,))
         norm, counts, leaf_norm = _norms_and_clipped(leaves, grouping, bound, dtype)
         fraction = _fraction(counts, grouping, dtype)
-        out = _clamp(leaves, grouping, bound)
         metrics = {"grad_norm": norm, "clipped_fraction": fraction, "clipped": fraction > 0}
-        return Step(out, metrics, jnp.isfinite(norm), fraction > 0, leaf_norm)
+        return _clamp(leaves, grouping, bound), metrics, jnp.isfinite(norm), leaf_norm
 
     fields = {"grad_norm": None, "clipped_fraction": None, "clipped": jnp.bool_}
-    rule = ElementwiseRule("clip_by_value", kernel, fields)
-    return _engine.transform(rule, ClipByValueState, scope=scope, name=name, leaf_norms=leaf_norms)
+    return _clamper("clip_by_value", ClipByValueState, clamp, fields, name, leaf_norms, scope)
 
 
 def clip_by_percentile(
@@ -230,7 +300,7 @@ def clip_by_percentile(
     *,
     leaf_norms: bool = False,
     name: str | None = None,
-) -> _engine.ClipTransform:
+) -> ClipTransform:
     """Clamps the updates to the ``percentile``-th percentile of their magnitudes.
 
     Per group, the bound ``b`` is the linearly interpolated percentile
@@ -270,10 +340,10 @@ def clip_by_percentile(
       name: metrics prefix (default ``clip_by_percentile``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform` whose state records per
-      group ``grad_norm`` (L2, before clipping), ``bound``,
-      ``clipped_fraction``, ``clipped`` and the counters ``count``, ``step``,
-      ``clipped_count``, ``nonfinite_count``.
+      A :class:`~clipjax.ClipTransform` whose state, a
+      :class:`ClipByPercentileState`, records per group ``grad_norm`` (L2,
+      before clipping), ``bound``, ``clipped_fraction``, ``clipped`` and the
+      counters ``count``, ``step``, ``clipped_count``, ``nonfinite_count``.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -293,11 +363,9 @@ def clip_by_percentile(
     _validation.percentile("percentile", percentile)
     _validation.choice("method", method, PERCENTILE_METHODS)
     _grouping.validate_scope(scope, PERCENTILE_SCOPES)
+    _kit.check_name(name)
 
-    def kernel(
-        leaves: list[Array], _: Any, grouping: Grouping, dtype: Any, index: Any = ()
-    ) -> Step:
-        _grouping.check_inexact(leaves, grouping, name or "clip_by_percentile")
+    def clamp(leaves: list[Array], grouping: Grouping, dtype: Any, index: Any) -> Clamped:
         select = _grouping.per_leaf(_percentile._select, percentile, method)
         bounds = [select([leaves[i] for i in members])[0] for members in grouping.members]
         bound = jnp.stack(bounds).astype(dtype) if bounds else jnp.zeros((0,), dtype)
@@ -306,17 +374,15 @@ def clip_by_percentile(
         # Selects on [groups] only: a non-finite group's leaves pass unchanged.
         bound = jnp.where(finite, bound, jnp.inf)
         fraction = _fraction(jnp.where(finite, counts, jnp.zeros_like(counts)), grouping, dtype)
-        out = _clamp(leaves, grouping, bound, index)
         metrics = {
             "grad_norm": norm,
             "bound": bound,
             "clipped_fraction": fraction,
             "clipped": fraction > 0,
         }
-        return Step(out, metrics, finite, fraction > 0, leaf_norm)
+        return _clamp(leaves, grouping, bound, index), metrics, finite, leaf_norm
 
     fields = {"grad_norm": None, "bound": None, "clipped_fraction": None, "clipped": jnp.bool_}
-    rule = ElementwiseRule("clip_by_percentile", kernel, fields, indexed=True)
-    return _engine.transform(
-        rule, ClipByPercentileState, scope=scope, name=name, leaf_norms=leaf_norms
+    return _clamper(
+        "clip_by_percentile", ClipByPercentileState, clamp, fields, name, leaf_norms, scope
     )
