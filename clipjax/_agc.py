@@ -10,9 +10,8 @@ import numpy as np
 
 from clipjax import _grouping, _kit, _validation
 from clipjax._grouping import AGCScope, Scope
-from clipjax._kit import ClipTransform
+from clipjax._kit import ClipTransform, check_tree, counted, counters
 from clipjax._metrics import GroupInfo
-from clipjax._static import check_tree, counted, counters
 
 # optax's guard in unitwise_clip, "distinct from the normal eps".
 _DIV_EPS = 1e-6

@@ -24,9 +24,8 @@ import numpy as np
 
 from clipjax import _grouping, _kit, _percentile, _validation
 from clipjax._grouping import Grouping, Scope
-from clipjax._kit import ClipTransform
+from clipjax._kit import ClipTransform, check_tree, counted, counters
 from clipjax._metrics import GroupInfo
-from clipjax._static import check_tree, counted, counters
 from clipjax._types import PercentileMethod
 
 Array = jax.Array

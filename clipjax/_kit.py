@@ -197,6 +197,38 @@ class Norms(NamedTuple):
     leaf_norms: Array | None
 
 
+def check_tree(
+    updates: Any, state: Any, state_class: type, layout: Callable[[int], Any], *, who: str,
+    scope: Scope,
+) -> tuple[list[Any], list[Any], Any, Grouping]:  # fmt: skip
+    """The state checks of :func:`group_norms`, without the norms.
+
+    ``state`` must be a ``state_class`` built by ``init`` for a tree like
+    ``updates`` (``layout(num_groups)`` gives its arrays' shapes): otherwise a
+    ``TypeError`` or ``ValueError`` says what was expected. Returns the
+    leaves of ``updates``, their paths, the tree structure and the groups.
+    The leaves' dtypes are not checked (``_grouping.check_inexact``): a
+    clipper that needs ``params`` checks them first.
+    """
+    _state_check.check_state(state, state_class, who)
+    info: _metrics.GroupInfo = state.info
+    leaves, paths, treedef = _grouping.leaves_with_names(updates)
+    grouping = _grouping.make_grouping(updates, scope)
+    grouping.check_matches(info.leaves, info.shapes, who)
+    for field, value in state.metrics.items():
+        if jnp.shape(_metrics.unwrap(value))[:1] != (grouping.num_groups,):
+            groups = ", ".join(grouping.names[:4]) + (", ..." * (grouping.num_groups > 4))
+            raise ValueError(
+                f"{who}: the state does not fit the tree passed to update: its metric "
+                f"{field!r} has shape {jnp.shape(value)}, expected [{grouping.num_groups}] "
+                f"for the groups of this tree ({groups}); was the state restored from "
+                "another model?"
+            )
+    for field, value in layout(grouping.num_groups).items():
+        _state_check.check_layout(who, field, getattr(state, field), value)
+    return leaves, paths, treedef, grouping
+
+
 def group_norms(
     updates: Any,
     state: Any,
@@ -218,23 +250,9 @@ def group_norms(
     float64 for float64 leaves); with ``axis_name`` they are averaged over
     that mapped axis, so every replica applies the same scale.
     """
-    _state_check.check_state(state, state_class, who)
-    info: _metrics.GroupInfo = state.info
-    leaves, _, treedef = _grouping.leaves_with_names(updates)
-    grouping = _grouping.make_grouping(updates, scope)
-    grouping.check_matches(info.leaves, info.shapes, who)
-    for field, value in state.metrics.items():
-        if jnp.shape(_metrics.unwrap(value))[:1] != (grouping.num_groups,):
-            groups = ", ".join(grouping.names[:4]) + (", ..." * (grouping.num_groups > 4))
-            raise ValueError(
-                f"{who}: the state does not fit the tree passed to update: its metric "
-                f"{field!r} has shape {jnp.shape(value)}, expected [{grouping.num_groups}] "
-                f"for the groups of this tree ({groups}); was the state restored from "
-                "another model?"
-            )
-    want = layout(grouping.num_groups)
-    for field, value in want.items():
-        _state_check.check_layout(who, field, getattr(state, field), value)
+    leaves, _, treedef, grouping = check_tree(
+        updates, state, state_class, layout, who=who, scope=scope
+    )
     _grouping.check_inexact(leaves, grouping, who)
     partial = _grouping.leaf_power_sums(leaves, 2.0, grouping)
     norm = _grouping.group_norms(leaves, grouping, 2.0, partial)
@@ -344,6 +362,33 @@ def step_metrics(
         "nonfinite_count": ~jnp.isfinite(norm),
         "capped_count": False if capped is None else capped,
     }
+    for counter, inc in increments.items():
+        if counter in old:
+            new[counter] = old[counter] + jnp.asarray(inc).astype(jnp.int32)
+    return {k: jnp.asarray(v).astype(old[k].dtype) for k, v in new.items()}
+
+
+def counters(num_groups: int, names: tuple[str, ...]) -> dict[str, Array]:
+    """The counters ``names`` of a new state's metrics, int32 zeros per group."""
+    return {counter: jnp.zeros((num_groups,), jnp.int32) for counter in names}
+
+
+def counted(
+    old: dict[str, Array], finite: Array, clipped: Array | None = None, /, **fields: Array
+) -> dict[str, Array]:
+    """This step's ``metrics``: ``fields``, then the counters of ``old`` advanced.
+
+    ``count`` counts the finite norms, ``nonfinite_count`` the others,
+    ``clipped_count`` the groups ``clipped`` marks. Every value is cast to
+    its dtype in ``old``.
+    """
+    increments = {
+        "count": finite,
+        "step": True,
+        "clipped_count": jnp.zeros_like(finite) if clipped is None else clipped,
+        "nonfinite_count": ~finite,
+    }
+    new = dict(fields)
     for counter, inc in increments.items():
         if counter in old:
             new[counter] = old[counter] + jnp.asarray(inc).astype(jnp.int32)

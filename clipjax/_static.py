@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from clipjax import _grouping, _kit, _metrics, _state_check, _validation
+from clipjax import _grouping, _kit, _validation
 from clipjax._grouping import Grouping, Scope
 from clipjax._kit import ClipTransform
 from clipjax._metrics import GroupInfo
@@ -80,71 +80,6 @@ class ZScoreNormalizeState(NamedTuple):
     info: GroupInfo
     leaf_index: tuple[jax.Array, ...]
     leaf_metrics: dict[str, jax.Array]
-
-
-# ------------------------------------------------ steps the kit does not have yet
-# (Candidates for clipjax._kit: group_norms without the norms, or of another
-# order; the metrics of a new state without ``threshold``; step_metrics for a
-# rule without a threshold.)
-
-
-def check_tree(
-    updates: Any, state: Any, state_class: type, layout: Callable[[int], Any], *, who: str,
-    scope: Scope,
-) -> tuple[list[Any], list[Any], Any, Grouping]:  # fmt: skip
-    """The state checks of :func:`clipjax._kit.group_norms`, without the norms.
-
-    ``state`` must be a ``state_class`` built by ``init`` for a tree like
-    ``updates`` (``layout(num_groups)`` gives its arrays' shapes): otherwise a
-    ``TypeError`` or ``ValueError`` says what was expected. Returns the
-    leaves of ``updates``, their paths, the tree structure and the groups.
-    The leaves' dtypes are not checked (``_grouping.check_inexact``): a
-    clipper that needs ``params`` checks them first.
-    """
-    _state_check.check_state(state, state_class, who)
-    info: GroupInfo = state.info
-    leaves, paths, treedef = _grouping.leaves_with_names(updates)
-    grouping = _grouping.make_grouping(updates, scope)
-    grouping.check_matches(info.leaves, info.shapes, who)
-    for field, value in state.metrics.items():
-        if jnp.shape(_metrics.unwrap(value))[:1] != (grouping.num_groups,):
-            groups = ", ".join(grouping.names[:4]) + (", ..." * (grouping.num_groups > 4))
-            raise ValueError(
-                f"{who}: the state does not fit the tree passed to update: its metric "
-                f"{field!r} has shape {jnp.shape(value)}, expected [{grouping.num_groups}] "
-                f"for the groups of this tree ({groups}); was the state restored from "
-                "another model?"
-            )
-    for field, value in layout(grouping.num_groups).items():
-        _state_check.check_layout(who, field, getattr(state, field), value)
-    return leaves, paths, treedef, grouping
-
-
-def counters(num_groups: int, names: tuple[str, ...]) -> dict[str, Array]:
-    """The counters ``names`` of a new state's metrics, int32 zeros per group."""
-    return {counter: jnp.zeros((num_groups,), jnp.int32) for counter in names}
-
-
-def counted(
-    old: dict[str, Array], finite: Array, clipped: Array | None = None, /, **fields: Array
-) -> dict[str, Array]:
-    """This step's ``metrics``: ``fields``, then the counters of ``old`` advanced.
-
-    ``count`` counts the finite norms, ``nonfinite_count`` the others,
-    ``clipped_count`` the groups ``clipped`` marks. Every value is cast to
-    its dtype in ``old``.
-    """
-    increments = {
-        "count": finite,
-        "step": True,
-        "clipped_count": jnp.zeros_like(finite) if clipped is None else clipped,
-        "nonfinite_count": ~finite,
-    }
-    new = dict(fields)
-    for counter, inc in increments.items():
-        if counter in old:
-            new[counter] = old[counter] + jnp.asarray(inc).astype(jnp.int32)
-    return {k: jnp.asarray(v).astype(old[k].dtype) for k, v in new.items()}
 
 
 def _norm_type(norm_type: Any) -> float:
@@ -243,7 +178,7 @@ def _clip_by_norm(
             "grad_norm": jnp.zeros((num_groups,), dtype),
             "scale": jnp.ones((num_groups,), dtype),
             "clipped": jnp.zeros((num_groups,), bool),
-            **counters(num_groups, _CLIP_COUNTERS),
+            **_kit.counters(num_groups, _CLIP_COUNTERS),
         }
         return {"metrics": metrics}
 
@@ -277,7 +212,9 @@ def _clip_by_norm(
         finite = jnp.isfinite(g)
         scale = jnp.where(finite, scale, 1.0).astype(g.dtype)
         clipped = scale < 1
-        metrics = counted(state.metrics, finite, clipped, grad_norm=g, scale=scale, clipped=clipped)
+        metrics = _kit.counted(
+            state.metrics, finite, clipped, grad_norm=g, scale=scale, clipped=clipped
+        )
         new_state = state._replace(**_kit.shared_fields(state, grads, metrics))
         return _kit.scaled(grads, scale, state), new_state
 
@@ -302,7 +239,7 @@ def _p_norms(
 ) -> _kit.Norms:
     """:func:`clipjax._kit.group_norms` for the ``p``-norm of each group (the
     leaves' norms, with ``leaf_norms``, stay L2)."""
-    leaves, _, treedef, grouping = check_tree(
+    leaves, _, treedef, grouping = _kit.check_tree(
         updates, state, ClipByGlobalNormState, layout, who=who, scope=scope
     )
     _grouping.check_inexact(leaves, grouping, who)
@@ -360,7 +297,7 @@ def _normalizer(
     def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
         metrics = {
             "grad_norm": jnp.zeros((num_groups,), dtype),
-            **counters(num_groups, _NORMALIZER_COUNTERS),
+            **_kit.counters(num_groups, _NORMALIZER_COUNTERS),
         }
         return {"metrics": metrics}
 
@@ -378,13 +315,13 @@ def _normalizer(
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
         del params, extra_args
-        leaves, _, treedef, grouping = check_tree(
+        leaves, _, treedef, grouping = _kit.check_tree(
             updates, state, state_class, layout, who=who, scope=scope
         )
         _grouping.check_inexact(leaves, grouping, who)
         dtype = _grouping.norm_dtype(leaves)
         norm, out = normalise(leaves, grouping, dtype, state.leaf_index)
-        metrics = counted(state.metrics, jnp.isfinite(norm), grad_norm=norm)
+        metrics = _kit.counted(state.metrics, jnp.isfinite(norm), grad_norm=norm)
         grads = _kit.Norms(norm, leaves, treedef, grouping, None)
         new_state = state._replace(**_kit.shared_fields(state, grads, metrics))
         return jax.tree_util.tree_unflatten(treedef, out), new_state
