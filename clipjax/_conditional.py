@@ -17,7 +17,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from clipjax._kit import COUNTERS, ClipTransform
+from clipjax._kit import ClipTransform
+from clipjax._metrics import IDLE_VALUES
 
 Array = jax.Array
 
@@ -213,17 +214,15 @@ def run_and_select(
 
 
 def idle_metrics(metrics: dict[str, Array]) -> dict[str, Array]:
-    """The metrics of a step on which the transform did not run: as at init.
+    """The metrics of a step on which the transform did not run.
 
-    ``scale`` 1, ``clipped`` False, every other per-step field 0; counters
-    keep their totals.
+    The one rule, also what :func:`clipjax.metrics` reports for the clippers
+    inside a skipped ``skip_on_spike`` step: the per-step fields of
+    :data:`clipjax._metrics.IDLE_VALUES` take the values of a step that
+    changed nothing (``grad_norm`` 0, ``scale`` 1, ``clipped`` False, ...);
+    thresholds, statistics and counters read as they stand.
     """
-    out = {}
-    for key, value in metrics.items():
-        if key in COUNTERS:
-            out[key] = value
-        elif key == "scale":
-            out[key] = jnp.ones_like(value)
-        else:
-            out[key] = jnp.zeros_like(value)
-    return out
+    return {
+        key: jnp.full_like(value, IDLE_VALUES[key]) if key in IDLE_VALUES else value
+        for key, value in metrics.items()
+    }

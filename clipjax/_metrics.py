@@ -139,8 +139,9 @@ def _split(values: Any, n: int) -> list[Any]:
 
 
 # What a transform that did not run this step reports for its per-step fields
-# (skip_on_spike's inner transforms on a skipped step); thresholds, statistics
-# and counters read as they stand.
+# (skip_on_spike's inner transforms on a skipped step, hist_clip's warm-up clip
+# on the groups past their warm-up); thresholds, statistics and counters read
+# as they stand (clipjax._conditional.idle_metrics).
 IDLE_VALUES = {
     "grad_norm": 0,
     "scale": 1,
