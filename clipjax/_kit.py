@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -33,12 +33,13 @@ import optax
 
 from clipjax import _grouping, _metrics, _state_check, _validation
 from clipjax._grouping import Grouping, Scope
+from clipjax._types import Feedback, TargetFeedback
 
 Array = jax.Array
 
 # What a step may teach a clipper's statistics (``feedback``); each clipper
 # accepts a subset.
-FEEDBACKS = ("observe_first", "raw", "clipped", "clip_target", "skip")
+FEEDBACKS: tuple[str, ...] = tuple(dict.fromkeys(get_args(Feedback) + get_args(TargetFeedback)))
 COUNTERS = ("count", "step", "clipped_count", "nonfinite_count", "capped_count")
 # The guard in a ceiling's multiplier, max_grad_norm / (g + 1e-6) (zclip's and torch's).
 CEILING_EPS = 1e-6

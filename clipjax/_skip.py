@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -13,9 +13,10 @@ from clipjax import _conditional, _grouping, _kit, _state_check, _validation
 from clipjax._metrics import GroupInfo
 from clipjax._static import global_norm
 from clipjax._stats import ring_mean_std
+from clipjax._types import SpikeFeedback
 
 ALGO = "skip_on_spike"
-FEEDBACKS = ("clipped", "skip", "raw")
+FEEDBACKS = get_args(SpikeFeedback)
 ROUTES = ("fold", "select", "cond")
 
 
@@ -112,7 +113,7 @@ def skip_on_spike(
     sigma: float = 6.0,
     min_history: int | None = None,
     max_consecutive_skips: int | None = None,
-    feedback: str = "clipped",
+    feedback: SpikeFeedback = "clipped",
     axis_name: str | None = None,
     name: str | None = None,
 ) -> SkipOnSpikeTransform:

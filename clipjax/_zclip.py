@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, cast, get_args
 
 import jax
 import jax.numpy as jnp
@@ -86,7 +86,7 @@ def _checked(
     clip_factor = 1.0 if clip_factor is None else clip_factor
     _validation.choice("clip_option", clip_option, ("adaptive_scaling", "mean"))
     _validation.positive("clip_factor", clip_factor)
-    _kit.check_feedback(feedback, ("clip_target", "clipped", "raw", "skip"))
+    _kit.check_feedback(feedback, get_args(TargetFeedback))
     if skip_update_on_spike:
         if feedback not in ("clip_target", "skip"):
             raise ValueError(
