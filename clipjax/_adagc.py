@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
 
-from clipjax import _engine, _stats, _validation
-from clipjax._engine import Judgement, NormRule
+from clipjax import _grouping, _kit, _validation
 from clipjax._grouping import Scope
+from clipjax._kit import ClipTransform
 from clipjax._metrics import GroupInfo
 from clipjax._types import SpikeFeedback
 
 
 class AdaGCState(NamedTuple):
-    """State of :func:`adagc`.
+    """State of :func:`adagc`: ``gamma`` per group, then the shared fields.
 
     Attributes:
-      stats: ``gamma`` per group, the EMA of clipped norms (+inf before the
-        first observation).
-      metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.
+      gamma: ``[groups]`` EMA of the clipped norms (the minimum of the clipped
+        norms during warm-up; +inf before the first observation).
+      metrics: this step's metrics and the counters (``clipjax._kit``).
       info: static names (algorithm, prefix, groups, leaves).
       leaf_index: each leaf's group index, int32 scalars (empty for one group).
       leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
@@ -28,15 +28,19 @@ class AdaGCState(NamedTuple):
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
       >>> state = clipjax.adagc().init({"w": jnp.zeros((3, 2))})
-      >>> isinstance(state, clipjax.AdaGCState), state.info.groups
-      (True, ('w',))
+      >>> isinstance(state, clipjax.AdaGCState), state.info.groups, state.gamma.shape
+      (True, ('w',), (1,))
     """
 
-    stats: Any
+    gamma: jax.Array
     metrics: dict[str, jax.Array]
     info: GroupInfo
     leaf_index: tuple[jax.Array, ...]
     leaf_metrics: dict[str, jax.Array]
+
+    def statistics(self) -> dict[str, jax.Array]:
+        """The statistics :func:`clipjax.metrics` reports: ``mean`` (``gamma``)."""
+        return {"mean": self.gamma}
 
 
 def adagc(
@@ -51,7 +55,7 @@ def adagc(
     axis_name: str | None = None,
     leaf_norms: bool = False,
     name: str | None = None,
-) -> _engine.ClipTransform:
+) -> ClipTransform:
     """AdaGC: clip each tensor against an EMA of its own clipped gradient norms.
 
     Per group ``i`` (each leaf by default), with ``g_i`` its gradient norm:
@@ -125,31 +129,81 @@ def adagc(
       Wang et al., `Adaptive Gradient Clipping for Robust Large Language Model
       Pre-training <https://arxiv.org/abs/2502.11034>`_, 2025.
     """
+    settings = dict(locals())
     _validation.positive("relative_threshold", relative_threshold)
     _validation.open_unit("beta", beta)
     _validation.integer("warmup_steps", warmup_steps, static=False)
     _validation.positive("absolute_threshold", absolute_threshold)
     _validation.non_negative("eps", eps)
-    _engine.check_feedback(feedback, ("raw", "clipped", "skip"))
-    statistic = _stats.ClippedNormEma(None, beta, warmup_steps)
+    _kit.check_feedback(feedback, get_args(SpikeFeedback))
+    _grouping.validate_scope(scope)
+    _kit.check_name(name)
 
-    def judge(gamma: Any, g: jax.Array, count: jax.Array, aux: Any) -> Judgement:
-        warming = count < warmup_steps
+    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
+        return {
+            "gamma": jnp.full((num_groups,), jnp.inf, dtype),
+            "metrics": _kit.metric_arrays(num_groups, dtype, ()),
+        }
+
+    layout = _kit.layout_of(arrays)
+
+    def init_fn(params: Any) -> Any:
+        start = _kit.start(params, scope, "adagc", name, leaf_norms)
+        state = AdaGCState(
+            **arrays(start.num_groups, start.dtype),
+            info=start.info,
+            leaf_index=start.leaf_index,
+            leaf_metrics=start.leaf_metrics,
+        )
+        return state if start.placeholder else _kit.own_buffers(state)
+
+    def update_fn(
+        updates: Any, state: AdaGCState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, AdaGCState]:
+        del params, extra_args
+        grads = _kit.group_norms(
+            updates, state, AdaGCState, layout, who=name or "adagc", scope=scope,
+            axis_name=axis_name, leaf_norms=leaf_norms,
+        )  # fmt: skip
+        g, gamma, count = grads.norm, state.gamma, state.metrics["count"]
         finite = jnp.isfinite(g)
+        warming = count < warmup_steps
+
+        # The rule: one global clip in warm-up, then each group against its gamma.
         total = jnp.sqrt(jnp.sum(jnp.where(finite, g * g, 0.0)))
         global_scale = jnp.minimum(1.0, absolute_threshold / (total + eps))
         threshold = relative_threshold * gamma
         relative_scale = jnp.minimum(1.0, threshold / (g + eps))
         scale = jnp.where(warming, global_scale, relative_scale)
-        return Judgement(
+        scale = jnp.where(finite, scale, 1.0).astype(g.dtype)
+        fires = ~warming & (relative_scale < 1) & finite
+
+        # What gamma learns: the clipped norm (feedback="clipped": a spike
+        # teaches no more than the threshold); its minimum during warm-up.
+        x, observed = _kit.observation(
+            feedback,
+            jnp.where(warming, global_scale * g, g),
+            boundary=relative_scale * g,
+            target=None,
+            fires=fires,
+        )
+        observed = observed & finite
+        ema = beta * gamma + (1 - beta) * x
+        # Without warm-up, gamma starts at the first norm rather than staying +inf.
+        starting = warming | jnp.isinf(gamma)
+        gamma = jnp.where(observed, jnp.where(starting, jnp.minimum(gamma, x), ema), gamma)
+
+        metrics = _kit.step_metrics(
+            state.metrics,
+            norm=g,
             threshold=jnp.where(warming, jnp.asarray(absolute_threshold, g.dtype), threshold),
             scale=scale,
-            fires=~warming & (relative_scale < 1),
-            boundary=relative_scale * g,
-            observation=jnp.where(warming, global_scale * g, g),
+            observed=observed,
         )
+        new_state = state._replace(gamma=gamma, **_kit.shared_fields(state, grads, metrics))
+        return _kit.scaled(grads, scale, state), new_state
 
-    rule = NormRule("adagc", judge, statistic, feedback=feedback)
-    return _engine.transform(
-        rule, AdaGCState, scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms
-    )
+    # optax types a state as OptState (an array tree), not as AdaGCState.
+    tx = ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+    tx.configure = lambda **overrides: adagc(**{**settings, **overrides})
+    return tx
