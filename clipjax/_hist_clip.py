@@ -4,27 +4,31 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _engine, _static, _stats, _validation
-from clipjax._engine import Judgement, NormRule
-from clipjax._grouping import Scope
+from clipjax import _conditional, _grouping, _kit, _metrics, _stats, _validation
+from clipjax._grouping import Grouping, Scope
+from clipjax._kit import ClipTransform
 from clipjax._metrics import GroupInfo
+from clipjax._static import clip_by_global_norm
 from clipjax._types import TargetFeedback
 
 
 class HistClipState(NamedTuple):
-    """State of :func:`hist_clip`.
+    """State of :func:`hist_clip`: its statistics per group, the shared fields,
+    and the warm-up clip's state.
 
     Attributes:
-      stats: the criterion's running mean (and variance) per group, and the
-        warm-up sample's running sums (count, total, sum of squared
-        deviations; ``[groups]`` each, whatever ``warmup_steps``).
-      metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.
+      mean: ``[groups]`` the criterion's running mean of the norms.
+      var: ``[groups]`` its running variance (the zstat criterion; 1.0 and
+        unused with the ema criterion).
+      sample: the warm-up sample's running sums (count, total, squared
+        deviations), ``[groups]`` each, whatever ``warmup_steps``.
+      metrics: this step's metrics and the counters (``clipjax._kit``).
       info: static names (algorithm, prefix, groups, leaves).
       leaf_index: each leaf's group index, int32 scalars (empty for one group).
       leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
@@ -34,16 +38,25 @@ class HistClipState(NamedTuple):
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
       >>> state = clipjax.hist_clip().init({"w": jnp.zeros((3, 2))})
-      >>> isinstance(state, clipjax.HistClipState), state.info.groups
-      (True, ('global',))
+      >>> isinstance(state, clipjax.HistClipState), state.info.groups, state.mean.shape
+      (True, ('global',), (1,))
     """
 
-    stats: Any
+    mean: jax.Array
+    var: jax.Array
+    sample: _stats.SampleState
     metrics: dict[str, jax.Array]
     info: GroupInfo
     leaf_index: tuple[jax.Array, ...]
     leaf_metrics: dict[str, jax.Array]
     nested: Any = None
+
+    def statistics(self) -> dict[str, jax.Array]:
+        """The statistics :func:`clipjax.metrics` reports: ``mean``, and ``std`` where
+        the criterion keeps a variance (``metrics`` holds ``z`` then)."""
+        if "z" in self.metrics:
+            return {"mean": self.mean, "std": _metrics.sqrt(self.var)}
+        return {"mean": self.mean}
 
 
 # drytorch's guards: the z-statistic's denominator and clip_grad_norm_'s.
@@ -69,8 +82,8 @@ def mean_clipping(zt: jax.Array, thresh: Any) -> jax.Array:
 
     With :func:`zstat_criterion` the factor is 0 (clip value ``mu``). With
     :func:`ema_criterion` the factor is 1, i.e. the clip value is ``mu`` too:
-    **FIX**, drytorch returns 0 there, which makes the clip value 0 and zeroes
-    the gradient, contrary to its own documentation ("clip to the mean").
+    unlike drytorch, which returns 0 there: the clip value 0 zeroes the
+    gradient, contrary to its own documentation ("clip to the mean").
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -197,7 +210,7 @@ def ema_criterion(
     """drytorch ``EMACriterion``: fire when ``r = g / mu > r_thresh``.
 
     Clip value ``mu * clip_fn(r, r_thresh)`` (``mu`` for :func:`mean_clipping`,
-    a **FIX**); update ``mu <- alpha mu + (1-alpha) g``.
+    where drytorch zeroes the gradient); update ``mu <- alpha mu + (1-alpha) g``.
 
     Examples:
       >>> import clipjax
@@ -232,7 +245,7 @@ def hist_clip(
     axis_name: str | None = None,
     leaf_norms: bool = False,
     name: str | None = None,
-) -> _engine.ClipTransform:
+) -> ClipTransform:
     """Clip by a criterion on the history of gradient norms (drytorch HistClipper).
 
     Warm-up: the first ``warmup_steps`` finite norms of a group are collected
@@ -252,15 +265,12 @@ def hist_clip(
       the statistics.
     * ``"clipped"``: ``min(g, B)`` on every step: a spike teaches no more
       than a norm at the boundary would, and a lasting rise of the norm is
-      learnt (each step at the boundary widens it): it stops spikes and
-      follows a training run.
+      learnt (each step at the boundary widens it).
     * ``"clip_target"``: on a high-side fire, the criterion's clip value.
       With :func:`reciprocal_clipping` or :func:`mean_clipping` that value
       lies below ``B`` and tends to ``mu`` as the spike grows, so the
       statistics cannot rise past a lasting upward shift: the std collapses
-      and **every later step is clipped to the old mean** (measured by
-      ``python benchmarks/follow.py``: after a x2 shift with 5% noise, 100%
-      of the later steps are clipped).
+      and **every later step is clipped to the old mean**.
     * ``"skip"``: nothing on a high-side fire (the group's ``count`` does not
       advance); a lasting upward shift of the norm can hold the statistics at
       the old level.
@@ -274,14 +284,14 @@ def hist_clip(
     Either runs only while some group warms up (under ``lax.cond``); a
     ``warmup_clip`` given with ``warmup_steps=0`` (no warm-up) raises a
     ``ValueError``. Once a
-    group's warm-up is over, the warm-up clip's nested metrics for it read as
-    at init (``grad_norm`` 0, ``scale`` 1, ``clipped`` False) and its counters
+    group's warm-up is over, the warm-up clip's nested metrics for it read
+    idle (``grad_norm`` 0, ``scale`` 1, ``clipped`` False) and its counters
     keep their totals: they never report a stale decision.
 
-    **FIX**: drytorch's EMA criterion with ``mean_clipping`` zeroes the
-    gradient; here it clips to the running mean. A NaN/Inf norm poisons
-    drytorch's statistics; here it is kept out of them (and out of the
-    warm-up clip's state) and the gradient passes unchanged.
+    Unlike drytorch, the EMA criterion with ``mean_clipping`` clips to the
+    running mean (drytorch zeroes the gradient), and a NaN/Inf norm is kept
+    out of the statistics (and out of the warm-up clip's state) and its
+    gradient passes unchanged (it poisons drytorch's statistics).
 
     Static arguments: none; every number may be injected or scheduled with
     ``optax.inject_hyperparams``, with no ``static_args`` (``warmup_steps`` too:
@@ -332,6 +342,7 @@ def hist_clip(
       drytorch ``drytorch.lib.gradient_ops.HistClipper``; Kumar et al.,
       `ZClip <https://arxiv.org/abs/2504.02507>`_ (reciprocal clipping), 2025.
     """
+    settings = dict(locals())
     criterion = zstat_criterion() if criterion is None else criterion
     if not isinstance(criterion, Criterion):
         raise ValueError(
@@ -351,59 +362,153 @@ def hist_clip(
             raise ValueError(
                 f"warmup_clip must be a GradientTransformation or None, got {warmup_clip!r}"
             )
-        warmup_clip = _static.clip_by_global_norm(1.0)
+        warmup_clip = clip_by_global_norm(1.0)
     if warmup_clip is not None and not hasattr(warmup_clip, "update"):
         raise ValueError(
             f"warmup_clip must be a GradientTransformation or None, got {warmup_clip!r}"
         )
-    _engine.check_feedback(feedback, ("raw", "clipped", "clip_target", "skip"))
-    ceiling = _engine.resolve_ceiling(max_grad_norm, feedback)
+    _kit.check_feedback(feedback, get_args(TargetFeedback))
+    ceiling = _kit.resolve_ceiling(max_grad_norm, feedback)
+    _grouping.validate_scope(scope)
+    _kit.check_name(name)
+    warm: Any = warmup_clip
+    configure = getattr(warm, "configure", None)
+    if configure is not None:
+        # A clipjax warm-up clip clips each of hist_clip's groups by its (averaged) norm.
+        warm = configure(scope=scope, axis_name=axis_name)
     alpha, thresh = criterion.alpha, criterion.thresh
     # drytorch's StatsCollector: mean and ddof=1 variance of the warm-up
     # sample, the variance kept at its start value 1.0 unless positive.
-    statistic = _stats.WarmupEma(None, alpha, warmup_steps, criterion.variance, 1, 1.0)
+    statistic = _stats.WarmupEma(
+        alpha=alpha, warmup_steps=warmup_steps, variance=criterion.variance, ddof=1, start_var=1.0
+    )
     score_name = criterion.score_name
+    fields = ("clip_to",) if score_name is None else ("clip_to", score_name)
 
-    def judge(stats: Any, g: jax.Array, count: jax.Array, aux: Any) -> Judgement:
+    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
+        mean, var, sample = statistic.init(num_groups, dtype)
+        metrics = _kit.metric_arrays(num_groups, dtype, fields, ceiling is not None)
+        return {"mean": mean, "var": var, "sample": sample, "metrics": metrics}
+
+    layout = _kit.layout_of(arrays)
+
+    def init_fn(params: Any) -> Any:
+        start = _kit.start(params, scope, "hist_clip", name, leaf_norms)
+        state = HistClipState(
+            **arrays(start.num_groups, start.dtype),
+            info=start.info,
+            leaf_index=start.leaf_index,
+            leaf_metrics=start.leaf_metrics,
+            nested=None if warm is None else warm.init(params),
+        )
+        return state if start.placeholder else _kit.own_buffers(state)
+
+    def update_fn(
+        updates: Any, state: HistClipState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, HistClipState]:
+        del extra_args
+        grads = _kit.group_norms(
+            updates, state, HistClipState, layout, who=name or "hist_clip", scope=scope,
+            axis_name=axis_name, leaf_norms=leaf_norms,
+        )  # fmt: skip
+        g, mu, v, count = grads.norm, state.mean, state.var, state.metrics["count"]
+        finite = jnp.isfinite(g)
         warming = count < warmup_steps
-        mu, v = stats.mean, stats.var
+
+        # The criterion, from the statistics before this step (none while mu == 0).
         active = (mu != 0) & ~warming
-        stat = criterion.score(g, mu, v)
-        fires = active & (stat > thresh)
-        safe = jnp.where(fires, stat, 1.0)
+        score = criterion.score(g, mu, v)
+        fires = active & (score > thresh)
+        safe = jnp.where(fires, score, 1.0)
         if criterion.clip_fn is mean_clipping:
             factor = jnp.full_like(safe, criterion.mean_factor)
         else:
             factor = criterion.clip_fn(safe, thresh)
         clip = criterion.clip_value(factor, mu, v)
         high = fires & (g > mu)
+        boundary = jnp.where(active, criterion.boundary(mu, v, thresh), jnp.inf)
         scale = jnp.where(fires, jnp.minimum(1.0, clip / (g + _DIV_EPS)), 1.0)
-        extra = {"clip_to": jnp.where(high & (scale < 1) & jnp.isfinite(g), clip, g)}
-        if score_name is not None:
-            extra[score_name] = jnp.where(warming, 0.0, stat)
-        return Judgement(
-            threshold=jnp.where(active, criterion.boundary(mu, v, thresh), jnp.inf),
-            scale=scale,
-            fires=high,
-            target=clip,
-            warming=warming,
-            extra=extra,
-        )
+        scale = jnp.where(finite, scale, 1.0).astype(g.dtype)
+        clip_to = jnp.where(high & (scale < 1) & finite, clip, g)
+        capped = None
+        threshold = boundary
+        if ceiling is not None:
+            scale, capped = _kit.ceiling_scale(scale, g, ceiling)
+            threshold = jnp.minimum(boundary, ceiling)
+            clip_to = jnp.where(capped, ceiling, clip_to)
 
-    rule = NormRule(
-        "hist_clip",
-        judge,
-        statistic,
-        feedback=feedback,
-        extra_fields=("clip_to",) if score_name is None else ("clip_to", score_name),
-        ceiling=ceiling,
-    )
-    return _engine.transform(
-        rule,
-        HistClipState,
-        scope=scope,
-        name=name,
-        axis_name=axis_name,
-        leaf_norms=leaf_norms,
-        warmup=warmup_clip,
-    )
+        # What the statistics learn: the warm-up sample, then the EMAs.
+        x, observed = _kit.observation(
+            feedback, g, boundary=boundary, target=clip, fires=high & finite
+        )
+        stats = _stats.WarmupEmaState(mu, v, state.sample)
+        stats = _kit.select_groups(observed, statistic.observe(stats, x, count), stats)
+
+        scores = {} if score_name is None else {score_name: jnp.where(warming, 0.0, score)}
+        metrics = _kit.step_metrics(
+            state.metrics,
+            norm=g,
+            threshold=threshold,
+            scale=scale,
+            observed=observed,
+            capped=capped,
+            clip_to=clip_to,
+            **scores,
+        )
+        new_state = state._replace(
+            mean=stats.mean, var=stats.var, sample=stats.warmup,
+            **_kit.shared_fields(state, grads, metrics),
+        )  # fmt: skip
+        leaves = _grouping.apply_scales(
+            grads.leaves, grads.grouping, _grouping.materialize(scale), state.leaf_index
+        )
+        if warm is not None:
+            # The warm-up clip runs on the groups that warm up, only while one
+            # does; with a ceiling it sees the capped gradient.
+            warm_in = updates if ceiling is None else grads.treedef.unflatten(leaves)
+            leaves, nested = _run_warmup(
+                warm, warm_in, state.nested, params, leaves, grads.grouping,
+                warming & finite, state.leaf_index,
+            )  # fmt: skip
+            new_state = new_state._replace(nested=nested)
+        return grads.treedef.unflatten(leaves), new_state
+
+    # optax types a state as OptState (an array tree), not as HistClipState.
+    tx = ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+    tx.configure = lambda **overrides: hist_clip(**{**settings, **overrides})
+    return tx
+
+
+def _run_warmup(
+    warmup: Any,
+    updates: Any,
+    nested: Any,
+    params: Any,
+    scaled: list[jax.Array],
+    grouping: Grouping,
+    warming: jax.Array,
+    index: tuple[jax.Array, ...],
+) -> tuple[list[jax.Array], Any]:
+    """The warm-up transform on the groups that warm up, only while one does.
+
+    Its state advances only for those groups: a nested clipjax state with one
+    entry per group keeps the others' arrays, and reports them idle (a stale
+    ``clipped=True`` from the last warm-up step would be a lie); another
+    transform's state advances as a whole (the step ran for some group).
+    """
+
+    def keep_idle(new: Any, old: Any) -> Any:
+        if not _metrics.is_clipjax_state(new):
+            return new
+        if new.metrics["step"].shape != warming.shape:
+            return new._replace(metrics=_conditional.idle_metrics(new.metrics))
+        metrics = _kit.select_groups(warming, new.metrics, old.metrics)
+        idle = _conditional.idle_metrics(metrics)
+        return new._replace(metrics=_kit.select_groups(warming, metrics, idle))
+
+    out, new_nested = _conditional.run_if(jnp.any(warming), warmup, updates, nested, params)
+    mask = _grouping.leaf_scales(grouping, warming, index)
+    # A select with a per-leaf mask that fuses into the scaling multiply.
+    leaves = [jnp.where(m, w, s) for m, w, s in zip(mask, jax.tree.leaves(out), scaled)]
+    kept = jax.tree.map(keep_idle, new_nested, nested, is_leaf=_metrics.is_clipjax_state)
+    return leaves, kept
