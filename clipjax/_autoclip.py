@@ -2,26 +2,37 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 
-from clipjax import _engine, _stats, _validation
-from clipjax._engine import Judgement, NormRule
+from clipjax import _grouping, _kit, _stats, _validation
 from clipjax._grouping import Scope
+from clipjax._kit import ClipTransform
 from clipjax._metrics import GroupInfo
 from clipjax._types import AutoClipHistory, AutoClipMode, Feedback
 
 
 class AutoClipState(NamedTuple):
-    """State of :func:`autoclip`.
+    """State of :func:`autoclip`: the statistics of its mode and history, then the shared fields.
+
+    Each statistic is stacked over the groups; the fields the chosen mode and
+    history do not use are None.
 
     Attributes:
-      stats: the statistics of its mode, stacked over groups: P² median
-        markers and Welford moments (``mode="auto"``), the window, or the
-        streaming / geometric quantile.
-      metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`.
+      median: ``mode="auto"``, ``history="all"``: the P² markers of the
+        median (:class:`clipjax._stats.P2State`).
+      moments: ``mode="auto"``, ``history="all"``: Welford's count, mean and
+        sum of squared deviations, for the std
+        (:class:`clipjax._stats.WelfordState`).
+      window: ``history="window"``: the last ``window_size`` observations,
+        as they came and sorted (:class:`clipjax._stats.WindowState`).
+      quantile: ``history="ema"``: the forgetting quantile
+        (:class:`clipjax._stats.StreamingQuantileState`); ``"geometric"``:
+        the geometric quantile (:class:`clipjax._stats.GeometricQuantileState`).
+      metrics: this step's metrics (with ``median`` and ``std``, or
+        ``quantile``, after the step) and the counters (``clipjax._kit``).
       info: static names (algorithm, prefix, groups, leaves).
       leaf_index: each leaf's group index, int32 scalars (empty for one group).
       leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
@@ -31,9 +42,14 @@ class AutoClipState(NamedTuple):
       >>> state = clipjax.autoclip().init({"w": jnp.zeros((3, 2))})
       >>> isinstance(state, clipjax.AutoClipState), state.info.groups
       (True, ('global',))
+      >>> state.median.heights.shape, state.window is None
+      ((1, 5), True)
     """
 
-    stats: Any
+    median: _stats.P2State | None
+    moments: _stats.WelfordState | None
+    window: _stats.WindowState | None
+    quantile: _stats.StreamingQuantileState | _stats.GeometricQuantileState | None
     metrics: dict[str, jax.Array]
     info: GroupInfo
     leaf_index: tuple[jax.Array, ...]
@@ -87,6 +103,76 @@ def _no_effect(
         )
 
 
+class _Settings(NamedTuple):
+    """autoclip's arguments checked, with their defaults filled in."""
+
+    history: AutoClipHistory
+    window_size: int
+    percentile: float
+    ema_decay: float
+    quantile_lr: float
+    feedback: Feedback  # what the statistics learn ("clipped" is "raw" in percentile mode)
+    ceiling: Any  # max_grad_norm resolved, or None
+    gate: Any  # finite observations a group needs before it may be clipped
+
+
+def _checked(
+    mode: Any, percentile: Any, history: Any, window_size: Any, ema_decay: Any,
+    warmup_steps: Any, min_history: Any, eps: Any, feedback: Any, quantile_lr: Any,
+    max_grad_norm: Any,
+) -> _Settings:  # fmt: skip
+    """Validates autoclip's arguments and fills in their defaults."""
+    _validation.choice("mode", mode, ("auto", "percentile"))
+    if mode == "auto":
+        if history is None:
+            history = "all" if feedback == "observe_first" else "window"
+        if history in PERCENTILE_HISTORIES and history not in AUTO_HISTORIES:
+            raise ValueError(
+                f'history={history!r} is a percentile-mode history; mode="auto" takes '
+                f"history in {AUTO_HISTORIES} (smartclip accepts history={history!r} in auto "
+                "mode and ignores it, keeping the whole history: that is "
+                'history="all"). For a streaming quantile use mode="percentile".'
+            )
+        _validation.choice("history", history, AUTO_HISTORIES)
+        default_window = AUTO_WINDOW
+    else:
+        history = "window" if history is None else history
+        _validation.choice("history", history, PERCENTILE_HISTORIES)
+        default_window = 1024
+    _no_effect(mode, history, percentile, window_size, ema_decay, quantile_lr)
+    window_size = default_window if window_size is None else window_size
+    percentile = 95.0 if percentile is None else percentile
+    ema_decay = 0.99 if ema_decay is None else ema_decay
+    quantile_lr = 0.2 if quantile_lr is None else quantile_lr
+    _validation.percentile("percentile", percentile)
+    _validation.integer("window_size", window_size, minimum=1)
+    _validation.open_unit("ema_decay", ema_decay)
+    _validation.positive("quantile_lr", quantile_lr)
+    _kit.check_feedback(feedback, ("observe_first", "raw", "clipped", "skip"))
+    ceiling = _kit.resolve_ceiling(max_grad_norm, feedback)
+    warmup_steps, min_history = gate_defaults(feedback, warmup_steps, min_history)
+    _validation.integer("warmup_steps", warmup_steps, static=False)
+    _validation.integer("min_history", min_history, static=False)
+    _validation.positive("eps", eps)
+    if mode == "percentile":
+        # A quantile is a rank statistic: a spike moves it by one rank at most,
+        # while feeding it its own threshold only drags it down.
+        if feedback == "skip":
+            raise ValueError(
+                'feedback="skip" is not available with mode="percentile": a p-quantile '
+                "threshold fires on 1 - p of the steps by design, and never observing "
+                'them drags it down without bound; use feedback="clipped" (judge first, '
+                "observe the norm)"
+            )
+        if feedback == "clipped":
+            feedback = "raw"
+    gate = jnp.maximum(warmup_steps, min_history)
+    return _Settings(
+        cast(AutoClipHistory, history), window_size, percentile, ema_decay, quantile_lr,
+        cast(Feedback, feedback), ceiling, gate,
+    )  # fmt: skip
+
+
 def autoclip(
     mode: AutoClipMode = "auto",
     percentile: float | None = None,
@@ -105,13 +191,20 @@ def autoclip(
     axis_name: str | None = None,
     leaf_norms: bool = False,
     name: str | None = None,
-) -> _engine.ClipTransform:
+) -> ClipTransform:
     """AutoClip: clip to a threshold learnt from the history of gradient norms.
 
-    Per step and group (smartclip ``AutoClip``): observe the finite norm, then
-    compute the threshold ``T`` from statistics that include it, then scale by
-    ``min(1, T / (g + eps))`` once the group has ``max(warmup_steps,
-    min_history)`` finite observations. ``T`` is floored at ``eps``.
+    Per step and group, with ``g`` the norm (smartclip ``AutoClip``, under the
+    default ``feedback="observe_first"``)::
+
+        observe g (floored at eps: smartclip's ensure_positive), then
+        T = max(eps, median + 3 std)   (mode="auto")
+          = max(eps, quantile)         (mode="percentile")
+        scale = min(1, T / (g + eps))  once the gate is open, else 1
+        scale = min(scale, max_grad_norm / (g + 1e-6))  where g > max_grad_norm
+
+    from statistics that include ``g``. The gate opens once the group has
+    ``max(warmup_steps, min_history)`` finite observations.
 
     * ``mode="auto"``: ``T = median + 3 * std``. With ``history="all"`` (the
       default in this mode under ``feedback="observe_first"``, smartclip's)
@@ -130,9 +223,7 @@ def autoclip(
       equal to smartclip.
     * ``mode="percentile", history="ema"``: a scale-free stochastic-
       approximation quantile with Polyak averaging that forgets at a rate
-      proportional to ``1 - ema_decay`` (within a few % of the true quantile
-      on light-tailed stationary streams; back within 20 % of a 5x lower
-      quantile after about ``30 / (1 - ema_decay)`` steps).
+      proportional to ``1 - ema_decay``.
     * ``mode="percentile", history="geometric"``: the geometric quantile of
       Andrew et al. (2021): start at the first norm, then
       ``q <- q * exp(-quantile_lr * (1[g <= q] - percentile / 100))``.
@@ -143,8 +234,9 @@ def autoclip(
 
     * ``"observe_first"`` (default, smartclip's order): the norm is observed
       before its own threshold is computed, so a large spike raises its own
-      threshold (with 200 samples of history a x1000 spike still passes at
-      about a fifth of its size in auto mode). Use it to reproduce smartclip.
+      threshold (with a few hundred norms of history a x1000 spike still
+      passes at a large fraction of its size in auto mode). Use it to
+      reproduce smartclip.
     * ``"raw"``: the threshold comes from the statistics *before* the step;
       then the norm is observed. The gate then opens once
       ``max(warmup_steps, min_history, 1)`` norms were observed before the
@@ -167,9 +259,10 @@ def autoclip(
     ``"observe_first"``, and 10 each under the judge-first settings: a clipper
     that judges a step before observing it, and feeds back the clipped norm,
     needs few observations, and a long gate lets the large norms of early
-    training through and into the statistics.
+    training through and into the statistics. A non-finite norm passes
+    unchanged and never enters the statistics (``guard_nans``).
 
-    **FIX** (differences from smartclip):
+    Unlike smartclip:
 
     * P²'s parabolic step uses the textbook formula; smartclip omits the
       ``1 / (n[i+1] - n[i-1])`` factor.
@@ -204,13 +297,16 @@ def autoclip(
         None (default) means 1024 in percentile mode, 100 in auto mode.
       ema_decay: decay of the streaming quantile of ``history="ema"``, in
         (0, 1); default 0.99.
-      scope: ``"global"``, ``"per_param"``, ``"per_layer"`` or a callable.
+      scope: ``"global"``, ``"per_param"``, ``"per_layer"``, a callable or
+        :func:`clipjax.stacked`; each group has its own statistics and gate.
       warmup_steps: finite observations before clipping may start; default
         100 under ``"observe_first"``, 10 otherwise.
       min_history: idem (default 50 under ``"observe_first"``, 10
         otherwise); the gate opens at the larger of the two.
       eps: threshold floor and denominator guard (``> 0``).
-      guard_nans: keep non-finite norms out of the statistics (default).
+      guard_nans: keep non-finite norms out of the statistics (default);
+        False reproduces smartclip unguarded: a NaN norm enters as ``eps``, an
+        infinite one as it is.
       feedback: ``"observe_first"`` (default), ``"raw"``, ``"clipped"`` or
         ``"skip"``, see above.
       quantile_lr: step size of the geometric quantile (``> 0``;
@@ -229,9 +325,12 @@ def autoclip(
       name: metrics prefix (default ``autoclip``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform`; metrics per group:
-      ``grad_norm``, ``threshold``, ``scale``, ``clipped``, the counters, and
-      ``median``, ``std`` (auto) or ``quantile`` (percentile).
+      A :class:`~clipjax.ClipTransform` whose state is an
+      :class:`AutoClipState`; metrics per group: ``grad_norm``, ``threshold``
+      (at most the ceiling; the ceiling while the gate is closed), ``scale``,
+      ``clipped``, ``capped`` (with a ceiling: it was the bound), the
+      counters, and ``median``, ``std`` (auto) or ``quantile`` (percentile)
+      after the step.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -255,88 +354,133 @@ def autoclip(
       `Differentially Private Learning with Adaptive Clipping
       <https://arxiv.org/abs/1905.03871>`_, 2021 (geometric quantile).
     """
-    _validation.choice("mode", mode, ("auto", "percentile"))
-    if mode == "auto":
-        if history is None:
-            history = "all" if feedback == "observe_first" else "window"
-        if history in PERCENTILE_HISTORIES and history not in AUTO_HISTORIES:
-            raise ValueError(
-                f'history={history!r} is a percentile-mode history; mode="auto" takes '
-                f"history in {AUTO_HISTORIES} (smartclip accepts history={history!r} in auto "
-                "mode and ignores it, keeping the whole history: that is "
-                'history="all"). For a streaming quantile use mode="percentile".'
-            )
-        _validation.choice("history", history, AUTO_HISTORIES)
-        default_window = AUTO_WINDOW
-    else:
-        history = "window" if history is None else history
-        _validation.choice("history", history, PERCENTILE_HISTORIES)
-        default_window = 1024
-    _no_effect(mode, history, percentile, window_size, ema_decay, quantile_lr)
-    window_size = default_window if window_size is None else window_size
-    percentile = 95.0 if percentile is None else percentile
-    ema_decay = 0.99 if ema_decay is None else ema_decay
-    quantile_lr = 0.2 if quantile_lr is None else quantile_lr
-    _validation.percentile("percentile", percentile)
-    _validation.integer("window_size", window_size, minimum=1)
-    _validation.open_unit("ema_decay", ema_decay)
-    _validation.positive("quantile_lr", quantile_lr)
-    _engine.check_feedback(feedback, ("observe_first", "raw", "clipped", "skip"))
-    ceiling = _engine.resolve_ceiling(max_grad_norm, feedback)
-    warmup_steps, min_history = gate_defaults(feedback, warmup_steps, min_history)
-    _validation.integer("warmup_steps", warmup_steps, static=False)
-    _validation.integer("min_history", min_history, static=False)
-    _validation.positive("eps", eps)
-    if mode == "auto" and history == "window":
-        statistic: _stats.Statistic = _stats.WindowMedianStd(eps, window_size)
-    elif mode == "auto":
-        statistic = _stats.MedianStd(floor=eps)
-    elif history == "window":
-        statistic = _stats.WindowQuantile(eps, window_size, percentile)
-    elif history == "ema":
-        statistic = _stats.StreamingQuantile(eps, percentile, ema_decay)
-    else:
-        statistic = _stats.GeometricQuantile(eps, percentile, quantile_lr)
-    if mode == "percentile":
-        # A quantile is a rank statistic: a spike moves it by one rank at most,
-        # while feeding it its own threshold only drags it down.
-        if feedback == "skip":
-            raise ValueError(
-                'feedback="skip" is not available with mode="percentile": a p-quantile '
-                "threshold fires on 1 - p of the steps by design, and never observing "
-                'them drags it down without bound; use feedback="clipped" (judge first, '
-                "observe the norm)"
-            )
-        if feedback == "clipped":
-            feedback = "raw"
+    settings = dict(locals())
+    history, window_size, percentile, ema_decay, quantile_lr, feedback, ceiling, gate = _checked(
+        mode, percentile, history, window_size, ema_decay, warmup_steps, min_history, eps,
+        feedback, quantile_lr, max_grad_norm,
+    )  # fmt: skip
+    _kit.check_name(name)
+    _grouping.validate_scope(scope)
+    observe_first = feedback == "observe_first"
+    own = {"all": ("median", "moments"), "window": ("window",)}.get(history, ("quantile",))
+    reported = ("median", "std") if mode == "auto" else ("quantile",)
 
-    def judge(stats: Any, g: jax.Array, count: jax.Array, aux: Any) -> Judgement:
-        values = statistic.report(stats)
-        if mode == "auto":
-            raw = values["median"] + 3.0 * values["std"]
+    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
+        fields: dict[str, Any] = dict.fromkeys(("median", "moments", "window", "quantile"))
+        if history == "all":
+            fields["median"] = _stats.p2_init(num_groups, 0.5, dtype)
+            fields["moments"] = _stats.welford_init(num_groups, dtype)
+        elif history == "window":
+            fields["window"] = _stats.window_init(num_groups, window_size, dtype)
+        elif history == "ema":
+            fields["quantile"] = _stats.squantile_init(num_groups, dtype)
         else:
-            raw = values["quantile"]
-        threshold = jnp.maximum(raw, eps)
-        if judge_first:
-            # No statistics yet: nothing to judge by.
-            threshold = jnp.where(count == 0, jnp.inf, threshold)
-        return Judgement(threshold, jnp.minimum(1.0, threshold / (g + eps)))
+            fields["quantile"] = _stats.gquantile_init(num_groups, dtype)
+        fields["metrics"] = _kit.metric_arrays(num_groups, dtype, reported, ceiling is not None)
+        return fields
 
-    judge_first = feedback != "observe_first"
-    rule = NormRule(
-        "autoclip",
-        judge,
-        statistic,
-        feedback=feedback,
-        gate=jnp.maximum(warmup_steps, min_history),
-        ceiling=ceiling,
-    )
-    return _engine.transform(
-        rule,
-        AutoClipState,
-        scope=scope,
-        name=name,
-        axis_name=axis_name,
-        guard_nans=guard_nans,
-        leaf_norms=leaf_norms,
-    )
+    layout = _kit.layout_of(arrays)
+
+    def observe(stats: dict[str, Any], x: jax.Array) -> dict[str, Any]:
+        """The statistics after one observation per group, floored at ``eps``."""
+        x = _stats.positive_part(x, eps)
+        if history == "all":
+            return {
+                "median": _stats.p2_update(stats["median"], x, 0.5),
+                "moments": _stats.welford_update(stats["moments"], x),
+            }
+        if history == "window":
+            return {"window": _stats.window_update(stats["window"], x)}
+        q, p = stats["quantile"], percentile / 100.0
+        if history == "ema":
+            return {"quantile": _stats.squantile_update(q, x, p, ema_decay)}
+        return {"quantile": _stats.gquantile_update(q, x, p, quantile_lr)}
+
+    def report(stats: dict[str, Any]) -> dict[str, jax.Array]:
+        """``median`` and ``std`` (auto), or ``quantile`` (percentile), of the statistics."""
+        if history == "all":
+            median = _stats.p2_value(stats["median"])
+            return {"median": median, "std": _stats.welford_std(stats["moments"])}
+        if mode == "auto":
+            window = stats["window"]
+            median = _stats.window_percentile(window, 50.0)
+            return {"median": median, "std": _stats.window_mean_std(window)[1]}
+        if history == "window":
+            return {"quantile": _stats.window_percentile(stats["window"], percentile)}
+        if history == "ema":
+            return {"quantile": _stats.squantile_value(stats["quantile"])}
+        return {"quantile": stats["quantile"].quantile}
+
+    def threshold_of(values: dict[str, jax.Array]) -> jax.Array:
+        raw = values["median"] + 3.0 * values["std"] if mode == "auto" else values["quantile"]
+        return jnp.maximum(raw, eps)
+
+    def init_fn(params: Any) -> Any:
+        start = _kit.start(params, scope, "autoclip", name, leaf_norms)
+        state = AutoClipState(
+            **arrays(start.num_groups, start.dtype),
+            info=start.info,
+            leaf_index=start.leaf_index,
+            leaf_metrics=start.leaf_metrics,
+        )
+        return state if start.placeholder else _kit.own_buffers(state)
+
+    def update_fn(
+        updates: Any, state: AutoClipState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, AutoClipState]:
+        del params, extra_args
+        grads = _kit.group_norms(
+            updates, state, AutoClipState, layout, who=name or "autoclip", scope=scope,
+            axis_name=axis_name, leaf_norms=leaf_norms,
+        )  # fmt: skip
+        g = grads.norm
+        finite = jnp.isfinite(g)
+        count = state.metrics["count"]  # the group's observations before this step
+        before = {field: getattr(state, field) for field in own}
+
+        if observe_first:
+            # smartclip's order: the norm enters the statistics, then its
+            # threshold is read from them; the gate counts this observation.
+            gate_open = count + 1 >= gate
+            no_spike = jnp.zeros_like(finite)
+            x, observed = _kit.observation(feedback, g, boundary=g, target=None, fires=no_spike)
+            observed = observed if guard_nans else _unguarded(observed, no_spike, feedback)
+            stats = _kit.select_groups(observed, observe(before, x), before)
+            values = report(stats)
+            threshold = threshold_of(values)
+            scale = jnp.minimum(1.0, threshold / (g + eps))
+        else:
+            # Judged by the statistics before the step (none yet: +inf), then observed.
+            gate_open = count >= jnp.maximum(gate, 1)
+            threshold = jnp.where(count == 0, jnp.inf, threshold_of(report(before)))
+            scale = jnp.minimum(1.0, threshold / (g + eps))
+            fires = (scale < 1) & gate_open & finite
+            x, observed = _kit.observation(
+                feedback, g, boundary=threshold, target=None, fires=fires
+            )
+            observed = observed if guard_nans else _unguarded(observed, fires, feedback)
+            stats = _kit.select_groups(observed, observe(before, x), before)
+            values = report(stats)
+        scale = jnp.where(finite & gate_open, scale, 1.0).astype(g.dtype)
+        capped = None
+        if ceiling is not None:
+            scale, capped = _kit.ceiling_scale(scale, g, ceiling)
+            threshold = jnp.where(gate_open, jnp.minimum(threshold, ceiling), ceiling)
+
+        metrics = _kit.step_metrics(
+            state.metrics, norm=g, threshold=threshold, scale=scale, observed=observed,
+            capped=capped, **values,
+        )  # fmt: skip
+        new_state = state._replace(**stats, **_kit.shared_fields(state, grads, metrics))
+        return _kit.scaled(grads, scale, state), new_state
+
+    # optax types a state as OptState (an array tree), not as AutoClipState.
+    tx = ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+    tx.configure = lambda **overrides: autoclip(**{**settings, **overrides})
+    return tx
+
+
+def _unguarded(observed: jax.Array, fires: jax.Array, feedback: str) -> jax.Array:
+    """What is observed with ``guard_nans=False`` (smartclip unguarded): a non-finite
+    norm too, as :func:`clipjax._stats.positive_part` floors it (a NaN as ``eps``)."""
+    return ~fires if feedback == "skip" else jnp.ones_like(observed)

@@ -383,9 +383,9 @@ def test_orbax_restore_without_a_target_says_how_to_restore(tmp_path: Any) -> No
 
 def test_a_state_of_other_settings_is_named() -> None:
     """Right class, other layout: an auto-mode state given to a percentile-mode autoclip."""
-    with pytest.raises(ValueError, match=r"autoclip.update: the state's 'stats' field has"):
+    with pytest.raises(ValueError, match=r"autoclip.update: the state's 'median' field has"):
         clipjax.autoclip(mode="percentile").update(SMALL, clipjax.autoclip().init(SMALL))
-    with pytest.raises(ValueError, match=r"'stats' field .*\(1, 1024\).*\(1, 10\)"):
+    with pytest.raises(ValueError, match=r"'window' field .*\(1, 1024\).*\(1, 10\)"):
         tx = clipjax.autoclip(mode="percentile", window_size=10)
         tx.update(SMALL, clipjax.autoclip(mode="percentile").init(SMALL))
     with pytest.raises(ValueError, match=r"'metrics' field .*has \['capped', 'capped_count'\]"):
