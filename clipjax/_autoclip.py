@@ -444,7 +444,7 @@ def autoclip(
             gate_open = count + 1 >= gate
             no_spike = jnp.zeros_like(finite)
             x, observed = _kit.observation(feedback, g, boundary=g, target=None, fires=no_spike)
-            observed = observed if guard_nans else _unguarded(observed, no_spike, feedback)
+            observed = observed if guard_nans else observed_unguarded(observed, no_spike, feedback)
             stats = _kit.select_groups(observed, observe(before, x), before)
             values = report(stats)
             threshold = threshold_of(values)
@@ -458,7 +458,7 @@ def autoclip(
             x, observed = _kit.observation(
                 feedback, g, boundary=threshold, target=None, fires=fires
             )
-            observed = observed if guard_nans else _unguarded(observed, fires, feedback)
+            observed = observed if guard_nans else observed_unguarded(observed, fires, feedback)
             stats = _kit.select_groups(observed, observe(before, x), before)
             values = report(stats)
         scale = jnp.where(finite & gate_open, scale, 1.0).astype(g.dtype)
@@ -480,7 +480,9 @@ def autoclip(
     return tx
 
 
-def _unguarded(observed: jax.Array, fires: jax.Array, feedback: str) -> jax.Array:
-    """What is observed with ``guard_nans=False`` (smartclip unguarded): a non-finite
-    norm too, as :func:`clipjax._stats.positive_part` floors it (a NaN as ``eps``)."""
+def observed_unguarded(observed: jax.Array, fires: jax.Array, feedback: str) -> jax.Array:
+    """What is observed with ``guard_nans=False`` (smartclip unguarded), in place of
+    ``observed`` from :func:`clipjax._kit.observation`: a non-finite norm too, as
+    :func:`clipjax._stats.positive_part` floors it (a NaN as ``eps``); under
+    ``"skip"`` every step the rule does not fire on (autoclip and zscore_clip)."""
     return ~fires if feedback == "skip" else jnp.ones_like(observed)
