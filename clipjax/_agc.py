@@ -317,7 +317,7 @@ def _grouped(
         grads = _kit.Norms(g, leaves, treedef, grouping, per_leaf)
         new_state = state._replace(**_kit.shared_fields(state, grads, metrics))
         scaled = _grouping.apply_scales(
-            leaves, grouping, _grouping.materialize(scale), state.leaf_index
+            leaves, grouping, _grouping.computed_once(scale), state.leaf_index
         )
         if keep is not None:
             scaled = [s if k else x for x, s, k in zip(leaves, scaled, keep)]

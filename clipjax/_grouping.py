@@ -652,7 +652,7 @@ def stacked(
     return scope_
 
 
-def materialize(x: jax.Array) -> jax.Array:
+def computed_once(x: jax.Array) -> jax.Array:
     """``x`` itself, computed once where XLA would copy its computation into every consumer.
 
     XLA fuses a chain of cheap operations (compares, selects) into each

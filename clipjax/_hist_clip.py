@@ -460,7 +460,7 @@ def hist_clip(
             **_kit.shared_fields(state, grads, metrics),
         )  # fmt: skip
         leaves = _grouping.apply_scales(
-            grads.leaves, grads.grouping, _grouping.materialize(scale), state.leaf_index
+            grads.leaves, grads.grouping, _grouping.computed_once(scale), state.leaf_index
         )
         if warm is not None:
             # The warm-up clip runs on the groups that warm up, only while one

@@ -398,7 +398,7 @@ def counted(
 
 def scaled(norms: Norms, scale: Array, state: Any) -> Any:
     """The gradient with each group multiplied by its scale (one multiply a leaf)."""
-    scale = _grouping.materialize(scale)
+    scale = _grouping.computed_once(scale)
     leaves = _grouping.apply_scales(norms.leaves, norms.grouping, scale, state.leaf_index)
     return jax.tree_util.tree_unflatten(norms.treedef, leaves)
 

@@ -337,7 +337,7 @@ def skip_on_spike(
             forced = finite & spike & (consecutive >= max_consecutive_skips)
             spike = spike & ~forced
         skip = jnp.logical_not(finite) | spike
-        take = _grouping.materialize(jnp.logical_not(skip))
+        take = _grouping.computed_once(jnp.logical_not(skip))
 
         inner_args = dict(extra_args)
         if has_value:

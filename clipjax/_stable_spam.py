@@ -94,7 +94,7 @@ def _start(
     """``init``'s common part: the names, the statistics dtype, ``zeros(dtype)``, the leaf index."""
     grouping = _grouping.make_grouping(params, scope)
     # On optax's params placeholder (tree_map_params) the names are a leaf, and
-    # the index one leaf standing for the tuple (as in the engine's states).
+    # the index one leaf standing for the tuple (as in the other clippers' states).
     placeholder = _kit.is_placeholder(params)
     info_class = _metrics.PlaceholderInfo if placeholder else GroupInfo
     info = info_class(algo, name, grouping.names, grouping.leaf_names, grouping.leaf_shapes)

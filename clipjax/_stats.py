@@ -23,9 +23,6 @@ Statistics:
 * A scale-free stochastic-approximation quantile that forgets at a rate
   proportional to ``1 - decay`` (replaces smartclip's ``EmaQuantile``).
 * The geometric quantile of Andrew et al. (2021).
-
-The engine sees each of them through one small interface, :class:`Statistic`
-(``init`` / ``observe`` / ``report``), defined at the end of this module.
 """
 
 from __future__ import annotations
@@ -558,7 +555,7 @@ def gquantile_update(
 
 
 # --------------------------------------------------------------------------
-# Statistics as the engine sees them: init / observe / report
+# Helpers of the clippers' statistics
 # --------------------------------------------------------------------------
 
 
@@ -569,47 +566,6 @@ def positive_part(x: jax.Array, eps: ArrayLike) -> jax.Array:
     statistics: as ``eps``.
     """
     return jnp.where(x > 0, x, jnp.asarray(eps, x.dtype))
-
-
-@dataclasses.dataclass(frozen=True)
-class Statistic:
-    """A streaming statistic over stacked ``[groups]`` observations.
-
-    ``init(num_groups, dtype)`` returns the empty state; ``observe(state, x,
-    count)`` absorbs one (finite) observation per group, ``count`` being the
-    number of observations before it; ``report(state)`` gives the named
-    values the threshold rules read and the metrics record. Observations pass
-    through ``floor`` first when it is set (smartclip's ``ensure_positive``).
-    """
-
-    floor: ArrayLike | None = None
-
-    def init(self, num_groups: int, dtype: DTypeLike) -> Any:
-        raise NotImplementedError
-
-    def observe(self, state: Any, x: jax.Array, count: jax.Array) -> Any:
-        raise NotImplementedError
-
-    def report(self, state: Any) -> dict[str, jax.Array]:
-        raise NotImplementedError
-
-    def _input(self, x: jax.Array) -> jax.Array:
-        return x if self.floor is None else positive_part(x, self.floor)
-
-
-@dataclasses.dataclass(frozen=True)
-class MedianStd(Statistic):
-    """P² median and Welford standard deviation over the whole history."""
-
-    def init(self, num_groups: int, dtype: DTypeLike) -> tuple[P2State, WelfordState]:
-        return p2_init(num_groups, 0.5, dtype), welford_init(num_groups, dtype)
-
-    def observe(self, state: Any, x: jax.Array, count: jax.Array) -> Any:
-        x = self._input(x)
-        return p2_update(state[0], x, 0.5), welford_update(state[1], x)
-
-    def report(self, state: Any) -> dict[str, jax.Array]:
-        return {"median": p2_value(state[0]), "std": welford_std(state[1])}
 
 
 def ring_mean_std(
@@ -638,89 +594,6 @@ def window_mean_std(state: WindowState) -> tuple[jax.Array, jax.Array]:
     return mean, std
 
 
-@dataclasses.dataclass(frozen=True)
-class WindowMedianStd(Statistic):
-    """Exact median and sample std (ddof=1) of the last ``size`` observations."""
-
-    size: int = 100
-
-    def init(self, num_groups: int, dtype: DTypeLike) -> WindowState:
-        return window_init(num_groups, self.size, dtype)
-
-    def observe(self, state: Any, x: jax.Array, count: jax.Array) -> Any:
-        return window_update(state, self._input(x))
-
-    def report(self, state: Any) -> dict[str, jax.Array]:
-        return {"median": window_percentile(state, 50.0), "std": window_mean_std(state)[1]}
-
-
-@dataclasses.dataclass(frozen=True)
-class WindowQuantile(Statistic):
-    """The linearly interpolated ``percentile`` of the last ``size`` observations."""
-
-    size: int = 1024
-    percentile: ArrayLike = 95.0
-
-    def init(self, num_groups: int, dtype: DTypeLike) -> WindowState:
-        return window_init(num_groups, self.size, dtype)
-
-    def observe(self, state: Any, x: jax.Array, count: jax.Array) -> Any:
-        return window_update(state, self._input(x))
-
-    def report(self, state: Any) -> dict[str, jax.Array]:
-        return {"quantile": window_percentile(state, self.percentile)}
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamingQuantile(Statistic):
-    """:func:`squantile_update`'s forgetting quantile."""
-
-    percentile: ArrayLike = 95.0
-    decay: ArrayLike = 0.99
-
-    def init(self, num_groups: int, dtype: DTypeLike) -> StreamingQuantileState:
-        return squantile_init(num_groups, dtype)
-
-    def observe(self, state: Any, x: jax.Array, count: jax.Array) -> Any:
-        return squantile_update(state, self._input(x), self.percentile / 100.0, self.decay)
-
-    def report(self, state: Any) -> dict[str, jax.Array]:
-        return {"quantile": squantile_value(state)}
-
-
-@dataclasses.dataclass(frozen=True)
-class GeometricQuantile(Statistic):
-    """:func:`gquantile_update`'s multiplicative quantile."""
-
-    percentile: ArrayLike = 95.0
-    lr: ArrayLike = 0.2
-
-    def init(self, num_groups: int, dtype: DTypeLike) -> GeometricQuantileState:
-        return gquantile_init(num_groups, dtype)
-
-    def observe(self, state: Any, x: jax.Array, count: jax.Array) -> Any:
-        return gquantile_update(state, self._input(x), self.percentile / 100.0, self.lr)
-
-    def report(self, state: Any) -> dict[str, jax.Array]:
-        return {"quantile": state.quantile}
-
-
-@dataclasses.dataclass(frozen=True)
-class EmaMeanStd(Statistic):
-    """EMAs of ``x`` and ``x**2`` from the first value (smartclip ``ZScoreClip``)."""
-
-    decay: ArrayLike = 0.99
-
-    def init(self, num_groups: int, dtype: DTypeLike) -> EmaMomentsState:
-        return ema_moments_init(num_groups, dtype)
-
-    def observe(self, state: Any, x: jax.Array, count: jax.Array) -> Any:
-        return ema_moments_update(state, self._input(x), self.decay)
-
-    def report(self, state: Any) -> dict[str, jax.Array]:
-        return {"mean": state.mean, "std": ema_moments_std(state)}
-
-
 class WarmupEmaState(NamedTuple):
     """EMA statistics that start from a warm-up sample.
 
@@ -738,7 +611,7 @@ class WarmupEmaState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class WarmupEma(Statistic):
+class WarmupEma:
     """EMA mean (and variance) started from the first ``warmup_steps`` observations.
 
     The observation that completes the warm-up sample sets ``mean`` to its mean
@@ -797,23 +670,3 @@ class WarmupEma(Statistic):
         if self.variance is None:
             return {"mean": state.mean}
         return {"mean": state.mean, "std": jnp.sqrt(state.var)}
-
-
-@dataclasses.dataclass(frozen=True)
-class ClippedNormEma(Statistic):
-    """AdaGC's ``gamma``: the minimum during warm-up, then an EMA (rate ``1 - beta``)."""
-
-    beta: ArrayLike = 0.98
-    warmup_steps: ArrayLike = 100
-
-    def init(self, num_groups: int, dtype: DTypeLike) -> jax.Array:
-        return jnp.full((num_groups,), jnp.inf, dtype)
-
-    def observe(self, state: Any, x: jax.Array, count: jax.Array) -> Any:
-        ema = self.beta * state + (1 - self.beta) * x
-        # Without warm-up, gamma starts at the first norm rather than staying +inf.
-        start = (count < self.warmup_steps) | jnp.isinf(state)
-        return jnp.where(start, jnp.minimum(state, x), ema)
-
-    def report(self, state: Any) -> dict[str, jax.Array]:
-        return {"mean": state}
