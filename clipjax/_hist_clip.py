@@ -343,39 +343,9 @@ def hist_clip(
       `ZClip <https://arxiv.org/abs/2504.02507>`_ (reciprocal clipping), 2025.
     """
     settings = dict(locals())
-    criterion = zstat_criterion() if criterion is None else criterion
-    if not isinstance(criterion, Criterion):
-        raise ValueError(
-            "criterion must come from clipjax.zstat_criterion() or clipjax.ema_criterion(), "
-            f"got {criterion!r}"
-        )
-    _validation.integer("warmup_steps", warmup_steps, minimum=0, static=False)
-    if _validation.concrete(warmup_steps) == 0 and not (
-        warmup_clip is None or isinstance(warmup_clip, str)
-    ):
-        raise ValueError(
-            f"warmup_clip={warmup_clip!r} has no effect with warmup_steps=0 (there is no "
-            "warm-up to clip): leave warmup_clip out, or give warmup_steps > 0"
-        )
-    if isinstance(warmup_clip, str):
-        if warmup_clip != "default":
-            raise ValueError(
-                f"warmup_clip must be a GradientTransformation or None, got {warmup_clip!r}"
-            )
-        warmup_clip = clip_by_global_norm(1.0)
-    if warmup_clip is not None and not hasattr(warmup_clip, "update"):
-        raise ValueError(
-            f"warmup_clip must be a GradientTransformation or None, got {warmup_clip!r}"
-        )
-    _kit.check_feedback(feedback, get_args(TargetFeedback))
-    ceiling = _kit.resolve_ceiling(max_grad_norm, feedback)
-    _grouping.validate_scope(scope)
-    _kit.check_name(name)
-    warm: Any = warmup_clip
-    configure = getattr(warm, "configure", None)
-    if configure is not None:
-        # A clipjax warm-up clip clips each of hist_clip's groups by its (averaged) norm.
-        warm = configure(scope=scope, axis_name=axis_name)
+    criterion, warm, ceiling = _checked(
+        criterion, warmup_steps, warmup_clip, scope, feedback, max_grad_norm, axis_name, name
+    )
     alpha, thresh = criterion.alpha, criterion.thresh
     # drytorch's StatsCollector: mean and ddof=1 variance of the warm-up
     # sample, the variance kept at its start value 1.0 unless positive.
@@ -477,6 +447,54 @@ def hist_clip(
     tx = ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
     tx.configure = lambda **overrides: hist_clip(**{**settings, **overrides})
     return tx
+
+
+def _checked(
+    criterion: Any,
+    warmup_steps: Any,
+    warmup_clip: Any,
+    scope: Any,
+    feedback: Any,
+    max_grad_norm: Any,
+    axis_name: Any,
+    name: Any,
+) -> tuple[Criterion, Any, float | None]:
+    """Validates hist_clip's arguments; returns the criterion, the warm-up clip
+    (``"default"`` made ``clip_by_global_norm(1.0)``; a clipjax one rebuilt for
+    hist_clip's groups and ``axis_name``, so it clips each warming group by its
+    own norm) and the ceiling."""
+    criterion = zstat_criterion() if criterion is None else criterion
+    if not isinstance(criterion, Criterion):
+        raise ValueError(
+            "criterion must come from clipjax.zstat_criterion() or clipjax.ema_criterion(), "
+            f"got {criterion!r}"
+        )
+    _validation.integer("warmup_steps", warmup_steps, minimum=0, static=False)
+    if _validation.concrete(warmup_steps) == 0 and not (
+        warmup_clip is None or isinstance(warmup_clip, str)
+    ):
+        raise ValueError(
+            f"warmup_clip={warmup_clip!r} has no effect with warmup_steps=0 (there is no "
+            "warm-up to clip): leave warmup_clip out, or give warmup_steps > 0"
+        )
+    if isinstance(warmup_clip, str):
+        if warmup_clip != "default":
+            raise ValueError(
+                f"warmup_clip must be a GradientTransformation or None, got {warmup_clip!r}"
+            )
+        warmup_clip = clip_by_global_norm(1.0)
+    if warmup_clip is not None and not hasattr(warmup_clip, "update"):
+        raise ValueError(
+            f"warmup_clip must be a GradientTransformation or None, got {warmup_clip!r}"
+        )
+    _kit.check_feedback(feedback, get_args(TargetFeedback))
+    ceiling = _kit.resolve_ceiling(max_grad_norm, feedback)
+    _grouping.validate_scope(scope)
+    _kit.check_name(name)
+    configure = getattr(warmup_clip, "configure", None)
+    if configure is not None:
+        warmup_clip = configure(scope=scope, axis_name=axis_name)
+    return criterion, warmup_clip, ceiling
 
 
 def _run_warmup(
