@@ -149,13 +149,7 @@ def adagc(
 
     def init_fn(params: Any) -> Any:
         start = _kit.start(params, scope, "adagc", name, leaf_norms)
-        state = AdaGCState(
-            **arrays(start.num_groups, start.dtype),
-            info=start.info,
-            leaf_index=start.leaf_index,
-            leaf_metrics=start.leaf_metrics,
-        )
-        return state if start.placeholder else _kit.own_buffers(state)
+        return _kit.new_state(AdaGCState, start, arrays(start.num_groups, start.dtype))
 
     def update_fn(
         updates: Any, state: AdaGCState, params: Any = None, **extra_args: Any

@@ -417,13 +417,7 @@ def autoclip(
 
     def init_fn(params: Any) -> Any:
         start = _kit.start(params, scope, "autoclip", name, leaf_norms)
-        state = AutoClipState(
-            **arrays(start.num_groups, start.dtype),
-            info=start.info,
-            leaf_index=start.leaf_index,
-            leaf_metrics=start.leaf_metrics,
-        )
-        return state if start.placeholder else _kit.own_buffers(state)
+        return _kit.new_state(AutoClipState, start, arrays(start.num_groups, start.dtype))
 
     def update_fn(
         updates: Any, state: AutoClipState, params: Any = None, **extra_args: Any

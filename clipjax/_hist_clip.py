@@ -364,14 +364,9 @@ def hist_clip(
 
     def init_fn(params: Any) -> Any:
         start = _kit.start(params, scope, "hist_clip", name, leaf_norms)
-        state = HistClipState(
-            **arrays(start.num_groups, start.dtype),
-            info=start.info,
-            leaf_index=start.leaf_index,
-            leaf_metrics=start.leaf_metrics,
-            nested=None if warm is None else warm.init(params),
-        )
-        return state if start.placeholder else _kit.own_buffers(state)
+        nested = None if warm is None else warm.init(params)
+        own = arrays(start.num_groups, start.dtype)
+        return _kit.new_state(HistClipState, start, own, nested=nested)
 
     def update_fn(
         updates: Any, state: HistClipState, params: Any = None, **extra_args: Any

@@ -168,6 +168,20 @@ def metric_arrays(
     return metrics
 
 
+def new_state(state_class: type, start: Start, own: dict[str, Any], **more: Any) -> Any:
+    """A clipper's new state: its own arrays ``own``, the shared fields from
+    ``start``, and ``more`` (hist_clip's ``nested``); each leaf its own buffer
+    (a donated state), except on optax's params placeholder."""
+    state = state_class(
+        **own,
+        info=start.info,
+        leaf_index=start.leaf_index,
+        leaf_metrics=start.leaf_metrics,
+        **more,
+    )
+    return state if start.placeholder else own_buffers(state)
+
+
 def own_buffers(state: Any) -> Any:
     """Gives every state leaf its own buffer.
 

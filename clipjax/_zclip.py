@@ -224,13 +224,7 @@ def zclip(
 
     def init_fn(params: Any) -> Any:
         start = _kit.start(params, scope, "zclip", name, leaf_norms)
-        state = ZClipState(
-            **arrays(start.num_groups, start.dtype),
-            info=start.info,
-            leaf_index=start.leaf_index,
-            leaf_metrics=start.leaf_metrics,
-        )
-        return state if start.placeholder else _kit.own_buffers(state)
+        return _kit.new_state(ZClipState, start, arrays(start.num_groups, start.dtype))
 
     def update_fn(
         updates: Any, state: ZClipState, params: Any = None, **extra_args: Any

@@ -208,13 +208,7 @@ def zscore_clip(
 
     def init_fn(params: Any) -> Any:
         start = _kit.start(params, scope, "zscore_clip", name, leaf_norms)
-        state = ZScoreClipState(
-            **arrays(start.num_groups, start.dtype),
-            info=start.info,
-            leaf_index=start.leaf_index,
-            leaf_metrics=start.leaf_metrics,
-        )
-        return state if start.placeholder else _kit.own_buffers(state)
+        return _kit.new_state(ZScoreClipState, start, arrays(start.num_groups, start.dtype))
 
     def update_fn(
         updates: Any, state: ZScoreClipState, params: Any = None, **extra_args: Any
