@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -225,6 +226,21 @@ def agc(
 _COUNTERS = ("count", "step", "clipped_count", "nonfinite_count")
 
 
+def _arrays(num_groups: int, dtype: Any = jnp.float32, *, unitwise: bool) -> dict[str, Any]:
+    """A new state's metrics: per group (per leaf when unitwise) ``grad_norm``,
+    ``weight_norm``, ``target``, ``scale`` (ones), ``clipped``, unitwise
+    ``clipped_fraction``, and the counters."""
+    fields = ("grad_norm", "weight_norm", "target", "scale", "clipped")
+    fields += ("clipped_fraction",) if unitwise else ()
+    metrics = {
+        f: (jnp.ones if f == "scale" else jnp.zeros)(
+            (num_groups,), jnp.bool_ if f == "clipped" else dtype
+        )
+        for f in fields
+    }
+    return {"metrics": {**metrics, **counters(num_groups, _COUNTERS)}}
+
+
 def _param_leaves(params: Any, scope: Scope, info: GroupInfo, who: str) -> list[Any]:
     """The leaves of ``params``, which must have the tree the state was built for."""
     if params is None:
@@ -250,29 +266,12 @@ def _grouped(
     _grouping.validate_scope(scope)
     who = name or "agc"
 
-    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-        zeros = jnp.zeros((num_groups,), dtype)
-        metrics = {
-            "grad_norm": zeros,
-            "target": zeros,
-            "scale": jnp.ones((num_groups,), dtype),
-            "clipped": jnp.zeros((num_groups,), bool),
-            **counters(num_groups, _COUNTERS),
-            "weight_norm": zeros,
-        }
-        return {"metrics": metrics}
-
+    arrays = functools.partial(_arrays, unitwise=False)
     layout = _kit.layout_of(arrays)
 
     def init_fn(params: Any) -> Any:
         start = _kit.start(params, scope, "agc", name, leaf_norms)
-        state = AGCState(
-            **arrays(start.num_groups, start.dtype),
-            info=start.info,
-            leaf_index=start.leaf_index,
-            leaf_metrics=start.leaf_metrics,
-        )
-        return state if start.placeholder else _kit.own_buffers(state)
+        return _kit.new_state(AGCState, start, arrays(start.num_groups, start.dtype))
 
     def update_fn(
         updates: Any, state: AGCState, params: Any = None, **extra_args: Any
@@ -351,30 +350,14 @@ def _unitwise(
             "agc changes elements, use scope='per_param' or 'per_layer'"
         )
     who = name or "agc"
-    fields = ("grad_norm", "weight_norm", "target", "scale", "clipped", "clipped_fraction")
-
-    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-        metrics = {
-            f: (jnp.ones if f == "scale" else jnp.zeros)(
-                (num_groups,), jnp.bool_ if f == "clipped" else dtype
-            )
-            for f in fields
-        }
-        return {"metrics": {**metrics, **counters(num_groups, _COUNTERS)}}
-
+    arrays = functools.partial(_arrays, unitwise=True)
     layout = _kit.layout_of(arrays)
 
     def init_fn(params: Any) -> Any:
         start = _kit.start(params, scope, "agc", name, leaf_norms)
         for x in _grouping.leaves_with_names(params)[0]:
             unit_axes(x, axis)
-        state = AGCState(
-            **arrays(start.num_groups, start.dtype),
-            info=start.info,
-            leaf_index=start.leaf_index,
-            leaf_metrics=start.leaf_metrics,
-        )
-        return state if start.placeholder else _kit.own_buffers(state)
+        return _kit.new_state(AGCState, start, arrays(start.num_groups, start.dtype))
 
     def update_fn(
         updates: Any, state: AGCState, params: Any = None, **extra_args: Any
@@ -405,7 +388,7 @@ def _unitwise(
         if leaves:
             step = _leaf_metrics(g_units, w_units, excluded, clipping, eps)
         else:
-            step = {f: jnp.zeros((grouping.num_groups,)) for f in fields}
+            step = {f: v for f, v in state.metrics.items() if f not in _COUNTERS}  # no leaves
         finite = jnp.isfinite(step["grad_norm"])
         metrics = counted(state.metrics, finite, step["clipped"], **step)
         per_leaf = step["grad_norm"] if leaf_norms else None

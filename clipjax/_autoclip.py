@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal, NamedTuple, cast
 
 import jax
@@ -61,22 +62,6 @@ PERCENTILE_HISTORIES = ("window", "ema", "geometric")
 # Auto mode's window: long enough for a stable median and std, short enough to
 # follow a change of level within about 50 steps.
 AUTO_WINDOW = 100
-# The gate under judge-first feedback: the threshold of the first steps comes
-# from few norms, but each is judged before it is observed and a spike feeds
-# back its clipped value, so a short gate costs little and keeps the large
-# norms of early training out of the statistics.
-JUDGE_FIRST_GATE = 10
-
-
-def gate_defaults(feedback: str, warmup_steps: Any, min_history: Any) -> tuple[int, int]:
-    """``warmup_steps`` / ``min_history`` left as None: smartclip's 100 / 50
-    under ``"observe_first"``, :data:`JUDGE_FIRST_GATE` each otherwise."""
-    first = feedback == "observe_first"
-    if warmup_steps is None:
-        warmup_steps = 100 if first else JUDGE_FIRST_GATE
-    if min_history is None:
-        min_history = 50 if first else JUDGE_FIRST_GATE
-    return warmup_steps, min_history
 
 
 def _no_effect(
@@ -106,6 +91,7 @@ def _no_effect(
 class _Settings(NamedTuple):
     """autoclip's arguments checked, with their defaults filled in."""
 
+    mode: AutoClipMode
     history: AutoClipHistory
     window_size: int
     percentile: float
@@ -114,6 +100,7 @@ class _Settings(NamedTuple):
     feedback: Feedback  # what the statistics learn ("clipped" is "raw" in percentile mode)
     ceiling: Any  # max_grad_norm resolved, or None
     gate: Any  # finite observations a group needs before it may be clipped
+    eps: Any
 
 
 def _checked(
@@ -150,7 +137,7 @@ def _checked(
     _validation.positive("quantile_lr", quantile_lr)
     _kit.check_feedback(feedback, ("observe_first", "raw", "clipped", "skip"))
     ceiling = _kit.resolve_ceiling(max_grad_norm, feedback)
-    warmup_steps, min_history = gate_defaults(feedback, warmup_steps, min_history)
+    warmup_steps, min_history = _kit.gate_defaults(feedback, warmup_steps, min_history)
     _validation.integer("warmup_steps", warmup_steps, static=False)
     _validation.integer("min_history", min_history, static=False)
     _validation.positive("eps", eps)
@@ -168,9 +155,64 @@ def _checked(
             feedback = "raw"
     gate = jnp.maximum(warmup_steps, min_history)
     return _Settings(
-        cast(AutoClipHistory, history), window_size, percentile, ema_decay, quantile_lr,
-        cast(Feedback, feedback), ceiling, gate,
+        mode, cast(AutoClipHistory, history), window_size, percentile, ema_decay, quantile_lr,
+        cast(Feedback, feedback), ceiling, gate, eps,
     )  # fmt: skip
+
+
+def _arrays(s: _Settings, num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
+    """The state's own arrays: the statistics of ``s.history``, and the metrics."""
+    fields: dict[str, Any] = dict.fromkeys(("median", "moments", "window", "quantile"))
+    if s.history == "all":
+        fields["median"] = _stats.p2_init(num_groups, 0.5, dtype)
+        fields["moments"] = _stats.welford_init(num_groups, dtype)
+    elif s.history == "window":
+        fields["window"] = _stats.window_init(num_groups, s.window_size, dtype)
+    elif s.history == "ema":
+        fields["quantile"] = _stats.squantile_init(num_groups, dtype)
+    else:
+        fields["quantile"] = _stats.gquantile_init(num_groups, dtype)
+    reported = ("median", "std") if s.mode == "auto" else ("quantile",)
+    fields["metrics"] = _kit.metric_arrays(num_groups, dtype, reported, s.ceiling is not None)
+    return fields
+
+
+def _observe(s: _Settings, stats: dict[str, Any], x: jax.Array) -> dict[str, Any]:
+    """The statistics after one observation per group, floored at ``eps``."""
+    x = _stats.positive_part(x, s.eps)
+    if s.history == "all":
+        return {
+            "median": _stats.p2_update(stats["median"], x, 0.5),
+            "moments": _stats.welford_update(stats["moments"], x),
+        }
+    if s.history == "window":
+        return {"window": _stats.window_update(stats["window"], x)}
+    q, p = stats["quantile"], s.percentile / 100.0
+    if s.history == "ema":
+        return {"quantile": _stats.squantile_update(q, x, p, s.ema_decay)}
+    return {"quantile": _stats.gquantile_update(q, x, p, s.quantile_lr)}
+
+
+def _report(s: _Settings, stats: dict[str, Any]) -> dict[str, jax.Array]:
+    """``median`` and ``std`` (auto), or ``quantile`` (percentile), of the statistics."""
+    if s.history == "all":
+        median = _stats.p2_value(stats["median"])
+        return {"median": median, "std": _stats.welford_std(stats["moments"])}
+    if s.mode == "auto":
+        window = stats["window"]
+        median = _stats.window_percentile(window, 50.0)
+        return {"median": median, "std": _stats.window_mean_std(window)[1]}
+    if s.history == "window":
+        return {"quantile": _stats.window_percentile(stats["window"], s.percentile)}
+    if s.history == "ema":
+        return {"quantile": _stats.squantile_value(stats["quantile"])}
+    return {"quantile": stats["quantile"].quantile}
+
+
+def _threshold(s: _Settings, values: dict[str, jax.Array]) -> jax.Array:
+    """``max(eps, median + 3 std)`` (auto) or ``max(eps, quantile)`` (percentile)."""
+    raw = values["median"] + 3.0 * values["std"] if s.mode == "auto" else values["quantile"]
+    return jnp.maximum(raw, s.eps)
 
 
 def autoclip(
@@ -355,69 +397,18 @@ def autoclip(
       <https://arxiv.org/abs/1905.03871>`_, 2021 (geometric quantile).
     """
     settings = dict(locals())
-    history, window_size, percentile, ema_decay, quantile_lr, feedback, ceiling, gate = _checked(
+    s = _checked(
         mode, percentile, history, window_size, ema_decay, warmup_steps, min_history, eps,
         feedback, quantile_lr, max_grad_norm,
     )  # fmt: skip
     _kit.check_name(name)
     _grouping.validate_scope(scope)
-    observe_first = feedback == "observe_first"
-    own = {"all": ("median", "moments"), "window": ("window",)}.get(history, ("quantile",))
-    reported = ("median", "std") if mode == "auto" else ("quantile",)
-
-    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-        fields: dict[str, Any] = dict.fromkeys(("median", "moments", "window", "quantile"))
-        if history == "all":
-            fields["median"] = _stats.p2_init(num_groups, 0.5, dtype)
-            fields["moments"] = _stats.welford_init(num_groups, dtype)
-        elif history == "window":
-            fields["window"] = _stats.window_init(num_groups, window_size, dtype)
-        elif history == "ema":
-            fields["quantile"] = _stats.squantile_init(num_groups, dtype)
-        else:
-            fields["quantile"] = _stats.gquantile_init(num_groups, dtype)
-        fields["metrics"] = _kit.metric_arrays(num_groups, dtype, reported, ceiling is not None)
-        return fields
-
-    layout = _kit.layout_of(arrays)
-
-    def observe(stats: dict[str, Any], x: jax.Array) -> dict[str, Any]:
-        """The statistics after one observation per group, floored at ``eps``."""
-        x = _stats.positive_part(x, eps)
-        if history == "all":
-            return {
-                "median": _stats.p2_update(stats["median"], x, 0.5),
-                "moments": _stats.welford_update(stats["moments"], x),
-            }
-        if history == "window":
-            return {"window": _stats.window_update(stats["window"], x)}
-        q, p = stats["quantile"], percentile / 100.0
-        if history == "ema":
-            return {"quantile": _stats.squantile_update(q, x, p, ema_decay)}
-        return {"quantile": _stats.gquantile_update(q, x, p, quantile_lr)}
-
-    def report(stats: dict[str, Any]) -> dict[str, jax.Array]:
-        """``median`` and ``std`` (auto), or ``quantile`` (percentile), of the statistics."""
-        if history == "all":
-            median = _stats.p2_value(stats["median"])
-            return {"median": median, "std": _stats.welford_std(stats["moments"])}
-        if mode == "auto":
-            window = stats["window"]
-            median = _stats.window_percentile(window, 50.0)
-            return {"median": median, "std": _stats.window_mean_std(window)[1]}
-        if history == "window":
-            return {"quantile": _stats.window_percentile(stats["window"], percentile)}
-        if history == "ema":
-            return {"quantile": _stats.squantile_value(stats["quantile"])}
-        return {"quantile": stats["quantile"].quantile}
-
-    def threshold_of(values: dict[str, jax.Array]) -> jax.Array:
-        raw = values["median"] + 3.0 * values["std"] if mode == "auto" else values["quantile"]
-        return jnp.maximum(raw, eps)
+    own = {"all": ("median", "moments"), "window": ("window",)}.get(s.history, ("quantile",))
+    layout = _kit.layout_of(functools.partial(_arrays, s))
 
     def init_fn(params: Any) -> Any:
         start = _kit.start(params, scope, "autoclip", name, leaf_norms)
-        return _kit.new_state(AutoClipState, start, arrays(start.num_groups, start.dtype))
+        return _kit.new_state(AutoClipState, start, _arrays(s, start.num_groups, start.dtype))
 
     def update_fn(
         updates: Any, state: AutoClipState, params: Any = None, **extra_args: Any
@@ -432,34 +423,31 @@ def autoclip(
         count = state.metrics["count"]  # the group's observations before this step
         before = {field: getattr(state, field) for field in own}
 
-        if observe_first:
+        if s.feedback == "observe_first":
             # smartclip's order: the norm enters the statistics, then its
             # threshold is read from them; the gate counts this observation.
-            gate_open = count + 1 >= gate
-            no_spike = jnp.zeros_like(finite)
-            x, observed = _kit.observation(feedback, g, boundary=g, target=None, fires=no_spike)
-            observed = observed if guard_nans else observed_unguarded(observed, no_spike, feedback)
-            stats = _kit.select_groups(observed, observe(before, x), before)
-            values = report(stats)
-            threshold = threshold_of(values)
+            gate_open = count + 1 >= s.gate
+            x, observed = _kit.observation(s.feedback, g, guard_nans=guard_nans)
+            stats = _kit.select_groups(observed, _observe(s, before, x), before)
+            values = _report(s, stats)
+            threshold = _threshold(s, values)
             scale = jnp.minimum(1.0, threshold / (g + eps))
         else:
             # Judged by the statistics before the step (none yet: +inf), then observed.
-            gate_open = count >= jnp.maximum(gate, 1)
-            threshold = jnp.where(count == 0, jnp.inf, threshold_of(report(before)))
+            gate_open = count >= jnp.maximum(s.gate, 1)
+            threshold = jnp.where(count == 0, jnp.inf, _threshold(s, _report(s, before)))
             scale = jnp.minimum(1.0, threshold / (g + eps))
             fires = (scale < 1) & gate_open & finite
             x, observed = _kit.observation(
-                feedback, g, boundary=threshold, target=None, fires=fires
+                s.feedback, g, boundary=threshold, fires=fires, guard_nans=guard_nans
             )
-            observed = observed if guard_nans else observed_unguarded(observed, fires, feedback)
-            stats = _kit.select_groups(observed, observe(before, x), before)
-            values = report(stats)
+            stats = _kit.select_groups(observed, _observe(s, before, x), before)
+            values = _report(s, stats)
         scale = jnp.where(finite & gate_open, scale, 1.0).astype(g.dtype)
         capped = None
-        if ceiling is not None:
-            scale, capped = _kit.ceiling_scale(scale, g, ceiling)
-            threshold = jnp.where(gate_open, jnp.minimum(threshold, ceiling), ceiling)
+        if s.ceiling is not None:
+            scale, capped = _kit.ceiling_scale(scale, g, s.ceiling)
+            threshold = jnp.where(gate_open, jnp.minimum(threshold, s.ceiling), s.ceiling)
 
         metrics = _kit.step_metrics(
             state.metrics, norm=g, threshold=threshold, scale=scale, observed=observed,
@@ -472,11 +460,3 @@ def autoclip(
     tx = ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
     tx.configure = lambda **overrides: autoclip(**{**settings, **overrides})
     return tx
-
-
-def observed_unguarded(observed: jax.Array, fires: jax.Array, feedback: str) -> jax.Array:
-    """What is observed with ``guard_nans=False`` (smartclip unguarded), in place of
-    ``observed`` from :func:`clipjax._kit.observation`: a non-finite norm too, as
-    :func:`clipjax._stats.positive_part` floors it (a NaN as ``eps``); under
-    ``"skip"`` every step the rule does not fire on (autoclip and zscore_clip)."""
-    return ~fires if feedback == "skip" else jnp.ones_like(observed)

@@ -15,7 +15,6 @@ such steps altogether.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -24,7 +23,7 @@ import numpy as np
 
 from clipjax import _grouping, _kit, _percentile, _validation
 from clipjax._grouping import Grouping, Scope
-from clipjax._kit import ClipTransform, check_tree, counted, counters
+from clipjax._kit import ClipTransform
 from clipjax._metrics import GroupInfo
 from clipjax._types import PercentileMethod
 
@@ -148,76 +147,8 @@ def _fraction(counts: Array, grouping: Grouping, dtype: Any) -> Array:
     return counts / jnp.asarray(sizes, dtype)
 
 
-# A clamp's step: (leaves, groups, statistics dtype, leaf index) -> (the new
-# leaves, its [groups] metrics with "clipped", [groups] finite norms, [leaves]
-# L2 norms).
 Clamped = tuple[list[Array], dict[str, Array], Array, Array]
-Clamp = Callable[[list[Array], Grouping, Any, Any], Clamped]
 _COUNTERS = ("count", "step", "clipped_count", "nonfinite_count")
-
-
-def _clamper(
-    algo: str,
-    state_class: type,
-    clamp: Clamp,
-    fields: dict[str, Any],
-    name: str | None,
-    leaf_norms: bool,
-    scope: Scope,
-    axis_name: str | None = None,
-) -> ClipTransform:
-    """A transform that changes elements by ``clamp``, with its ``[groups]``
-    ``fields`` (``{metric: dtype}``, None: the statistics dtype) and the
-    counters in its state: ``count`` (finite norms), ``step``,
-    ``clipped_count`` (groups with a clamped element), ``nonfinite_count``.
-    ``configure`` may give another ``scope``; ``axis_name`` is accepted and
-    has no effect (each replica clamps its own elements)."""
-    del axis_name
-    if isinstance(scope, _grouping.Stacked):
-        raise ValueError(
-            f"{algo}: clipjax.stacked scopes apply to the norm-based clippers; "
-            f"{algo} changes elements, use scope='per_param' or 'per_layer'"
-        )
-    who = name or algo
-
-    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-        metrics = {
-            field: jnp.zeros((num_groups,), dtype if kind is None else kind)
-            for field, kind in fields.items()
-        }
-        return {"metrics": {**metrics, **counters(num_groups, _COUNTERS)}}
-
-    layout = _kit.layout_of(arrays)
-
-    def init_fn(params: Any) -> Any:
-        start = _kit.start(params, scope, algo, name, leaf_norms)
-        state = state_class(
-            **arrays(start.num_groups, start.dtype),
-            info=start.info,
-            leaf_index=start.leaf_index,
-            leaf_metrics=start.leaf_metrics,
-        )
-        return state if start.placeholder else _kit.own_buffers(state)
-
-    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
-        del params, extra_args
-        leaves, _, treedef, grouping = check_tree(
-            updates, state, state_class, layout, who=who, scope=scope
-        )
-        _grouping.check_inexact(leaves, grouping, who)
-        dtype = _grouping.norm_dtype(leaves)
-        out, step, finite, leaf_norm = clamp(leaves, grouping, dtype, state.leaf_index)
-        metrics = counted(state.metrics, finite, step["clipped"], **step)
-        per_leaf = leaf_norm if leaf_norms else None
-        grads = _kit.Norms(step["grad_norm"], leaves, treedef, grouping, per_leaf)
-        new_state = state._replace(**_kit.shared_fields(state, grads, metrics))
-        return jax.tree_util.tree_unflatten(treedef, out), new_state
-
-    tx = ClipTransform(init_fn, update_fn)
-    tx.configure = lambda **overrides: _clamper(
-        algo, state_class, clamp, fields, name, leaf_norms, **{"scope": scope, **overrides}
-    )
-    return tx
 
 
 def clip_by_value(
@@ -289,7 +220,10 @@ def clip_by_value(
         return _clamp(leaves, grouping, bound), metrics, jnp.isfinite(norm), leaf_norm
 
     fields = {"grad_norm": None, "clipped_fraction": None, "clipped": jnp.bool_}
-    return _clamper("clip_by_value", ClipByValueState, clamp, fields, name, leaf_norms, scope)
+    return _kit.element_transform(
+        "clip_by_value", ClipByValueState, clamp, fields, _COUNTERS,
+        name=name, scope=scope, leaf_norms=leaf_norms,
+    )  # fmt: skip
 
 
 def clip_by_percentile(
@@ -382,6 +316,7 @@ def clip_by_percentile(
         return _clamp(leaves, grouping, bound, index), metrics, finite, leaf_norm
 
     fields = {"grad_norm": None, "bound": None, "clipped_fraction": None, "clipped": jnp.bool_}
-    return _clamper(
-        "clip_by_percentile", ClipByPercentileState, clamp, fields, name, leaf_norms, scope
-    )
+    return _kit.element_transform(
+        "clip_by_percentile", ClipByPercentileState, clamp, fields, _COUNTERS,
+        name=name, scope=scope, leaf_norms=leaf_norms,
+    )  # fmt: skip

@@ -83,6 +83,11 @@ def check_feedback(feedback: Any, allowed: tuple[str, ...]) -> None:
 # The ceiling of the spike-defence setting (feedback="clipped") where the
 # reference has none: the field's standard clip, ZClip's default.
 DEFAULT_CEILING = 1.0
+# autoclip's and zscore_clip's gate under judge-first feedback: the threshold of
+# the first steps comes from few norms, but each is judged before it is observed
+# and a spike feeds back its clipped value, so a short gate costs little and keeps
+# the large norms of early training out of the statistics.
+JUDGE_FIRST_GATE = 10
 
 
 def resolve_ceiling(max_grad_norm: Any, feedback: str) -> float | None:
@@ -172,13 +177,10 @@ def new_state(state_class: type, start: Start, own: dict[str, Any], **more: Any)
     """A clipper's new state: its own arrays ``own``, the shared fields from
     ``start``, and ``more`` (hist_clip's ``nested``); each leaf its own buffer
     (a donated state), except on optax's params placeholder."""
-    state = state_class(
-        **own,
-        info=start.info,
-        leaf_index=start.leaf_index,
-        leaf_metrics=start.leaf_metrics,
-        **more,
-    )
+    shared = {"info": start.info, "leaf_index": start.leaf_index}
+    if "leaf_metrics" in state_class._fields:  # not in adaclip's and ada_norm's
+        shared["leaf_metrics"] = start.leaf_metrics
+    state = state_class(**own, **shared, **more)
     return state if start.placeholder else own_buffers(state)
 
 
@@ -310,12 +312,18 @@ def ceiling_scale(scale: Array, norm: Array, ceiling: Any) -> tuple[Array, Array
 
 
 def observation(
-    feedback: str, norm: Array, *, boundary: Array, target: Array | None, fires: Array
+    feedback: str,
+    norm: Array,
+    *,
+    boundary: Array | None = None,
+    target: Array | None = None,
+    fires: Array | None = None,
+    guard_nans: bool = True,
 ) -> tuple[Array, Array]:
     """What a step teaches the statistics: ``(value, observed)``, per group.
 
-    ``fires`` marks the groups the rule judges a spike this step; ``boundary``
-    is the norm above which it fires, ``target`` the value it clips to.
+    ``fires`` marks the groups the rule judges a spike this step (None: none);
+    ``boundary`` is the norm above which it fires, ``target`` the value it clips to.
 
     * ``"raw"`` (and ``"observe_first"``): the norm;
     * ``"clipped"``: ``min(norm, boundary)`` where it fires: a spike teaches no
@@ -324,18 +332,33 @@ def observation(
     * ``"clip_target"``: ``target`` where it fires (the reference zclip rule);
     * ``"skip"``: the norm, but nothing is observed where it fires.
 
-    A non-finite norm is never observed, whatever ``feedback`` says.
+    A non-finite norm is never observed, unless ``guard_nans=False`` (smartclip
+    unguarded: it is observed, and the statistic floors it, a NaN as ``eps``).
     """
+    fires = jnp.zeros(jnp.shape(norm), bool) if fires is None else fires
     value = norm
     if feedback == "clipped":
+        assert boundary is not None
         value = jnp.where(fires, jnp.minimum(norm, boundary), norm)
     elif feedback == "clip_target":
         assert target is not None
         value = jnp.where(fires, target, norm)
-    observed = jnp.isfinite(norm)
+    observed = jnp.isfinite(norm) if guard_nans else jnp.ones(jnp.shape(norm), bool)
     if feedback == "skip":
         observed = observed & ~fires
     return value, observed
+
+
+def gate_defaults(feedback: str, warmup_steps: Any, min_history: Any) -> tuple[Any, Any]:
+    """autoclip's and zscore_clip's gate, where ``warmup_steps`` / ``min_history`` are
+    None: smartclip's 100 / 50 under ``"observe_first"``, :data:`JUDGE_FIRST_GATE` each
+    under the judge-first feedbacks."""
+    first = feedback == "observe_first"
+    if warmup_steps is None:
+        warmup_steps = 100 if first else JUDGE_FIRST_GATE
+    if min_history is None:
+        min_history = 50 if first else JUDGE_FIRST_GATE
+    return warmup_steps, min_history
 
 
 def select_groups(mask: Array, new: Any, old: Any) -> Any:
@@ -389,16 +412,22 @@ def counters(num_groups: int, names: tuple[str, ...]) -> dict[str, Array]:
 
 
 def counted(
-    old: dict[str, Array], finite: Array, clipped: Array | None = None, /, **fields: Array
+    old: dict[str, Array],
+    finite: Array,
+    clipped: Array | None = None,
+    /,
+    *,
+    observed: Array | None = None,
+    **fields: Array,
 ) -> dict[str, Array]:
     """This step's ``metrics``: ``fields``, then the counters of ``old`` advanced.
 
-    ``count`` counts the finite norms, ``nonfinite_count`` the others,
-    ``clipped_count`` the groups ``clipped`` marks. Every value is cast to
-    its dtype in ``old``.
+    ``count`` counts the groups ``observed`` marks (default: the finite norms),
+    ``nonfinite_count`` the non-finite ones, ``clipped_count`` the groups
+    ``clipped`` marks. Every value is cast to its dtype in ``old``.
     """
     increments = {
-        "count": finite,
+        "count": finite if observed is None else observed,
         "step": True,
         "clipped_count": jnp.zeros_like(finite) if clipped is None else clipped,
         "nonfinite_count": ~finite,
@@ -426,3 +455,72 @@ def shared_fields(state: Any, norms: Norms, metrics: dict[str, Array]) -> dict[s
     # reuse its donated input buffer (and JAX warns about it).
     index = _grouping.returned_index(state.leaf_index)
     return {"metrics": metrics, "leaf_index": index, "leaf_metrics": leaf_metrics}
+
+
+# ------------------------------------------------------------ element-wise transforms
+
+# An element-wise step: (leaves, grouping, statistics dtype, leaf index) -> (the new
+# leaves, its [groups] metrics ("clipped" where it clips), [groups] finite norms,
+# [leaves] L2 norms or None).
+ElementStep = Callable[[list[Array], Grouping, Any, Any], tuple[list[Array], dict, Array, Any]]
+
+
+def element_transform(
+    algo: str,
+    state_class: type,
+    step: ElementStep,
+    fields: dict[str, Any],
+    counter_names: tuple[str, ...],
+    *,
+    name: str | None,
+    scope: Scope,
+    leaf_norms: bool = False,
+    axis_name: str | None = None,
+) -> ClipTransform:
+    """A transform that changes elements (not a norm's scale) by ``step``: the
+    element clippers and the normalisers. Its state holds the ``[groups]``
+    ``fields`` (``{metric: dtype}``, None: the statistics dtype) and the
+    counters ``counter_names``. ``configure`` may give another ``scope``;
+    ``axis_name`` is accepted and has no effect (each replica changes its own
+    elements, no norm is shared)."""
+    del axis_name
+    if isinstance(scope, _grouping.Stacked):
+        raise ValueError(
+            f"{algo}: clipjax.stacked scopes apply to the norm-based clippers; "
+            f"{algo} changes elements, use scope='per_param' or 'per_layer'"
+        )
+    who = name or algo
+
+    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
+        metrics = {
+            field: jnp.zeros((num_groups,), dtype if kind is None else kind)
+            for field, kind in fields.items()
+        }
+        return {"metrics": {**metrics, **counters(num_groups, counter_names)}}
+
+    layout = layout_of(arrays)
+
+    def init_fn(params: Any) -> Any:
+        start_ = start(params, scope, algo, name, leaf_norms)
+        return new_state(state_class, start_, arrays(start_.num_groups, start_.dtype))
+
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        del params, extra_args
+        leaves, _, treedef, grouping = check_tree(
+            updates, state, state_class, layout, who=who, scope=scope
+        )
+        _grouping.check_inexact(leaves, grouping, who)
+        dtype = _grouping.norm_dtype(leaves)
+        out, values, finite, leaf_norm = step(leaves, grouping, dtype, state.leaf_index)
+        metrics = counted(state.metrics, finite, values.get("clipped"), **values)
+        per_leaf = leaf_norm if leaf_norms else None
+        norms = Norms(values["grad_norm"], leaves, treedef, grouping, per_leaf)
+        new = state._replace(**shared_fields(state, norms, metrics))
+        return jax.tree_util.tree_unflatten(treedef, out), new
+
+    tx = ClipTransform(init_fn, update_fn)
+    tx.configure = lambda **overrides: element_transform(
+        algo, state_class, step, fields, counter_names,
+        **{"name": name, "scope": scope, "leaf_norms": leaf_norms, **overrides},
+    )  # fmt: skip
+    return tx

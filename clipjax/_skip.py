@@ -103,7 +103,7 @@ def _observation(
     level); under ``"skip"`` a skipped step enters nothing. A non-finite value
     never enters."""
     fires = skip if feedback == "skip" else (x > threshold) & ~forced
-    return _kit.observation(feedback, x, boundary=threshold, target=None, fires=fires)
+    return _kit.observation(feedback, x, boundary=threshold, fires=fires)
 
 
 def skip_on_spike(

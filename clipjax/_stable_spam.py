@@ -11,6 +11,7 @@ is NaN or infinite leaves the EMAs untouched and passes through.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _fold, _grouping, _kit, _metrics, _state_check, _validation
+from clipjax import _fold, _grouping, _kit, _validation
 from clipjax._grouping import Scope
 from clipjax._metrics import GroupInfo
 from clipjax._spam import _check_common, _decay_finite, scale_by_spam
@@ -88,58 +89,24 @@ class AdaNormState(NamedTuple):
     leaf_index: tuple[Array, ...] = ()
 
 
-def _start(
-    algo: str, name: str | None, params: Any, scope: Scope
-) -> tuple[GroupInfo, Any, Any, Any]:
-    """``init``'s common part: the names, the statistics dtype, ``zeros(dtype)``, the leaf index."""
-    grouping = _grouping.make_grouping(params, scope)
-    # On optax's params placeholder (tree_map_params) the names are a leaf, and
-    # the index one leaf standing for the tuple (as in the other clippers' states).
-    placeholder = _kit.is_placeholder(params)
-    info_class = _metrics.PlaceholderInfo if placeholder else GroupInfo
-    info = info_class(algo, name, grouping.names, grouping.leaf_names, grouping.leaf_shapes)
-    leaves, _, _ = _grouping.leaves_with_names(params)
-    dtype = _grouping.norm_dtype(leaves)
-    index = _grouping.leaf_index(grouping, placeholder)
-    return info, dtype, lambda kind: jnp.zeros((grouping.num_groups,), kind), index
+def _adaclip_arrays(num_groups: int, dtype: Any = jnp.float32, *, count_clipped: bool) -> dict:
+    """A new :class:`AdaClipState`'s arrays."""
+    zeros = jnp.zeros((num_groups,), dtype)
+    metrics = {"grad_norm": zeros, "grad_max": zeros, "bound": zeros}
+    metrics["clipped"] = jnp.zeros((num_groups,), bool)
+    if count_clipped:
+        metrics["clipped_fraction"] = zeros
+    counters = ("count", "step", "clipped_count", "nonfinite_count")
+    return {"max_ema": zeros, "metrics": {**metrics, **_kit.counters(num_groups, counters)}}
 
 
-def _own(state: Any) -> Any:
-    """Each leaf its own buffer (a donated state), except on optax's placeholder."""
-    return state if isinstance(state.info, _metrics.PlaceholderInfo) else _kit.own_buffers(state)
-
-
-def _cast(metrics: dict[str, Any], like: dict[str, Array]) -> dict[str, Array]:
-    return {k: jnp.asarray(v).astype(like[k].dtype).reshape(-1) for k, v in metrics.items()}
-
-
-def _prepare(updates: Any, info: GroupInfo, scope: Scope) -> tuple[list[Array], Any, Any]:
-    leaves, _, treedef = _grouping.leaves_with_names(updates)
-    grouping = _grouping.make_grouping(updates, scope)
-    who = info.name or info.algo
-    grouping.check_matches(info.leaves, info.shapes, who)
-    _grouping.check_inexact(leaves, grouping, who)
-    return leaves, grouping, treedef
-
-
-def _counters(old: dict[str, Array], observed: Array, clipped: Array, finite: Array) -> dict:
-    out = {
-        "count": old["count"] + observed.astype(jnp.int32),
-        "step": old["step"] + 1,
-        "nonfinite_count": old["nonfinite_count"] + (~finite).astype(jnp.int32),
-    }
-    if "clipped_count" in old:
-        out["clipped_count"] = old["clipped_count"] + clipped.astype(jnp.int32)
-    return out
-
-
-def _transform(make: Any, scope: Scope, name: str | None) -> _kit.ClipTransform:
-    init_fn, update_fn = make(scope, name)
-    tx = _kit.ClipTransform(init_fn, update_fn)
-    tx.configure = lambda **overrides: _transform(
-        make, overrides.get("scope", scope), overrides.get("name", name)
-    )
-    return tx
+def _ada_norm_arrays(num_groups: int, dtype: Any = jnp.float32) -> dict:
+    """A new :class:`AdaNormState`'s arrays."""
+    zeros = jnp.zeros((num_groups,), dtype)
+    metrics = dict.fromkeys(("grad_norm", "mean", "mean_square", "target_norm"), zeros)
+    metrics["scale"] = jnp.ones((num_groups,), dtype)
+    counters = _kit.counters(num_groups, ("count", "step", "nonfinite_count"))
+    return {"norm_ema": zeros, "square_ema": zeros, "metrics": {**metrics, **counters}}
 
 
 def _max_and_square(x: Array, dtype: Any) -> tuple[Array, Array]:
@@ -268,80 +235,67 @@ def adaclip(
       Adam <https://arxiv.org/abs/2502.17055>`_, 2025; pytorch-optimizer
       ``StableSPAM`` (``pytorch_optimizer/optimizer/spam.py``).
     """
+    settings = dict(locals())
     _validation.open_unit("theta", theta)
     _grouping.validate_scope(scope)
     _kit.check_name(name)
+    who = name or "adaclip"
+    layout = _kit.layout_of(functools.partial(_adaclip_arrays, count_clipped=count_clipped))
 
-    def make(scope: Scope, name: str | None) -> tuple[Any, Any]:
-        def init_fn(params: Any) -> AdaClipState:
-            info, dtype, zeros, index = _start("adaclip", name, params, scope)
-            metrics = {
-                "grad_norm": zeros(dtype),
-                "grad_max": zeros(dtype),
-                "bound": zeros(dtype),
-                "clipped": zeros(bool),
-                **({"clipped_fraction": zeros(dtype)} if count_clipped else {}),
-                "count": zeros(jnp.int32),
-                "step": zeros(jnp.int32),
-                "clipped_count": zeros(jnp.int32),
-                "nonfinite_count": zeros(jnp.int32),
-            }
-            return _own(AdaClipState(zeros(dtype), metrics, info, index))
+    def init_fn(params: Any) -> AdaClipState:
+        start = _kit.start(params, scope, "adaclip", name, False)
+        own = _adaclip_arrays(start.num_groups, start.dtype, count_clipped=count_clipped)
+        return _kit.new_state(AdaClipState, start, own)
 
-        def update_fn(updates: Any, state: AdaClipState, params: Any = None, **_: Any) -> Any:
-            _state_check.check_state(state, AdaClipState, name or "adaclip")
-            leaves, grouping, treedef = _prepare(updates, state.info, scope)
-            dtype = state.max_ema.dtype
-            maxima, squares = _max_and_squares(leaves, dtype)
-            grad_max = _grouping.group_norms(leaves, grouping, math.inf, maxima)
-            # Every step is observed: the max is over the finite elements.
-            finite = jnp.isfinite(_grouping.group_norms(leaves, grouping, 2.0, squares))
-            decay = jnp.asarray(theta, dtype)
-            count = state.metrics["count"] + 1
-            max_ema = decay * state.max_ema + (1 - decay) * grad_max
-            bound = max_ema / (1 - decay ** count.astype(dtype))
-            clips = grad_max > bound
-            ratio = jnp.where(clips, bound / jnp.where(clips, grad_max, 1), 1)
-            # Each leaf reads its group's values at a runtime offset (the state's
-            # leaf index): with constant offsets every leaf's fusion is distinct and
-            # compiled anew. A clipped group's bound; +inf where nothing is clipped.
-            limit = jnp.where(clips, bound, jnp.inf)
-            limits = _grouping.leaf_scales(grouping, limit, state.leaf_index)
-            ratios = _grouping.leaf_scales(grouping, ratio, state.leaf_index)
-            one = _grouping.per_leaf(_adaclip_leaf, dtype, count_clipped)
-            new_leaves, hits = [], []
-            for i, (x, b, r) in enumerate(zip(leaves, limits, ratios)):
-                new, hit_count, square = one(x, b, r)
-                new_leaves.append(new)
-                if count_clipped:
-                    hits.append(hit_count)
-                    squares[i] = square
-            grad_norm = _grouping.group_norms(leaves, grouping, 2.0, squares)
-            extra = {}
+    def update_fn(updates: Any, state: AdaClipState, params: Any = None, **_: Any) -> Any:
+        leaves, _, treedef, grouping = _kit.check_tree(
+            updates, state, AdaClipState, layout, who=who, scope=scope
+        )
+        _grouping.check_inexact(leaves, grouping, who)
+        dtype = state.max_ema.dtype
+        maxima, squares = _max_and_squares(leaves, dtype)
+        grad_max = _grouping.group_norms(leaves, grouping, math.inf, maxima)
+        # Every step is observed: the max is over the finite elements.
+        finite = jnp.isfinite(_grouping.group_norms(leaves, grouping, 2.0, squares))
+        decay = jnp.asarray(theta, dtype)
+        count = state.metrics["count"] + 1
+        max_ema = decay * state.max_ema + (1 - decay) * grad_max
+        bound = max_ema / (1 - decay ** count.astype(dtype))
+        clips = grad_max > bound
+        ratio = jnp.where(clips, bound / jnp.where(clips, grad_max, 1), 1)
+        # Each leaf reads its group's values at a runtime offset (the state's
+        # leaf index): with constant offsets every leaf's fusion is distinct and
+        # compiled anew. A clipped group's bound; +inf where nothing is clipped.
+        limit = jnp.where(clips, bound, jnp.inf)
+        limits = _grouping.leaf_scales(grouping, limit, state.leaf_index)
+        ratios = _grouping.leaf_scales(grouping, ratio, state.leaf_index)
+        one = _grouping.per_leaf(_adaclip_leaf, dtype, count_clipped)
+        new_leaves, hits = [], []
+        for i, (x, b, r) in enumerate(zip(leaves, limits, ratios)):
+            new, hit_count, square = one(x, b, r)
+            new_leaves.append(new)
             if count_clipped:
-                sizes = [
-                    max(sum(math.prod(grouping.leaf_shapes[i]) for i in m), 1)
-                    for m in grouping.members
-                ]
-                above = _grouping.group_norms(leaves, grouping, 1.0, hits)
-                extra["clipped_fraction"] = above / jnp.asarray(sizes, dtype)
-            metrics = {
-                "grad_norm": grad_norm,
-                "grad_max": grad_max,
-                "bound": bound,
-                "clipped": clips,
-                **extra,
-                **_counters(state.metrics, jnp.ones_like(finite), clips, finite),
-            }
-            metrics = _cast(metrics, state.metrics)
-            new_state = AdaClipState(
-                max_ema, metrics, state.info, _grouping.returned_index(state.leaf_index)
-            )
-            return jax.tree_util.tree_unflatten(treedef, new_leaves), new_state
+                hits.append(hit_count)
+                squares[i] = square
+        grad_norm = _grouping.group_norms(leaves, grouping, 2.0, squares)
+        extra = {}
+        if count_clipped:
+            sizes = [
+                max(sum(math.prod(grouping.leaf_shapes[i]) for i in m), 1) for m in grouping.members
+            ]
+            above = _grouping.group_norms(leaves, grouping, 1.0, hits)
+            extra["clipped_fraction"] = above / jnp.asarray(sizes, dtype)
+        metrics = _kit.counted(
+            state.metrics, finite, clips, observed=jnp.ones_like(finite), grad_norm=grad_norm,
+            grad_max=grad_max, bound=bound, clipped=clips, **extra,
+        )  # fmt: skip
+        index = _grouping.returned_index(state.leaf_index)
+        new_state = AdaClipState(max_ema, metrics, state.info, index)
+        return jax.tree_util.tree_unflatten(treedef, new_leaves), new_state
 
-        return init_fn, update_fn
-
-    return _transform(make, scope, name)
+    tx = _kit.ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+    tx.configure = lambda **overrides: adaclip(**{**settings, **overrides})
+    return tx
 
 
 def ada_norm(
@@ -411,74 +365,58 @@ def ada_norm(
       Adam <https://arxiv.org/abs/2502.17055>`_, 2025; pytorch-optimizer
       ``StableSPAM`` (``pytorch_optimizer/optimizer/spam.py``).
     """
+    settings = dict(locals())
     _validation.open_unit("gamma1", gamma1)
     _validation.open_unit("gamma2", gamma2)
     _validation.non_negative("eps", eps)
     _grouping.validate_scope(scope)
     _kit.check_name(name)
+    who = name or "ada_norm"
+    layout = _kit.layout_of(_ada_norm_arrays)
 
-    def make(scope: Scope, name: str | None) -> tuple[Any, Any]:
-        def init_fn(params: Any) -> AdaNormState:
-            info, dtype, zeros, index = _start("ada_norm", name, params, scope)
-            metrics = {
-                "grad_norm": zeros(dtype),
-                "mean": zeros(dtype),
-                "mean_square": zeros(dtype),
-                "target_norm": zeros(dtype),
-                "scale": zeros(dtype) + 1,
-                "count": zeros(jnp.int32),
-                "step": zeros(jnp.int32),
-                "nonfinite_count": zeros(jnp.int32),
-            }
-            return _own(AdaNormState(zeros(dtype), zeros(dtype), metrics, info, index))
+    def init_fn(params: Any) -> AdaNormState:
+        start = _kit.start(params, scope, "ada_norm", name, False)
+        return _kit.new_state(AdaNormState, start, _ada_norm_arrays(start.num_groups, start.dtype))
 
-        def update_fn(updates: Any, state: AdaNormState, params: Any = None, **_: Any) -> Any:
-            _state_check.check_state(state, AdaNormState, name or "ada_norm")
-            leaves, grouping, treedef = _prepare(updates, state.info, scope)
-            dtype = state.norm_ema.dtype
-            one = _grouping.per_leaf(_finite_square_and_count, dtype)
-            stacks = grouping.leaf_stacks or (None,) * len(leaves)
-            sums = [
-                one(x) if st is None else _finite_square_and_count(x, dtype, st[0])
-                for x, st in zip(leaves, stacks)
-            ]
-            norm = _grouping.group_norms(leaves, grouping, 2.0, [s[0] for s in sums])
-            bad = _grouping.group_norms(leaves, grouping, 1.0, [s[1] for s in sums])
-            finite = bad == 0
-            active = norm > 0
-            g1, g2 = jnp.asarray(gamma1, dtype), jnp.asarray(gamma2, dtype)
-            count = state.metrics["count"] + active.astype(jnp.int32)
-            norm_ema = jnp.where(active, g1 * state.norm_ema + (1 - g1) * norm, state.norm_ema)
-            square_ema = jnp.where(
-                active, g2 * state.square_ema + (1 - g2) * norm * norm, state.square_ema
-            )
-            k = jnp.maximum(count, 1).astype(dtype)
-            mean = norm_ema / (1 - g1**k)
-            mean_square = square_ema / (1 - g2**k)
-            target = mean / (jnp.sqrt(mean_square) + jnp.asarray(eps, dtype))
-            scale = jnp.where(active, target / jnp.where(active, norm, 1), 1).astype(dtype)
-            new_leaves = _grouping.apply_scales(leaves, grouping, scale, state.leaf_index)
-            metrics = {
-                "grad_norm": norm,
-                "mean": mean,
-                "mean_square": mean_square,
-                "target_norm": target,
-                "scale": scale,
-                **_counters(state.metrics, active, active, finite),
-            }
-            metrics = _cast(metrics, state.metrics)
-            new_state = AdaNormState(
-                norm_ema,
-                square_ema,
-                metrics,
-                state.info,
-                _grouping.returned_index(state.leaf_index),
-            )
-            return jax.tree_util.tree_unflatten(treedef, new_leaves), new_state
+    def update_fn(updates: Any, state: AdaNormState, params: Any = None, **_: Any) -> Any:
+        leaves, _, treedef, grouping = _kit.check_tree(
+            updates, state, AdaNormState, layout, who=who, scope=scope
+        )
+        _grouping.check_inexact(leaves, grouping, who)
+        dtype = state.norm_ema.dtype
+        one = _grouping.per_leaf(_finite_square_and_count, dtype)
+        stacks = grouping.leaf_stacks or (None,) * len(leaves)
+        sums = [
+            one(x) if st is None else _finite_square_and_count(x, dtype, st[0])
+            for x, st in zip(leaves, stacks)
+        ]
+        norm = _grouping.group_norms(leaves, grouping, 2.0, [s[0] for s in sums])
+        bad = _grouping.group_norms(leaves, grouping, 1.0, [s[1] for s in sums])
+        finite = bad == 0
+        active = norm > 0
+        g1, g2 = jnp.asarray(gamma1, dtype), jnp.asarray(gamma2, dtype)
+        count = state.metrics["count"] + active.astype(jnp.int32)
+        norm_ema = jnp.where(active, g1 * state.norm_ema + (1 - g1) * norm, state.norm_ema)
+        square_ema = jnp.where(
+            active, g2 * state.square_ema + (1 - g2) * norm * norm, state.square_ema
+        )
+        k = jnp.maximum(count, 1).astype(dtype)
+        mean = norm_ema / (1 - g1**k)
+        mean_square = square_ema / (1 - g2**k)
+        target = mean / (jnp.sqrt(mean_square) + jnp.asarray(eps, dtype))
+        scale = jnp.where(active, target / jnp.where(active, norm, 1), 1).astype(dtype)
+        new_leaves = _grouping.apply_scales(leaves, grouping, scale, state.leaf_index)
+        metrics = _kit.counted(
+            state.metrics, finite, observed=active, grad_norm=norm, mean=mean,
+            mean_square=mean_square, target_norm=target, scale=scale,
+        )  # fmt: skip
+        index = _grouping.returned_index(state.leaf_index)
+        new_state = AdaNormState(norm_ema, square_ema, metrics, state.info, index)
+        return jax.tree_util.tree_unflatten(treedef, new_leaves), new_state
 
-        return init_fn, update_fn
-
-    return _transform(make, scope, name)
+    tx = _kit.ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+    tx.configure = lambda **overrides: ada_norm(**{**settings, **overrides})
+    return tx
 
 
 def stable_spam(

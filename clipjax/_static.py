@@ -186,13 +186,7 @@ def _clip_by_norm(
 
     def init_fn(params: Any) -> Any:
         start = _kit.start(params, scope, "clip_by_global_norm", name, leaf_norms)
-        state = ClipByGlobalNormState(
-            **arrays(start.num_groups, start.dtype),
-            info=start.info,
-            leaf_index=start.leaf_index,
-            leaf_metrics=start.leaf_metrics,
-        )
-        return state if start.placeholder else _kit.own_buffers(state)
+        return _kit.new_state(ClipByGlobalNormState, start, arrays(start.num_groups, start.dtype))
 
     def update_fn(
         updates: Any, state: ClipByGlobalNormState, params: Any = None, **extra_args: Any
@@ -270,68 +264,9 @@ def global_norm(tree: Any, norm_type: float = 2.0) -> jax.Array:
 
 # A per-leaf normaliser's step: (leaves, groups, statistics dtype, leaf index)
 # -> ([groups] L2 norms before the step, the new leaves).
-Normalise = Callable[[list[Array], Grouping, Any, Any], tuple[Array, list[Array]]]
+# A normaliser's metrics: the norm of each leaf and these counters.
+_NORMALIZER_FIELDS = {"grad_norm": None}
 _NORMALIZER_COUNTERS = ("count", "step", "nonfinite_count")
-
-
-def _normalizer(
-    algo: str,
-    state_class: type,
-    normalise: Normalise,
-    name: str | None,
-    scope: Scope = "per_param",
-    axis_name: str | None = None,
-) -> ClipTransform:
-    """A transform that changes every leaf by ``normalise``, with its ``[groups]``
-    ``grad_norm`` and the counters ``count`` (finite norms), ``step`` and
-    ``nonfinite_count`` in its state. ``configure`` may give another ``scope``;
-    ``axis_name`` is accepted and has no effect (no norm is shared)."""
-    del axis_name
-    if isinstance(scope, _grouping.Stacked):
-        raise ValueError(
-            f"{algo}: clipjax.stacked scopes apply to the norm-based clippers; "
-            f"{algo} changes elements, use scope='per_param' or 'per_layer'"
-        )
-    who = name or algo
-
-    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-        metrics = {
-            "grad_norm": jnp.zeros((num_groups,), dtype),
-            **_kit.counters(num_groups, _NORMALIZER_COUNTERS),
-        }
-        return {"metrics": metrics}
-
-    layout = _kit.layout_of(arrays)
-
-    def init_fn(params: Any) -> Any:
-        start = _kit.start(params, scope, algo, name, False)
-        state = state_class(
-            **arrays(start.num_groups, start.dtype),
-            info=start.info,
-            leaf_index=start.leaf_index,
-            leaf_metrics=start.leaf_metrics,
-        )
-        return state if start.placeholder else _kit.own_buffers(state)
-
-    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
-        del params, extra_args
-        leaves, _, treedef, grouping = _kit.check_tree(
-            updates, state, state_class, layout, who=who, scope=scope
-        )
-        _grouping.check_inexact(leaves, grouping, who)
-        dtype = _grouping.norm_dtype(leaves)
-        norm, out = normalise(leaves, grouping, dtype, state.leaf_index)
-        metrics = _kit.counted(state.metrics, jnp.isfinite(norm), grad_norm=norm)
-        grads = _kit.Norms(norm, leaves, treedef, grouping, None)
-        new_state = state._replace(**_kit.shared_fields(state, grads, metrics))
-        return jax.tree_util.tree_unflatten(treedef, out), new_state
-
-    tx = ClipTransform(init_fn, update_fn)
-    settings = dict(name=name, scope=scope)
-    tx.configure = lambda **overrides: _normalizer(
-        algo, state_class, normalise, **{**settings, **overrides}
-    )
-    return tx
 
 
 def normalize_per_param(eps: float = 1e-8, *, name: str | None = None) -> ClipTransform:
@@ -376,15 +311,17 @@ def normalize_per_param(eps: float = 1e-8, *, name: str | None = None) -> ClipTr
     _validation.non_negative("eps", eps)
     _kit.check_name(name)
 
-    def normalise(
-        leaves: list[Array], grouping: Grouping, dtype: Any, index: Any
-    ) -> tuple[Array, list[Array]]:
+    def normalise(leaves: list[Array], grouping: Grouping, dtype: Any, index: Any) -> Any:
         norm = _grouping.group_norms(leaves, grouping)
         finite = jnp.isfinite(norm)
         scale = jnp.where(finite, 1 / (norm + jnp.asarray(eps, dtype)), jnp.ones_like(norm))
-        return norm, _grouping.apply_scales(leaves, grouping, scale, index)
+        out = _grouping.apply_scales(leaves, grouping, scale, index)
+        return out, {"grad_norm": norm}, finite, None
 
-    return _normalizer("normalize_per_param", NormalizePerParamState, normalise, name)
+    return _kit.element_transform(
+        "normalize_per_param", NormalizePerParamState, normalise, _NORMALIZER_FIELDS,
+        _NORMALIZER_COUNTERS, name=name, scope="per_param",
+    )  # fmt: skip
 
 
 def _standardise(x: Array, dtype: Any, eps: Any) -> tuple[Array, Array]:
@@ -467,9 +404,7 @@ def zscore_normalize(eps: float = 1e-8, *, name: str | None = None) -> ClipTrans
     _validation.non_negative("eps", eps)
     _kit.check_name(name)
 
-    def normalise(
-        leaves: list[Array], grouping: Grouping, dtype: Any, index: Any
-    ) -> tuple[Array, list[Array]]:
+    def normalise(leaves: list[Array], grouping: Grouping, dtype: Any, index: Any) -> Any:
         del grouping, index
         one = _grouping.per_leaf(_standardise, dtype, eps)
         norms, out = [], []
@@ -477,6 +412,10 @@ def zscore_normalize(eps: float = 1e-8, *, name: str | None = None) -> ClipTrans
             norm, standardised = one(x)
             norms.append(norm)
             out.append(standardised)
-        return (jnp.stack(norms) if norms else jnp.zeros((0,), dtype)), out
+        norm = jnp.stack(norms) if norms else jnp.zeros((0,), dtype)
+        return out, {"grad_norm": norm}, jnp.isfinite(norm), None
 
-    return _normalizer("zscore_normalize", ZScoreNormalizeState, normalise, name)
+    return _kit.element_transform(
+        "zscore_normalize", ZScoreNormalizeState, normalise, _NORMALIZER_FIELDS,
+        _NORMALIZER_COUNTERS, name=name, scope="per_param",
+    )  # fmt: skip

@@ -10,7 +10,6 @@ import numpy as np
 from jax.core import Tracer
 
 from clipjax import _grouping, _kit, _metrics, _stats, _validation
-from clipjax._autoclip import gate_defaults, observed_unguarded
 from clipjax._grouping import Scope
 from clipjax._kit import ClipTransform
 from clipjax._metrics import GroupInfo
@@ -182,7 +181,7 @@ def zscore_clip(
     if ema_decay is None:
         ema_decay = 0.99 if feedback == "observe_first" else JUDGE_FIRST_DECAY
     _validation.open_unit("ema_decay", ema_decay)
-    warmup_steps, min_history = gate_defaults(feedback, warmup_steps, min_history)
+    warmup_steps, min_history = _kit.gate_defaults(feedback, warmup_steps, min_history)
     _validation.integer("warmup_steps", warmup_steps, static=False)
     _validation.integer("min_history", min_history, static=False)
     _validation.positive("eps", eps)
@@ -227,9 +226,7 @@ def zscore_clip(
             # smartclip's order: the norm enters the EMAs, then its threshold
             # is read from them; the gate counts this observation.
             gate_open = count + 1 >= gate
-            no_spike = jnp.zeros_like(finite)
-            x, observed = _kit.observation(feedback, g, boundary=g, target=None, fires=no_spike)
-            observed = observed if guard_nans else observed_unguarded(observed, no_spike, feedback)
+            x, observed = _kit.observation(feedback, g, guard_nans=guard_nans)
             moments = _kit.select_groups(observed, observe(before, x), before)
             threshold = threshold_of(moments)
             scale = jnp.minimum(1.0, threshold / (g + eps))
@@ -240,9 +237,8 @@ def zscore_clip(
             scale = jnp.minimum(1.0, threshold / (g + eps))
             fires = (scale < 1) & gate_open & finite
             x, observed = _kit.observation(
-                feedback, g, boundary=threshold, target=None, fires=fires
+                feedback, g, boundary=threshold, fires=fires, guard_nans=guard_nans
             )
-            observed = observed if guard_nans else observed_unguarded(observed, fires, feedback)
             moments = _kit.select_groups(observed, observe(before, x), before)
         scale = jnp.where(finite & gate_open, scale, 1.0).astype(g.dtype)
         capped = None
