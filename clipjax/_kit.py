@@ -349,7 +349,7 @@ def observation(
     return value, observed
 
 
-def gate_defaults(feedback: str, warmup_steps: Any, min_history: Any) -> tuple[Any, Any]:
+def gate_defaults(feedback: str, warmup_steps: Any, min_history: Any) -> tuple[int, int]:
     """autoclip's and zscore_clip's gate, where ``warmup_steps`` / ``min_history`` are
     None: smartclip's 100 / 50 under ``"observe_first"``, :data:`JUDGE_FIRST_GATE` each
     under the judge-first feedbacks."""

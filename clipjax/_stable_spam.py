@@ -103,7 +103,8 @@ def _adaclip_arrays(num_groups: int, dtype: Any = jnp.float32, *, count_clipped:
 def _ada_norm_arrays(num_groups: int, dtype: Any = jnp.float32) -> dict:
     """A new :class:`AdaNormState`'s arrays."""
     zeros = jnp.zeros((num_groups,), dtype)
-    metrics = dict.fromkeys(("grad_norm", "mean", "mean_square", "target_norm"), zeros)
+    fields = ("grad_norm", "mean", "mean_square", "target_norm")
+    metrics: dict[str, Any] = dict.fromkeys(fields, zeros)
     metrics["scale"] = jnp.ones((num_groups,), dtype)
     counters = _kit.counters(num_groups, ("count", "step", "nonfinite_count"))
     return {"norm_ema": zeros, "square_ema": zeros, "metrics": {**metrics, **counters}}
@@ -247,7 +248,8 @@ def adaclip(
         own = _adaclip_arrays(start.num_groups, start.dtype, count_clipped=count_clipped)
         return _kit.new_state(AdaClipState, start, own)
 
-    def update_fn(updates: Any, state: AdaClipState, params: Any = None, **_: Any) -> Any:
+    def update_fn(updates: Any, state: AdaClipState, params: Any = None, **extra_args: Any) -> Any:
+        del params, extra_args
         leaves, _, treedef, grouping = _kit.check_tree(
             updates, state, AdaClipState, layout, who=who, scope=scope
         )
@@ -378,7 +380,8 @@ def ada_norm(
         start = _kit.start(params, scope, "ada_norm", name, False)
         return _kit.new_state(AdaNormState, start, _ada_norm_arrays(start.num_groups, start.dtype))
 
-    def update_fn(updates: Any, state: AdaNormState, params: Any = None, **_: Any) -> Any:
+    def update_fn(updates: Any, state: AdaNormState, params: Any = None, **extra_args: Any) -> Any:
+        del params, extra_args
         leaves, _, treedef, grouping = _kit.check_tree(
             updates, state, AdaNormState, layout, who=who, scope=scope
         )
