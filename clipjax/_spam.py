@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _fold, _grouping, _kit, _metrics, _state_check, _validation
+from clipjax import _fold, _grouping, _kit, _state_check, _validation
 from clipjax._metrics import GroupInfo
 
 Array = jax.Array
@@ -199,10 +199,7 @@ def scale_by_spam(
 
     def init_fn(params: Any) -> Any:
         adam = optax.scale_by_adam(mu_dtype=mu_dtype).init(params)
-        grouping = _grouping.make_grouping(params, "global")
-        # On optax's params placeholder (tree_map_params) the names are a leaf.
-        info_class = _metrics.PlaceholderInfo if _kit.is_placeholder(params) else GroupInfo
-        info = info_class(algo, name, ("global",), grouping.leaf_names, grouping.leaf_shapes)
+        info = _kit.start(params, "global", algo, name, False).info
         return adam, SpamState(_init_metrics(count_clipped), info)
 
     def step(pred: Any, updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
