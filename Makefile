@@ -89,8 +89,9 @@ $(VENV_MIN)/.installed: pyproject.toml Makefile | $(BIN_MIN)/python
 	$(BIN_MIN)/python -m pip --disable-pip-version-check install -e . $(MIN_DEPS) $(MIN_TEST_DEPS)
 	@touch $@
 
-# The long runs carry the `slow` marker (tests/conftest.py lists them): `make
-# test` leaves them out, `make test-all` (and .ci/run) runs everything.
+# The long runs carry the `slow` marker (their file's pytestmark, or the lists in
+# tests/conftest.py): `make test` leaves them out, `make test-all` (and .ci/run)
+# runs everything.
 test: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist worksteal -m "not slow"
@@ -125,7 +126,7 @@ docs: $(VENV)/.installed-docs
 # Renders $(DOCS_OUT)/html (built by `make docs`) in the system's Chromium
 # through playwright; skips, saying why, without Chromium or the site.
 docs-check: $(VENV)/.installed
-	CLIPJAX_DOCS_HTML=$(DOCS_OUT)/html $(BIN)/python -m pytest -p no:cacheprovider -n 0 -o addopts="-ra" tests/test_docs_layout.py
+	CLIPJAX_DOCS_HTML=$(DOCS_OUT)/html $(BIN)/python -m pytest -p no:cacheprovider -n 0 -o addopts="-ra" tests/docs/test_docs_layout.py
 
 dist: $(VENV)/.installed-dist
 	rm -rf dist
@@ -135,7 +136,7 @@ dist: $(VENV)/.installed-dist
 # Installs the wheel from dist/ into a fresh venv (jax, optax, chex, numpy from
 # the package index) and runs one update there.
 test-wheel: dist
-	CLIPJAX_TEST_WHEEL=1 $(BIN)/python -m pytest -p no:cacheprovider -p no:xdist --noconftest -o addopts="" -ra -q tests/test_wheel.py
+	CLIPJAX_TEST_WHEEL=1 $(BIN)/python -m pytest -p no:cacheprovider -p no:xdist --noconftest -o addopts="" -ra -q tests/release/test_wheel.py
 
 format: $(VENV)/.installed-lint
 	$(BIN)/ruff format .
@@ -145,7 +146,7 @@ demo: $(VENV)/.installed-examples
 	$(BIN)/python examples/demo.py
 
 notebooks: $(VENV)/.installed
-	CLIPJAX_NOTEBOOK_OUT=build/notebooks $(BIN)/python -m pytest tests/test_notebooks.py
+	CLIPJAX_NOTEBOOK_OUT=build/notebooks $(BIN)/python -m pytest tests/release/test_notebooks.py
 
 bench: $(VENV)/.installed-bench
 	$(BIN)/python benchmarks/run.py

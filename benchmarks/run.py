@@ -7,7 +7,7 @@
 Each section is also a script of its own (``python benchmarks/traffic.py``).
 The page shows measurements and optax comparisons; how each figure compares
 with its target in ``common.TARGETS`` is printed to stderr at the end (the
-targets are the benchmark's, and tests/test_benchmarks.py asserts them).
+targets are the benchmark's, and tests/release/test_benchmarks.py asserts them).
 """
 
 from __future__ import annotations

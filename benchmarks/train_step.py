@@ -102,7 +102,7 @@ GPU_ROWS = {
 SIZES = {
     "cpu": Size(8, 64, 4, 32, 8, jnp.float32, 11, 8, 2, {"unscanned": (ALL,), "scanned": (ALL,)}),
     "gpu": Size(24, 512, 8, 512, 16, jnp.bfloat16, 7, 10, 1, GPU_ROWS),
-    # The smoke test's model (tests/test_benchmarks.py): seconds, figures mean nothing.
+    # The smoke test's model (tests/release/test_benchmarks.py): seconds, figures mean nothing.
     "tiny": Size(2, 16, 2, 8, 2, jnp.float32, 1, 2, 1, {"unscanned": (ALL,), "scanned": (ALL,)}),
 }
 

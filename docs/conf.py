@@ -314,7 +314,7 @@ def _generate_sources() -> None:
     for source in sorted((ROOT / "notebooks").glob("*.ipynb")):
         target = notebooks / source.name
         if EXECUTED and (EXECUTED / source.name).exists():
-            # Already executed by tests/test_notebooks.py in this run (CI): not again.
+            # Already executed by tests/release/test_notebooks.py in this run (CI): not again.
             source = EXECUTED / source.name
             nb_execution_excludepatterns.append(f"notebooks/{source.name}")
         if not target.exists() or target.read_bytes() != source.read_bytes():

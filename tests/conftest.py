@@ -131,45 +131,25 @@ def x64() -> Iterator[None]:
 
 
 # `make test` runs `-m "not slow"` (a few minutes on 2 cores); `make test-all`
-# and .ci/run run everything. Long runs are marked here, in one place, rather
-# than in each file. Measured one file at a time with `--durations`.
+# and .ci/run run everything. A file that is slow as a whole says so itself
+# (`pytestmark = pytest.mark.slow`, with the reason); the single slow tests and
+# parametrizations are listed here, in one place. Measured one file at a time
+# with `--durations`.
 #
-# Whole files, relative to tests/, and why each is slow.
-SLOW_FILES = {
-    # Executes both notebooks top to bottom (training runs, plots).
-    "test_notebooks.py": "runs the notebooks",
-    # Builds the Sphinx site (and its notebooks) before checking it.
-    "test_docs_site.py": "builds the docs site",
-    # Long scans: thousands of steps per clipper.
-    "test_long_run.py": "long scans",
-    # Trains the byte-level transformer of examples/lm_spikes.py.
-    "test_lm_spikes.py": "trains a small language model",
-    # Runs examples/follow_run.py (closed-loop regressions, every row).
-    "test_follow_run.py": "runs the follow-a-run example",
-    # Runs examples/demo.py in a subprocess (13 training runs at full size).
-    "test_demo.py": "runs the demo",
-    # Builds the wheel and installs it into a fresh virtual environment.
-    "test_wheel.py": "builds and installs the wheel",
-    # Runs the benchmark scripts.
-    "test_benchmarks.py": "runs the benchmarks",
-    # Step-by-step traces of smartclip, zclip and drytorch (torch) next to
-    # clipjax, hundreds of steps each; each clipper's own file keeps a short
-    # reference check in the fast suite.
-    "test_references.py": "reference traces against smartclip, zclip, drytorch",
-    # Starts `pytest tests/parallel` in a subprocess with 8 CPU devices.
-    "parallel/test_on_8_devices.py": "8-device subprocess",
-}
-
 # Single tests (node id prefixes, relative to tests/), and why.
 SLOW_TESTS = {
     # Starts a subprocess with 8 CPU devices.
-    "test_compat.py::test_tree_map_params_derives_sharding_on_8_devices": "8-device subprocess",
+    (
+        "contract/test_compat.py::test_tree_map_params_derives_sharding_on_8_devices"
+    ): "8-device subprocess",
     # Seven wrappers, each compiled twice (update and metrics), per clipper:
     # the heaviest clippers run here; the fast suite keeps the others
     # (global, per_param, per_layer, agc, adagc, the element-wise clippers)
     # and every wrapper.
     **{
-        f"test_contract.py::test_metrics_found_in_every_wrapper[{name}]": "7 wrappers compiled"
+        (
+            f"contract/test_contract.py::test_metrics_found_in_every_wrapper[{name}]"
+        ): "7 wrappers compiled"
         for name in (
             "autoclip",
             "autoclip_ema_per_param",
@@ -182,30 +162,43 @@ SLOW_TESTS = {
     },
     # Accumulates over MultiSteps for many steps, compiled per clipper; the
     # contract tests keep MultiSteps (and every other wrapper) in the fast suite.
-    "test_wrappers.py::test_multi_steps_clips_the_accumulated_gradient_once_per_real_step": (
-        "long accumulation run"
-    ),
+    (
+        "contract/test_wrappers.py::"
+        "test_multi_steps_clips_the_accumulated_gradient_once_per_real_step"
+    ): ("long accumulation run"),
     # inject_hyperparams against the clipper rebuilt per value: the history
     # clippers compile the longest; the others stay in the fast suite.
     **{
-        "test_wrappers.py::test_inject_hyperparams_equals_the_clipper_built_with_those_values"
+        "contract/test_wrappers.py::"
+        "test_inject_hyperparams_equals_the_clipper_built_with_those_values"
         f"[{name}]": "compiles per hyperparameter value"
         for name in ("autoclip", "autoclip_window")
     },
     # Hypothesis examples through autoclip's sorted history, one compile per
     # example shape; the other clippers' properties stay in the fast suite.
-    "test_properties.py::test_dtype_preserved_and_unclipped_leaves_untouched[float32-autoclip]": (
-        "50 hypothesis examples"
-    ),
-    "test_properties.py::test_scale_threshold_identity[autoclip]": "50 hypothesis examples",
-    "test_properties.py::test_scale_threshold_identity[autoclip_window]": "50 hypothesis examples",
+    (
+        "contract/test_properties.py::"
+        "test_dtype_preserved_and_unclipped_leaves_untouched[float32-autoclip]"
+    ): ("50 hypothesis examples"),
+    (
+        "contract/test_properties.py::test_scale_threshold_identity[autoclip]"
+    ): "50 hypothesis examples",
+    (
+        "contract/test_properties.py::test_scale_threshold_identity[autoclip_window]"
+    ): "50 hypothesis examples",
     # Full flax training runs saved and resumed; the orbax standard
     # checkpointer round trip stays in the fast suite.
-    "test_checkpoint.py::test_flax_serialization_resumes_bit_identically": "train, save, resume",
-    "test_checkpoint.py::test_nnx_optimizer_orbax_resumes_bit_identically": "train, save, resume",
+    (
+        "contract/test_checkpoint.py::test_flax_serialization_resumes_bit_identically"
+    ): "train, save, resume",
+    (
+        "contract/test_checkpoint.py::test_nnx_optimizer_orbax_resumes_bit_identically"
+    ): "train, save, resume",
     # A linen TrainState training run per clipper; the nnx.Optimizer run per
     # clipper and the linen per-layer names test stay in the fast suite.
-    "test_flax.py::test_linen_train_state_trains_with_every_clipper": "a training run per clipper",
+    (
+        "contract/test_flax.py::test_linen_train_state_trains_with_every_clipper"
+    ): "a training run per clipper",
 }
 
 
@@ -222,44 +215,47 @@ def _cases(test: str, ids: str, reason: str) -> dict[str, str]:
 SLOW_TESTS.update(
     {
         **_cases(
-            "test_contract.py::test_metrics_found_in_every_wrapper",
+            "contract/test_contract.py::test_metrics_found_in_every_wrapper",
             "zscore_normalize agc_per_layer agc zclip_per_param clip_by_value "
             "clip_by_global_norm_inf",
             "7 wrappers compiled",
         ),
         **_cases(
-            "test_bad_input.py::test_tree_map_params_keeps_names_and_metrics",
+            "contract/test_bad_input.py::test_tree_map_params_keeps_names_and_metrics",
             "agc_unitwise autoclip_per_layer adagc clip_by_percentile hist_clip_nested "
             "zscore_normalize",
             "a chain mapped and compiled per kind",
         ),
         **_cases(
-            "test_flax.py::test_nnx_optimizer_trains_with_every_clipper",
+            "contract/test_flax.py::test_nnx_optimizer_trains_with_every_clipper",
             "hist_clip_ema_per_layer clip_by_percentile autoclip_window_per_layer agc_per_layer "
             "zscore_clip zclip_per_layer autoclip_ema clip_by_value",
             "a training run per clipper",
         ),
         **_cases(
-            "test_leaf_norms.py::test_leaf_norms_cost_no_second_pass",
+            "contract/test_leaf_norms.py::test_leaf_norms_cost_no_second_pass",
             "autoclip_window_per_layer hist_clip_ema_per_layer adagc autoclip hist_clip "
             "clip_by_percentile agc_per_layer autoclip_ema zclip zscore_clip clip_by_value",
             "XLA cost analysis per clipper",
         ),
         **_cases(
-            "test_leaf_norms.py::test_leaf_norms_are_the_pre_clip_leaf_norms",
+            "contract/test_leaf_norms.py::test_leaf_norms_are_the_pre_clip_leaf_norms",
             "adagc autoclip_window_per_layer clip_by_percentile hist_clip_ema_per_layer "
             "autoclip agc_per_layer autoclip_ema zscore_clip clip_by_value",
             "compiled per clipper",
         ),
         **_cases(
-            "test_wrappers.py::test_inject_hyperparams_equals_the_clipper_built_with_those_values",
+            (
+                "contract/test_wrappers.py::"
+                "test_inject_hyperparams_equals_the_clipper_built_with_those_values"
+            ),
             "hist_clip zscore_normalize autoclip_ema zscore_clip clip_by_value "
             "clip_by_percentile agc_per_layer normalize_per_param",
             "compiles per hyperparameter value",
         ),
         # Reference traces (torch and smartclip): each keeps two cases here.
         **_cases(
-            "test_zclip.py::test_matches_zclip_step_by_step",
+            "zclip/test_zclip.py::test_matches_zclip_step_by_step",
             "default-constant default-regime_shift "
             "clip_option=mean,max_grad_norm=5.0-regime_shift "
             "clip_option=mean,max_grad_norm=5.0-spikes "
@@ -273,7 +269,7 @@ SLOW_TESTS.update(
             "reference trace",
         ),
         **_cases(
-            "test_hist_clip.py::test_matches_drytorch_step_by_step",
+            "hist_clip/test_hist_clip.py::test_matches_drytorch_step_by_step",
             "zstat-max-constant ema-max-spikes ema-max-regime_shift zstat-max-regime_shift "
             "zstat-reciprocal-spikes ema-max-constant ema-reciprocal-constant "
             "zstat-mean-regime_shift ema-reciprocal-spikes zstat-mean-constant "
@@ -281,19 +277,19 @@ SLOW_TESTS.update(
             "reference trace",
         ),
         **_cases(
-            "test_autoclip.py::test_window_percentile_matches_smartclip",
+            "autoclip/test_autoclip.py::test_window_percentile_matches_smartclip",
             "50-95.0-constant 1024-99.0-constant 1024-99.0-regime_shift 50-95.0-regime_shift "
             "7-50.0-constant 1-100.0-spikes 1-100.0-regime_shift 7-50.0-regime_shift",
             "reference trace",
         ),
         # float64 restatements: the fast suite keeps one case per behaviour.
         **_cases(
-            "test_feedback.py::test_scopes_match_per_group_restatement",
+            "adaptive/test_feedback.py::test_scopes_match_per_group_restatement",
             "feedback-per_layer defaults-per_param feedback-per_param",
             "per-group restatement, many groups",
         ),
         **_cases(
-            "test_skip_on_spike.py::test_decisions_match_the_float64_restatement",
+            "skip_on_spike/test_skip_on_spike.py::test_decisions_match_the_float64_restatement",
             "shift-novalue-3-raw shift-value-3-skip nan_grad-novalue-None-skip "
             "shift-value-3-raw norm_spike-value-None-skip shift-novalue-3-skip "
             "nan_loss-value-None-skip clean-value-None-skip clean-value-None-raw "
@@ -303,24 +299,24 @@ SLOW_TESTS.update(
             "restatement step by step",
         ),
         **_cases(
-            "test_forgetting.py::test_auto_window_matches_restatement",
+            "adaptive/test_forgetting.py::test_auto_window_matches_restatement",
             "2-skip 16-skip 16-raw 2-clipped 16-clipped 2-observe_first 2-raw 16-observe_first",
             "restatement step by step",
         ),
         **_cases(
-            "test_forgetting.py::test_judge_first_gate_defaults_to_ten",
+            "adaptive/test_forgetting.py::test_judge_first_gate_defaults_to_ten",
             "skip-autoclip raw-autoclip raw-zscore_clip skip-zscore_clip",
             "restatement step by step",
         ),
         **_cases(
-            "test_geometric_quantile.py::test_converges_to_the_true_quantile",
+            "autoclip/test_geometric_quantile.py::test_converges_to_the_true_quantile",
             "abs_normal-0.2 uniform-0.2 uniform-0.05 abs_normal-0.05 pareto-0.05 lognormal-0.2",
             "thousands of steps",
         ),
         # Per-clipper contract checks: the scoped variants of a clipper that
         # the fast suite runs at another scope.
         **{
-            f"test_contract.py::{test}[{case}]": "a scoped variant, compiled"
+            f"contract/test_contract.py::{test}[{case}]": "a scoped variant, compiled"
             for test in (
                 "test_no_host_transfer_inside_update",
                 "test_state_can_be_donated",
@@ -337,17 +333,20 @@ SLOW_TESTS.update(
             )
         },
         **_cases(
-            "test_feedback.py::test_feedback_matches_restatement",
+            "adaptive/test_feedback.py::test_feedback_matches_restatement",
             "autoclip_geometric hist_ema zclip_cap zclip_mean zclip_percentile",
             "restatement step by step (a variant of a clipper kept here)",
         ),
         **_cases(
-            "test_feedback.py::test_spike_moves_threshold_no_more_than_its_clip_value",
+            "adaptive/test_feedback.py::test_spike_moves_threshold_no_more_than_its_clip_value",
             "hist_zstat zscore_clip",
             "restatement step by step",
         ),
         **_cases(
-            "test_forgetting.py::test_judge_first_threshold_is_inf_before_first_observation",
+            (
+                "adaptive/test_forgetting.py::"
+                "test_judge_first_threshold_is_inf_before_first_observation"
+            ),
             "autoclip_all-raw autoclip_all-skip autoclip_ema-raw autoclip_ema-skip "
             "autoclip_geometric-raw autoclip_geometric-skip autoclip_percentile-raw "
             "autoclip_percentile-skip autoclip_window-raw autoclip_window-skip "
@@ -355,29 +354,29 @@ SLOW_TESTS.update(
             "one case per statistic kept (clipped)",
         ),
         **_cases(
-            "test_elementwise.py::test_clip_by_percentile_exact_matches_numpy",
+            "elementwise/test_elementwise.py::test_clip_by_percentile_exact_matches_numpy",
             "global-5.0 per_param-10.0 per_param-100.0 per_param-95.0",
             "a percentile per case",
         ),
         **_cases(
-            "test_stats.py::test_state_structure_never_changes",
+            "adaptive/test_stats.py::test_state_structure_never_changes",
             "float64-ema float64-p2 float64-p2_smartclip float64-squantile float64-welford "
             "float64-window",
             "float64 variant of a float32 case",
         ),
         **_cases(
-            "test_bad_input.py::test_scope_callables_of_two_arguments_are_accepted",
+            "contract/test_bad_input.py::test_scope_callables_of_two_arguments_are_accepted",
             "adagc agc clip_by_percentile clip_by_value hist_clip zscore_clip",
             "compiled per clipper",
         ),
         **_cases(
-            "test_compat.py::test_zclip_nonfinite_step_reports_spike_boundary",
+            "contract/test_compat.py::test_zclip_nonfinite_step_reports_spike_boundary",
             "inf-1.05-percentile inf-1.05-zscore inf-100.0-percentile nan-100.0-zscore "
             "nan-1.05-percentile nan-100.0-percentile",
             "compiled per case",
         ),
         **{
-            f"test_compat.py::test_every_clipper_runs_on_every_leaf_kind[{name}-": (
+            f"contract/test_compat.py::test_every_clipper_runs_on_every_leaf_kind[{name}-": (
                 "a scoped variant, compiled per leaf kind"
             )
             for name in (
@@ -391,24 +390,31 @@ SLOW_TESTS.update(
             )
         },
         # Starts a subprocess with XLA:CPU kept off FMA instructions.
-        "test_fold.py::test_compiled_without_fma_skip_on_spike_is_optax_bit_for_bit": (
-            "subprocess"
-        ),
-        **_cases("test_compat.py::test_agc_axis_matches_optax", "None", "a large unitwise tree"),
-        **_cases("test_agc.py::test_unitwise_equals_optax", "0.001", "a long run against optax"),
+        (
+            "skip_on_spike/test_fold.py::"
+            "test_compiled_without_fma_skip_on_spike_is_optax_bit_for_bit"
+        ): ("subprocess"),
         **_cases(
-            "test_grouping.py::test_many_groups_compile_like_one", "per_param", "compiles twice"
+            "contract/test_compat.py::test_agc_axis_matches_optax", "None", "a large unitwise tree"
+        ),
+        **_cases(
+            "agc/test_agc.py::test_unitwise_equals_optax", "0.001", "a long run against optax"
+        ),
+        **_cases(
+            ("contract/test_grouping.py::test_many_groups_compile_like_one"),
+            "per_param",
+            "compiles twice",
         ),
     }
 )
 
-# SPAM / Stable-SPAM (tests/test_spam.py keeps their references and the fold in
+# SPAM / Stable-SPAM (tests/spam/test_spam.py keeps their references and the fold in
 # the fast suite): the scoped variants of adaclip and ada_norm, and
 # stable_spam's chain of both, whose members the fast suite checks one by one.
 SLOW_TESTS.update(
     {
         **{
-            f"test_contract.py::{test}[{case}]": "a scoped variant, compiled"
+            f"contract/test_contract.py::{test}[{case}]": "a scoped variant, compiled"
             for test in (
                 "test_no_host_transfer_inside_update",
                 "test_state_can_be_donated",
@@ -418,12 +424,12 @@ SLOW_TESTS.update(
             for case in ("adaclip_global", "ada_norm_per_layer")
         },
         **{
-            f"test_compat.py::test_every_clipper_runs_on_every_leaf_kind[{name}-": (
+            f"contract/test_compat.py::test_every_clipper_runs_on_every_leaf_kind[{name}-": (
                 "a scoped variant, compiled per leaf kind"
             )
             for name in ("adaclip_global", "ada_norm_per_layer")
         },
-        "test_contract.py::test_metrics_found_in_every_wrapper[stable_spam]": (
+        "contract/test_contract.py::test_metrics_found_in_every_wrapper[stable_spam]": (
             "7 wrappers compiled, a chain of adaclip, ada_norm and Adam"
         ),
     }
@@ -435,11 +441,11 @@ SLOW_TESTS.update(
 # low-precision dtypes.
 SLOW_PATTERNS = {
     # float16 as well as bfloat16: bfloat16 stays for every clipper.
-    r"test_contract\.py::TestContractWithAndWithoutJit::test_low_precision_leaves_keep_dtype_"
+    r"contract/test_contract\.py::TestContractWithAndWithoutJit::test_low_precision_leaves_keep_dtype_"
     r"(?!clip_by_global_norm_float16|zclip_float16|agc_float16).*_float16__with_jit$": (
         "float16 variant"
     ),
-    r"test_contract\.py::TestContractWithAndWithoutJit::"
+    r"contract/test_contract\.py::TestContractWithAndWithoutJit::"
     r"test_(?!state_is_stable_and_dtypes_kept_).*__without_jit$": "eager variant",
 }
 
@@ -453,8 +459,9 @@ def _whole_files(config: pytest.Config) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Marks the long runs listed above ``slow``; fails when an entry names a test that
-    no longer exists (a renamed test would otherwise silently lose its mark)."""
+    """Marks the long runs listed above ``slow``; fails when an entry names a file that
+    does not exist, or a test that no longer exists (a moved or renamed test would
+    otherwise silently lose its mark)."""
     matched: set[str] = set()
     files: set[str] = set()
     for item in items:
@@ -464,25 +471,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         files.add(relative)
         node = relative + "::" + item.nodeid.split("::", 1)[-1] if "::" in item.nodeid else relative
-        hits = [relative] if relative in SLOW_FILES else []
-        hits += [prefix for prefix in SLOW_TESTS if node.startswith(prefix)]
+        hits = [prefix for prefix in SLOW_TESTS if node.startswith(prefix)]
         hits += [pattern for pattern in SLOW_PATTERNS if re.match(pattern, node)]
         if hits:
             item.add_marker(pytest.mark.slow)
             matched.update(hits)
-    if not _whole_files(config):
-        return
-    entries = [*SLOW_FILES, *SLOW_TESTS]
-    stale = [e for e in entries if e.split("::")[0] in files and e not in matched]
-    stale += [p for p in SLOW_PATTERNS if re.match(r"[\w/]+\\.py", p) and _pattern_file(p) in files]
-    stale = [e for e in stale if e not in matched]
+    named = {entry: entry.split("::")[0] for entry in SLOW_TESTS}
+    named.update({pattern: _pattern_file(pattern) for pattern in SLOW_PATTERNS})
+    stale = [e for e, file in named.items() if not (_TESTS_DIR / file).is_file()]
+    if _whole_files(config):
+        stale += [e for e, file in named.items() if file in files and e not in matched]
     if stale:
         raise pytest.UsageError(
-            "tests/conftest.py marks tests slow that no collected test matches (renamed or "
-            "removed? update the list): " + ", ".join(stale)
+            "tests/conftest.py marks tests slow that no collected test matches (moved, renamed "
+            "or removed? update the list): " + ", ".join(stale)
         )
 
 
 def _pattern_file(pattern: str) -> str:
-    """The file a SLOW_PATTERNS regex names (``test_contract\\.py::...``)."""
+    """The file a SLOW_PATTERNS regex names (``contract/test_contract\\.py::...``)."""
     return pattern.split("::")[0].replace("\\.", ".")

@@ -27,9 +27,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import references
 
 import clipjax
+from tests import references
 
 NAN = math.nan
 INF = math.inf

@@ -10,17 +10,19 @@ compare like with like.
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-try:
-    from tests import references as R
-except ImportError:  # tests/ itself on sys.path (pytest's rootdir insertion)
-    import references as R
+from tests import references as R
+from tests.paths import ROOT
+
+# Slow, `make test` skips it: step-by-step traces of smartclip, zclip and drytorch (torch) next to
+# clipjax, hundreds of steps each; each clipper's own file keeps a short
+# reference check in the fast suite.
+pytestmark = pytest.mark.slow
 
 TORCH_REASON = "torch (CPU build) is not installed: zclip and drytorch references need it"
 INF = math.inf
@@ -88,12 +90,11 @@ def test_generators_are_deterministic_and_positive():
 
 
 def test_import_does_not_need_torch():
-    here = os.path.dirname(os.path.abspath(__file__))
     code = (
         "import sys\n"
         "for m in ('torch', 'zclip', 'drytorch'): sys.modules[m] = None\n"
-        f"sys.path.insert(0, {here!r})\n"
-        "import references as R\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from tests import references as R\n"
         "assert R.spikes()[0].shape == (400,)\n"
         "assert 'torch' not in [k for k, v in sys.modules.items() if v is not None]\n"
     )

@@ -1,6 +1,6 @@
 """Starts a worker in several JAX processes on this machine and collects their output.
 
-Each process is ``python -m multiprocess.worker`` with its own
+Each process is ``python -m tests.multiprocess.worker`` with its own
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N``; with more than one
 process they join through ``jax.distributed.initialize`` on a loopback port
 and run their collectives over gloo. Every process writes
@@ -26,9 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-TESTS = HERE.parent
-ROOT = TESTS.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class LaunchError(RuntimeError):
@@ -117,14 +115,12 @@ def launch(
     base.update(env or {})
     base["JAX_PLATFORMS"] = "cpu"
     base["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    base["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT), str(TESTS), os.environ.get("PYTHONPATH")) if p
-    )
+    base["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     procs: list[subprocess.Popen[bytes]] = []
     logs = [out / f"process{i}.log" for i in range(processes)]
     try:
         for i in range(processes):
-            command = [sys.executable, "-m", "multiprocess.worker", str(out), str(i)]
+            command = [sys.executable, "-m", "tests.multiprocess.worker", str(out), str(i)]
             command += [str(processes), str(port), ",".join(scenarios)]
             with open(logs[i], "wb") as log:
                 procs.append(

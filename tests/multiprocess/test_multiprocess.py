@@ -1,6 +1,6 @@
 """Two JAX processes of 4 CPU devices each, joined by ``jax.distributed`` over loopback.
 
-Each test starts its processes with :func:`multiprocess.launch.launch` (a
+Each test starts its processes with :func:`tests.multiprocess.launch.launch` (a
 bounded run; processes are killed on failure) and compares what every
 process wrote with the same program run by one process on 8 devices, within
 ``tests/parallel``'s tolerances:
@@ -38,9 +38,8 @@ import jax
 if not hasattr(jax, "shard_map"):
     pytest.skip("the multi-process worker uses jax.shard_map (jax >= 0.7)", allow_module_level=True)
 
-from parallel.cases import STEPS, assert_trees_close, assert_trees_equal
-
-from .launch import LaunchError, free_loopback_port, launch
+from tests.cases import STEPS, assert_trees_close, assert_trees_equal
+from tests.multiprocess.launch import LaunchError, free_loopback_port, launch
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,7 @@
-"""One JAX process of a multi-process run: ``python -m multiprocess.worker OUT I N PORT SCENARIOS``.
+"""One JAX process of a multi-process run:
+``python -m tests.multiprocess.worker OUT I N PORT SCENARIOS``.
 
-Started by :func:`multiprocess.launch.launch` (which sets ``XLA_FLAGS`` for the
+Started by :func:`tests.multiprocess.launch.launch` (which sets ``XLA_FLAGS`` for the
 device count). With ``N > 1`` the process joins the others through
 ``jax.distributed.initialize`` on ``127.0.0.1:PORT`` with gloo collectives;
 with ``N == 1`` it runs alone on all its devices (the reference). Every
@@ -39,6 +40,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from tests.paths import ROOT
+
 OUT, PROCESS, PROCESSES, PORT, SCENARIOS = sys.argv[1:6]
 PROCESS_ID, NUM_PROCESSES = int(PROCESS), int(PROCESSES)
 
@@ -61,10 +64,10 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from parallel.cases import BATCH, HIDDEN, STEPS, batches, fan_out, mlp_params
-from parallel.cases import OUT as OUT_FEATURES
 
 import clipjax
+from tests.cases import BATCH, HIDDEN, STEPS, batches, fan_out, mlp_params
+from tests.cases import OUT as OUT_FEATURES
 
 DEVICES = 8
 SPLIT = 4  # the checkpoint is taken after this many steps
@@ -196,7 +199,7 @@ def skipped(state: Any) -> bool | None:
 def documented_check() -> str:
     """The structure check of the "Multiple hosts" guide: its python block that
     defines ``structure_digest`` and calls ``multihost_utils.assert_equal``."""
-    guide = (Path(__file__).resolve().parents[2] / "docs" / "multi_host.md").read_text()
+    guide = (ROOT / "docs" / "multi_host.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", guide, re.DOTALL)
     found = [b for b in blocks if "def structure_digest" in b and "assert_equal" in b]
     assert len(found) == 1, "docs/multi_host.md: no single structure_digest block"

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 import jax
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.paths import ROOT
+
 SOURCES = [ROOT / "docs" / "data_parallel.md", ROOT / "docs" / "flax.md", ROOT / "README.md"]
 TOPICS = ("jax.pmap", "NamedSharding", "nnx.Optimizer", "TrainState")
 

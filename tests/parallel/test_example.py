@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "data_parallel.py"
+from tests.paths import ROOT
+
+EXAMPLE = ROOT / "examples" / "data_parallel.py"
 
 
 def test_data_parallel_example_runs(capsys: pytest.CaptureFixture[str]) -> None:

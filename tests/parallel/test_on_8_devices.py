@@ -15,10 +15,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .conftest import DEVICES, ENV
+import pytest
+
+from tests.parallel.conftest import DEVICES, ENV
+from tests.paths import ROOT
+
+# Slow, `make test` skips it: starts `pytest tests/parallel` in a subprocess with 8
+# CPU devices.
+pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 
 
 def test_data_parallel_suite_on_8_fake_devices() -> None:
@@ -31,9 +37,7 @@ def test_data_parallel_suite_on_8_fake_devices() -> None:
         f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}".strip()
     )
     env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH")) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", str(HERE), "-q", "-p", "no:cacheprovider", "-rfE"],
         cwd=ROOT,

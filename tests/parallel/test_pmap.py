@@ -23,8 +23,7 @@ import optax
 import pytest
 
 import clipjax
-
-from .cases import (
+from tests.cases import (
     AXIS_IDS,
     BATCH,
     DEVICES,

@@ -25,8 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import clipjax
-
-from .cases import (
+from tests.cases import (
     IDS,
     STEPS,
     all_clippers,

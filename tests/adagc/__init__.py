@@ -1,0 +1,1 @@
+"""adagc against its float64 restatement."""

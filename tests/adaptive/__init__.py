@@ -1,0 +1,2 @@
+"""Adaptive clippers following a run: float64 restatements step by step, streaming
+statistics, recorded runs."""

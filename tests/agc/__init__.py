@@ -1,0 +1,1 @@
+"""agc against optax.adaptive_grad_clip and smartclip's AGC."""

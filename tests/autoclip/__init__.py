@@ -1,0 +1,1 @@
+"""autoclip: against smartclip's AutoClip core, and its geometric quantile."""

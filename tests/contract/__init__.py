@@ -1,0 +1,2 @@
+"""Every public transform: one contract, bad input, checkpoints, optax and flax
+wrappers, metrics, grouping."""

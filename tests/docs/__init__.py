@@ -1,0 +1,1 @@
+"""The guides, README and docs site: paths, tables, claims, layout."""

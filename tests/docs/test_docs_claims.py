@@ -1,0 +1,279 @@
+"""Figures, recommendations and code in the prose agree with their sources.
+
+* A figure quoted from a generated page sits in a marked span,
+  ``<!-- from: PAGE; ROW; COLUMN -->FIGURE<!-- end -->``: the cell in column
+  ``COLUMN`` of the table row whose cell reads ``ROW`` on ``PAGE`` (a path from
+  the repository root) must read ``FIGURE`` (its first number; the prose may add
+  a ``+`` before it or an ``x``/``×`` after it). Any other measured figure
+  (a ratio like ``1.19x``, a percentage, "extra passes", "gradient reads") in
+  the prose of README.md, CHANGELOG.md and docs/*.md is an error.
+* One recommended setting: ``docs/generated/recommended.md`` names it; every
+  page, notebook and docstring that recommends a setting and names a clipper
+  call names that one.
+* Code is pasteable: no curly quote in a code span or block.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import clipjax
+from tests.docs.markdown_tables import tables
+from tests.paths import ROOT
+
+DOCS = ROOT / "docs"
+PROSE = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted(DOCS.glob("*.md"))]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+SPAN = re.compile(r"<!-- from: (.+?); (.+?); (.+?) -->(.*?)<!-- end -->")
+# A measured figure in prose: 1.19x, x1.82, 1.8×, 12%, "two extra passes", "+5 gradient reads".
+FIGURE = re.compile(
+    r"\d\.\d+ ?[x×](?!\w)|(?<!\w)[x×] ?\d+\.\d+|\d+(?:\.\d+)? ?%|extra pass|\d ?gradient reads"
+    r"|no more than the optimizer"
+)
+RECOMMENDING = re.compile(
+    r"recommend|configuration to copy|a default for spike|the setting that follows", re.I
+)
+CURLY = re.compile("[\u2018\u2019\u201c\u201d]")
+
+
+def table_cells(page: Path, row: str, column: str) -> list[str]:
+    """The cells under ``column`` of every table row of ``page`` with a cell ``row``."""
+    found = []
+    for _, header, rows in tables(page):
+        header = [h.strip("`") for h in header]
+        for _, cells in rows:
+            cells = [c.strip("`") for c in cells]
+            if row in cells and column in header:
+                found.append(cells[header.index(column)])
+    return found
+
+
+def first_number(text: str) -> str | None:
+    match = re.search(r"-?\d+(?:\.\d+)?(?:e[+-]?\d+)?", text)
+    return match.group(0) if match else None
+
+
+def check_span(source: str, row: str, column: str, quoted: str) -> str | None:
+    """Why a marked span disagrees with its source, or None."""
+    page = ROOT / source.split("#")[0]
+    if not page.exists():
+        return f"{source} does not exist"
+    cells = table_cells(page, row, column)
+    if not cells:
+        return f"{source} has no table row {row!r} with a column {column!r}"
+    values = {first_number(c) for c in cells}
+    if len(values) != 1:
+        return f"{source}: row {row!r}, column {column!r} is ambiguous: {cells}"
+    value = values.pop()
+    said = quoted.strip().lstrip("+").rstrip("x×").strip()
+    if said != value:
+        return f"the prose says {quoted!r}; {source}, row {row!r}, column {column!r} reads {value}"
+    return None
+
+
+def prose_lines(page: Path):
+    """(line number, text) outside code blocks and copied tables, marked spans removed."""
+    in_code = copied = False
+    for n, line in enumerate(page.read_text().splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            in_code = not in_code
+        elif "demo-table:" in line:  # the table demo.py copies in (and its caption)
+            copied = "demo-table:start" in line
+        elif not (in_code or copied):
+            yield n, SPAN.sub("", line)
+
+
+@pytest.mark.parametrize("page", PROSE, ids=lambda p: str(p.relative_to(ROOT)))
+def test_marked_figures_match_their_source(page: Path) -> None:
+    problems = []
+    for n, line in enumerate(page.read_text().splitlines(), 1):
+        for source, row, column, quoted in SPAN.findall(line):
+            why = check_span(source, row, column, quoted)
+            if why:
+                problems.append(f"{page.relative_to(ROOT)}:{n}: {why}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("page", PROSE, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_unsourced_figure_in_prose(page: Path) -> None:
+    found = [
+        f"{page.relative_to(ROOT)}:{n}: {line.strip()}"
+        for n, line in prose_lines(page)
+        if FIGURE.search(line)
+    ]
+    assert not found, (
+        "measured figures in prose must be marked spans quoting a generated page "
+        "(<!-- from: PAGE; ROW; COLUMN -->figure<!-- end -->) or a citation of it:\n"
+        + "\n".join(found)
+    )
+
+
+def test_the_span_checker_catches_a_wrong_figure() -> None:
+    page, row = "benchmarks/RESULTS.md", "clipjax.skip_on_spike(clipjax.adam)"
+    wrong = check_span(page, row, "× base", "999x")
+    assert wrong is not None and "reads " in wrong
+    value = wrong.rsplit("reads ", 1)[1]  # the page's figure, whatever the last run measured
+    assert check_span(page, row, "× base", f"{value}x") is None
+    assert "no table row" in check_span(page, "no such row", "× base", "1")
+    assert FIGURE.search("costs about two extra passes over the updates")
+    assert FIGURE.search("1.82x adam's step") and not FIGURE.search("about 5 minutes")
+
+
+# -- One recommendation --------------------------------------------------------
+
+
+def canonical(text: str) -> str:
+    return re.sub(r"\s+", "", text).removeprefix("clipjax.")
+
+
+def recommended() -> str:
+    page = DOCS / "generated" / "recommended.md"
+    match = re.search(r"^`(clipjax\.\w+\(.*\))`$", page.read_text(), re.M)
+    assert match, f"{page.relative_to(ROOT)} names no setting as `clipjax.name(...)`"
+    return canonical(match.group(1))
+
+
+CLIPPERS = ("autoclip", "zscore_clip", "zclip", "hist_clip", "adagc", "agc", "skip_on_spike")
+CALL = re.compile(r"(?<![\w.])(?:clipjax\.)?(" + "|".join(CLIPPERS) + r")\(([^()]*)\)")
+
+
+def paragraphs(text: str) -> list[str]:
+    """Blank-line paragraphs; each table row is a paragraph of its own."""
+    out = []
+    for block in re.split(r"\n\s*\n", text):
+        if block.lstrip().startswith("|"):
+            out += block.splitlines()
+        else:  # list items apart
+            out += re.split(r"\n(?=\s*[*-] )", block)
+    return out
+
+
+def recommendation_sites() -> list[tuple[str, str]]:
+    sites = []
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        sites += [(str(page.relative_to(ROOT)), p) for p in paragraphs(page.read_text())]
+    for notebook in NOTEBOOKS:
+        for i, cell in enumerate(json.loads(notebook.read_text())["cells"]):
+            for p in paragraphs("".join(cell["source"])):
+                sites.append((f"{notebook.relative_to(ROOT)} cell {i}", p))
+    return sites
+
+
+def disagreeing(where: str, paragraph: str, setting: str) -> str | None:
+    if not RECOMMENDING.search(paragraph):
+        return None
+    calls = [canonical(m.group(0)) for m in CALL.finditer(paragraph)]
+    if calls and setting not in calls:
+        return f"{where}: recommends {calls}, not {setting}:\n    {paragraph.strip()[:300]}"
+    return None
+
+
+def test_every_page_and_notebook_recommends_the_one_setting() -> None:
+    setting = recommended()
+    problems = [d for w, p in recommendation_sites() if (d := disagreeing(w, p, setting))]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    "page", ["README.md", "docs/index.md", "docs/getting_started.md", "docs/choosing.md"]
+)
+def test_the_guides_show_the_recommended_setting(page: str) -> None:
+    setting = recommended()
+    text = (ROOT / page).read_text()
+    assert setting in canonical(text), f"{page} does not show the recommended {setting}"
+
+
+def test_the_readme_first_example_uses_the_recommended_setting() -> None:
+    first = re.search(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)
+    assert first and recommended() in canonical(first.group(1))
+
+
+DOCSTRING_SITES = sorted(clipjax.__all__)
+
+
+@pytest.mark.parametrize("name", DOCSTRING_SITES)
+def test_docstrings_recommend_the_one_setting(name: str) -> None:
+    doc = inspect.getdoc(getattr(clipjax, name)) or ""
+    setting = recommended()
+    problems = [d for p in paragraphs(doc) if (d := disagreeing(f"clipjax.{name}", p, setting))]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_recommendation_checker_catches_another_setting() -> None:
+    setting = canonical("zclip(max_grad_norm=None, warmup_steps=10)")
+    assert disagreeing("x", "`zclip()`: a default for spike protection", setting)
+    assert disagreeing("x", "We recommend `autoclip(feedback='clipped')`.", setting)
+    assert not disagreeing(
+        "x", "Recommended: `clipjax.zclip(max_grad_norm=None, warmup_steps=10)`", setting
+    )
+    assert not disagreeing("x", "autoclip(feedback='clipped') is another choice.", setting)
+
+
+# -- Pasteable code ---------------------------------------------------------------
+
+
+def code_of(text: str) -> list[str]:
+    blocks = re.findall(r"^\s*```[^\n]*\n(.*?)^\s*```", text, re.S | re.M)
+    rest = re.sub(r"^\s*```[^\n]*\n.*?^\s*```", "", text, flags=re.S | re.M)
+    return blocks + re.findall(r"`([^`\n]+)`", rest)
+
+
+def code_sources() -> list[tuple[str, str]]:
+    out = []
+    for page in [*PROSE, *sorted((DOCS / "generated").glob("*.md"))]:
+        out += [(str(page.relative_to(ROOT)), c) for c in code_of(page.read_text())]
+    for notebook in NOTEBOOKS:
+        for i, cell in enumerate(json.loads(notebook.read_text())["cells"]):
+            source = "".join(cell["source"])
+            chunks = [source] if cell["cell_type"] == "code" else code_of(source)
+            out += [(f"{notebook.relative_to(ROOT)} cell {i}", c) for c in chunks]
+    return out
+
+
+def test_code_has_straight_quotes() -> None:
+    found = [f"{where}: {code[:120]!r}" for where, code in code_sources() if CURLY.search(code)]
+    assert not found, "curly quotes in code (they do not paste):\n" + "\n".join(found)
+
+
+def test_the_readme_example_prints_what_the_readme_shows(capsys: pytest.CaptureFixture) -> None:
+    """The output block after the README's first example is that example's output
+    (its last lines; ``...`` stands for the first ones)."""
+    text = (ROOT / "README.md").read_text()
+    match = re.search(r"^```python\n(.*?)^```\n\n```\n(.*?)^```", text, re.S | re.M)
+    assert match, "the README's first example is followed by its output"
+    code, shown = match.groups()
+    exec(compile(code, "README.md example", "exec"), {})
+    printed = capsys.readouterr().out.strip().splitlines()
+    shown_lines = [line for line in shown.strip().splitlines() if line != "..."]
+    assert printed[-len(shown_lines) :] == shown_lines, (
+        "README.md's example output is not what it prints; it prints:\n" + "\n".join(printed)
+    )
+
+
+# -- Pages show the library, not how they were built ---------------------------------
+
+BUILD_NOTES = re.compile(
+    r"as of commit|in this revision|do not edit by hand|Linux-\d|/tmp/|/root/|this session",
+    re.I,
+)
+
+
+def test_pages_carry_no_build_notes() -> None:
+    pages = [*PROSE, *sorted((DOCS / "generated").glob("*.md")), *NOTEBOOKS]
+    pages += sorted((ROOT / "benchmarks").glob("*.md"))
+    found = [
+        f"{page.relative_to(ROOT)}:{n}: {line.strip()[:160]}"
+        for page in pages
+        for n, line in enumerate(page.read_text().splitlines(), 1)
+        if BUILD_NOTES.search(line)
+    ]
+    assert not found, (
+        "pages state the command, machine, versions and date; not notes on how a run was "
+        "obtained, kernel builds or temporary paths:\n" + "\n".join(found)
+    )

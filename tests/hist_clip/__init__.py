@@ -1,0 +1,1 @@
+"""hist_clip against drytorch's HistClipper and ParamHistClipper."""

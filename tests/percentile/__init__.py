@@ -1,0 +1,1 @@
+"""Percentiles of |x|: the sort and the radix select."""

@@ -1,0 +1,1 @@
+"""What ships: examples, notebooks, benchmarks, wheel, version, and the suite's slow marks."""

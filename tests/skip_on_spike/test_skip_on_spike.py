@@ -1,0 +1,568 @@
+"""``skip_on_spike``: drop a step whose gradient norm or loss spikes.
+
+* A float64 NumPy restatement of the rule decides every step of streams with
+  spikes in the loss only, the norm only, both, NaN/Inf losses and gradients
+  and a lasting upward shift (with and without ``max_consecutive_skips``); the
+  transform must take the same decisions, report the same thresholds and hold
+  the same buffers (never a skipped value).
+* A skipped step leaves the inner state bit-identical and returns zeros in
+  each leaf's dtype.
+* Where OLMo-core's ``SkipStepOptimizer`` and Levanter's skip-step wrapper
+  mean the same thing (a window with no spike in it yet), their thresholds and
+  decisions agree; after a spike or a NaN loss they differ, because they keep
+  it in their windows.
+
+How it composes with jit, scan, wrappers and checkpoints, and what its
+compiled step costs: test_skip_on_spike_steps.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import clipjax
+from clipjax._metrics import state_fields
+from tests.conftest import version_of
+from tests.skip_streams import (
+    MIN_HISTORY,
+    SHAPES,
+    SIGMA,
+    STEPS,
+    WINDOW,
+    directions,
+    held,
+    make_stream,
+    norm64,
+    run,
+    tree_equal,
+)
+
+FIELDS = {
+    "grad_norm",
+    "value",
+    "grad_threshold",
+    "value_threshold",
+    "skipped",
+    "skipped_count",
+    "consecutive_skips",
+    "nonfinite_count",
+    "step",
+    "count",
+}
+
+# --------------------------------------------------------------------------- restatement
+
+
+def reference(
+    norms: list[float],
+    values: list[float] | None,
+    *,
+    window: int = WINDOW,
+    sigma: float = SIGMA,
+    min_history: int = MIN_HISTORY,
+    max_consecutive_skips: int | None = None,
+    feedback: str = "clipped",
+) -> list[dict[str, Any]]:
+    """The rule in float64 NumPy, step by step: decision, thresholds, buffers after.
+
+    ``feedback``: what enters a buffer, for a finite value x with threshold
+    T: ``"clipped"`` min(x, T) on every step (x itself on a forced step);
+    ``"skip"`` x on taken steps only; ``"raw"`` x on every step.
+    """
+    grad_buffer: list[float] = []
+    value_buffer: list[float] = []
+    seen = {"grad": 0, "value": 0}
+    consecutive = 0
+    out = []
+
+    def observe(buffer: list[float], key: str, x: float, th: float, skip: bool, forced: bool):
+        if not np.isfinite(x) or (feedback == "skip" and skip):
+            return buffer
+        if feedback == "clipped" and not forced:
+            x = min(x, th)
+        seen[key] += 1
+        return [*buffer, x][-window:]
+
+    def threshold(buffer: list[float]) -> float:
+        if len(buffer) < min_history:
+            return np.inf
+        return float(np.mean(buffer) + sigma * np.std(buffer))  # population std
+
+    for t, g in enumerate(norms):
+        v = None if values is None else values[t]
+        grad_threshold = threshold(grad_buffer)
+        value_threshold = np.inf if v is None else threshold(value_buffer)
+        finite = np.isfinite(g) and (v is None or np.isfinite(v))
+        spike = g > grad_threshold or (v is not None and v > value_threshold)
+        forced = False
+        if max_consecutive_skips is not None and consecutive >= max_consecutive_skips:
+            forced = finite and spike
+            spike = False
+        skip = not finite or spike
+        consecutive = consecutive + 1 if skip else 0
+        grad_buffer = observe(grad_buffer, "grad", g, grad_threshold, skip, forced)
+        if v is not None:
+            value_buffer = observe(value_buffer, "value", v, value_threshold, skip, forced)
+        out.append(
+            {
+                "skipped": skip,
+                "grad_seen": seen["grad"],
+                "value_seen": seen["value"],
+                "grad_threshold": grad_threshold,
+                "value_threshold": value_threshold,
+                "consecutive_skips": consecutive,
+                "grad_buffer": list(grad_buffer),
+                "value_buffer": list(value_buffer),
+                # how far from the boundary: float32 and float64 agree when large
+                "margin": min(
+                    abs(x - th) / abs(th)
+                    for x, th in ((g, grad_threshold), (v, value_threshold))
+                    if x is not None and np.isfinite(x) and np.isfinite(th)
+                )
+                if np.isfinite(grad_threshold) and np.isfinite(g)
+                else np.inf,
+            }
+        )
+    return out
+
+
+CASES = [
+    ("clean", True, None),
+    ("loss_spike", True, None),
+    ("norm_spike", True, None),
+    ("norm_spike", False, None),
+    ("both", True, None),
+    ("burst", False, None),
+    ("nan_loss", True, None),
+    ("nan_grad", True, None),
+    ("nan_grad", False, None),
+    ("shift", True, None),
+    ("shift", True, 3),
+    ("shift", False, 3),
+]
+
+
+@pytest.mark.parametrize("feedback", ["clipped", "skip", "raw"])
+@pytest.mark.parametrize(
+    ("case", "with_value", "max_skips"),
+    CASES,
+    ids=[f"{c}-{'value' if v else 'novalue'}-{k}" for c, v, k in CASES],
+)
+def test_decisions_match_the_float64_restatement(
+    case: str, with_value: bool, max_skips: int | None, feedback: str
+) -> None:
+    grads, losses = make_stream(case)
+    values = losses if with_value else None
+    ref = reference(
+        [norm64(g) for g in grads], values, max_consecutive_skips=max_skips, feedback=feedback
+    )
+    assert min(r["margin"] for r in ref) > 1e-4, "a step too close to its threshold"
+    tx = clipjax.skip_on_spike(
+        optax.sgd(1.0),
+        window_size=WINDOW,
+        sigma=SIGMA,
+        min_history=MIN_HISTORY,
+        max_consecutive_skips=max_skips,
+        feedback=feedback,
+    )
+    skips = []
+    for t, ((updates, state), r) in enumerate(zip(run(tx, grads, values), ref)):
+        m = {k: v[0] for k, v in state.metrics.items()}
+        assert bool(m["skipped"]) == r["skipped"], f"step {t}"
+        skips.append(r["skipped"])
+        np.testing.assert_allclose(m["grad_threshold"], r["grad_threshold"], rtol=1e-5)
+        np.testing.assert_allclose(m["value_threshold"], r["value_threshold"], rtol=1e-5)
+        np.testing.assert_allclose(m["grad_norm"], norm64(grads[t]), rtol=1e-6)
+        if with_value:
+            np.testing.assert_array_equal(m["value"], np.float32(losses[t]))
+        else:
+            assert np.isnan(m["value"]) and m["value_threshold"] == np.inf
+        assert m["consecutive_skips"] == r["consecutive_skips"]
+        assert m["step"] == t + 1
+        assert m["skipped_count"] == sum(skips)
+        assert m["count"] == t + 1 - sum(skips)
+        assert state.grad_norm_seen == r["grad_seen"]
+        if feedback == "skip":
+            assert state.grad_norm_seen == m["count"]
+        np.testing.assert_allclose(
+            held(state.grad_norm_window, int(state.grad_norm_seen)), r["grad_buffer"], rtol=1e-5
+        )
+        assert np.all(np.isfinite(state.grad_norm_window))
+        if with_value:
+            np.testing.assert_allclose(
+                held(state.value_window, int(state.value_seen)), r["value_buffer"], rtol=1e-5
+            )
+            assert np.all(np.isfinite(state.value_window))
+            assert state.value_seen == r["value_seen"]
+        else:
+            assert state.value_seen == 0 and not np.any(state.value_window)
+        if r["skipped"]:
+            for leaf in jax.tree.leaves(updates):
+                assert leaf.dtype == np.float32 and not np.any(leaf)
+        else:
+            for k in SHAPES:
+                np.testing.assert_array_equal(updates[k], -grads[t][k])
+    if feedback != "skip":
+        # A lasting shift is learnt: training goes on under "clipped" and "raw".
+        if case == "shift":
+            assert not any(skips[-10:]), skips
+        assert sum(skips) <= {"shift": 20}.get(case, 4), skips
+        return
+    # Each scenario actually exercises what it is named after.
+    expected_skips = {
+        "clean": 0,
+        "loss_spike": 2 if with_value else 0,
+        "norm_spike": 2,
+        "both": 2 + with_value,
+        "burst": 4,
+        "nan_loss": 4 if with_value else 0,
+        "nan_grad": 3,
+        "shift": STEPS - 30 if max_skips is None else None,
+    }[case]
+    if expected_skips is not None:
+        assert sum(skips) == expected_skips, skips
+    if case == "shift" and max_skips is not None:
+        # Forced after 3 skips, then the buffers learn the new level.
+        assert skips[30:34] == [True, True, True, False]
+        assert not any(skips[40:])
+
+
+def test_nonfinite_steps_are_counted_and_always_skipped() -> None:
+    grads, losses = make_stream("nan_grad")
+    losses[40] = np.nan
+    tx = clipjax.skip_on_spike(optax.sgd(1.0), window_size=WINDOW, max_consecutive_skips=1)
+    states = [s for _, s in run(tx, grads, losses)]
+    # Two non-finite steps in a row with max_consecutive_skips=1: both skipped.
+    assert [bool(s.metrics["skipped"][0]) for s in states[29:33]] == [False, True, True, False]
+    assert int(states[-1].metrics["nonfinite_count"][0]) == 4
+
+
+# --------------------------------------------------------------------------- inner state
+
+
+def spike_run(
+    inner: optax.GradientTransformation, params: Any, spike_at: int = 12
+) -> list[tuple[Any, Any]]:
+    tx = clipjax.skip_on_spike(inner, window_size=8, min_history=4)
+    grads = []
+    for t, d in enumerate(directions(spike_at + 3)):
+        scale = 100.0 if t == spike_at else 1.0
+        grads.append({k: (scale * d[k]).astype(params[k].dtype) for k in SHAPES})
+    return run(tx, grads, [1.0] * len(grads), params)
+
+
+@pytest.mark.parametrize(
+    "inner",
+    [
+        optax.adam(1e-3),
+        optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
+        optax.chain(clipjax.zclip(warmup_steps=3), optax.adamw(1e-3)),
+    ],
+    ids=["adam", "inject_hyperparams_adam", "chain_zclip_adamw"],
+)
+def test_a_skipped_step_leaves_the_inner_state_bit_identical(
+    inner: optax.GradientTransformation,
+) -> None:
+    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
+    steps = spike_run(inner, params)
+    before, at, after = (steps[t][1] for t in (11, 12, 13))
+    assert bool(at.metrics["skipped"][0]) and not bool(after.metrics["skipped"][0])
+    assert tree_equal(at.inner_state, before.inner_state)
+    assert not tree_equal(after.inner_state, at.inner_state)
+    for a, b in zip(adam_states(at.inner_state), adam_states(before.inner_state), strict=True):
+        assert np.array_equal(a.count, b.count)
+        for x, y in zip(jax.tree.leaves((a.mu, a.nu)), jax.tree.leaves((b.mu, b.nu))):
+            assert np.array_equal(x, y)
+
+
+def adam_states(tree: Any) -> list[optax.ScaleByAdamState]:
+    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
+    found = [s for s in jax.tree.leaves(tree, is_leaf=is_adam) if is_adam(s)]
+    assert len(found) == 1
+    return found
+
+
+def test_skipped_updates_are_zeros_of_each_leafs_dtype() -> None:
+    params = {"w": jnp.zeros(SHAPES["w"], jnp.bfloat16), "b": jnp.zeros(SHAPES["b"], jnp.float32)}
+    steps = spike_run(optax.adam(1e-3), params)
+    for t, (updates, state) in enumerate(steps):
+        assert {k: v.dtype for k, v in updates.items()} == {"w": jnp.bfloat16, "b": np.float32}
+        if t == 12:
+            assert bool(state.metrics["skipped"][0])
+            assert not any(np.any(np.asarray(v, np.float32)) for v in updates.values())
+
+
+@pytest.mark.skipif(
+    version_of(optax) < (0, 2, 6),
+    reason="optax 0.2.5's reduce_on_plateau state changes after its first update (a retrace)",
+)
+def test_value_and_extra_args_reach_the_inner_transform() -> None:
+    inner = optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau(patience=1, factor=0.5))
+    grads, _ = make_stream("clean")
+    tx = clipjax.skip_on_spike(inner, window_size=WINDOW)
+    _, state = run(tx, grads[:6], [5.0, 4.0, 4.0, 4.0, 4.0, 4.0])[-1]
+    plateau = state.inner_state[1]
+    assert float(plateau.scale) < 1.0  # it saw the losses
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def test_state_structure_is_fixed_and_typed() -> None:
+    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
+    tx = clipjax.skip_on_spike(optax.adam(1e-3), window_size=WINDOW)
+    state = tx.init(params)
+    assert isinstance(state, clipjax.SkipOnSpikeState)
+    assert set(state.metrics) == FIELDS
+    assert state.info == clipjax.GroupInfo(algo="skip_on_spike", name=None, groups=("global",))
+    for x in jax.tree.leaves(state):
+        assert not getattr(x, "weak_type", False)
+    assert state.metrics["skipped"].dtype == np.bool_
+    assert all(v.shape == (1,) for v in state.metrics.values())
+    grads = {k: jnp.ones(s) for k, s in SHAPES.items()}
+    with_value = jax.eval_shape(lambda s: tx.update(grads, s, params, value=1.0)[1], state)
+    without = jax.eval_shape(lambda s: tx.update(grads, s, params)[1], state)
+    expected = jax.eval_shape(lambda: state)
+    assert jax.tree.structure(with_value) == jax.tree.structure(expected)
+    assert jax.tree.structure(without) == jax.tree.structure(expected)
+    for a, b, c in zip(*(jax.tree.leaves(x) for x in (with_value, without, expected))):
+        assert a.dtype == b.dtype == c.dtype and a.shape == b.shape == c.shape
+        assert not a.weak_type and not b.weak_type
+
+
+def test_metrics_reports_its_fields_and_the_inner_clippers() -> None:
+    inner = optax.chain(clipjax.zclip(warmup_steps=3), optax.adam(1e-3))
+    grads, losses = make_stream("loss_spike")
+    tx = clipjax.skip_on_spike(inner, window_size=WINDOW, min_history=MIN_HISTORY, sigma=SIGMA)
+    _, state = run(tx, grads[:26], losses[:26])[-1]
+    found = clipjax.metrics(state)
+    ours = {k.rsplit("/", 1)[1] for k in found if k.startswith("skip_on_spike/global/")}
+    assert ours == FIELDS
+    assert "zclip/global/threshold" in found
+    assert bool(found["skip_on_spike/global/skipped"])  # the loss spike at 25
+    np.testing.assert_array_equal(found["skip_on_spike/global/value"], np.float32(losses[25]))
+    assert int(found["skip_on_spike/global/step"]) == 26
+    assert int(found["skip_on_spike/global/skipped_count"]) == 1
+    nested = clipjax.metrics(state, flat=False)
+    assert set(nested["skip_on_spike"]["global"]) == FIELDS and "zclip" in nested
+    window = optax.tree_utils.tree_get(state, "grad_norm_window")
+    assert window.shape == (WINDOW,)
+    named = clipjax.skip_on_spike(optax.sgd(1.0), name="guard")
+    keys = clipjax.metrics(named.init({"w": jnp.ones(2)}))
+    assert set(keys) == {f"guard/global/{f}" for f in FIELDS}
+
+
+# --------------------------------------------------------------------------- the references
+
+
+def levanter_thresholds(norms: list[float], length: int, sigma: float) -> list[tuple[bool, float]]:
+    """Levanter's rule restated: a window of the last ``length + 1`` values, every
+    value stored (skipped or not), population std floored at 1e-6, judged once it
+    holds ``max(2, length // 2)`` values."""
+    window: list[float] = []
+    out = []
+    for g in norms:
+        if len(window) >= max(2, length // 2):
+            mean = np.nanmean(window)
+            threshold = mean + sigma * max(np.nanstd(window), 1e-6)
+            skip = not g <= threshold
+        else:
+            threshold, skip = np.inf, False
+        out.append((skip, threshold))
+        window = [*window, g][-(length + 1) :]
+    return out
+
+
+def olmo_thresholds(values: list[float], length: int, sigma: float) -> list[tuple[bool, float]]:
+    """OLMo-core's rule restated: the last ``length`` values before this one,
+    every value stored, Bessel-corrected std, judged once ``max(20, length // 2)``
+    values (this one included) were seen."""
+    seen: list[float] = []
+    out = []
+    for x in values:
+        seen = [*seen, x][-(length + 1) :]
+        if len(seen) < max(20, length // 2):
+            out.append((False, np.inf))
+            continue
+        history = seen[:-1]
+        threshold = np.mean(history) + sigma * np.std(history, ddof=1)
+        out.append((not (x - np.mean(history)) <= sigma * np.std(history, ddof=1), threshold))
+    return out
+
+
+def test_levanter_agrees_until_its_window_holds_a_spike() -> None:
+    length, sigma = 16, 4.0
+    grads, _ = make_stream("clean")
+    norms = [norm64(g) for g in grads]
+    norms[30], norms[32] = 10.0, 3.5  # a spike, then a smaller one
+    grads = [{k: v * np.float32(n) for k, v in d.items()} for d, n in zip(directions(STEPS), norms)]
+    lev = levanter_thresholds(norms, length, sigma)
+    # Same window (length + 1 values), same gate, no loss.
+    tx = clipjax.skip_on_spike(
+        optax.sgd(1.0), window_size=length + 1, min_history=length // 2, sigma=sigma
+    )
+    states = [s for _, s in run(tx, grads, None)]
+    for t in range(31):
+        assert bool(states[t].metrics["skipped"][0]) == lev[t][0], t
+        np.testing.assert_allclose(states[t].metrics["grad_threshold"][0], lev[t][1], rtol=1e-5)
+    assert lev[30][0] and bool(states[30].metrics["skipped"][0])
+    # Levanter stored the spike: its std, and so its threshold, jumped, and the
+    # second spike goes through; here the window is clean and it is skipped.
+    assert lev[32][1] > 2 * float(states[32].metrics["grad_threshold"][0])
+    assert not lev[32][0] and bool(states[32].metrics["skipped"][0])
+
+
+def test_olmo_core_agrees_until_its_window_holds_a_nan_loss() -> None:
+    length, sigma = 40, 4.0
+    grads, losses = make_stream("clean")
+    losses[45] = 9.0
+    olmo = olmo_thresholds(losses, length, sigma)
+    # Same history (the last `length` values), same gate (>= 19 values before
+    # this one); OLMo-core's std is Bessel-corrected, so its thresholds are a
+    # little higher and the decisions agree away from the boundary.
+    tx = clipjax.skip_on_spike(
+        optax.sgd(1.0), window_size=length, min_history=max(20, length // 2) - 1, sigma=sigma
+    )
+    states = [s for _, s in run(tx, grads, losses)]
+    for t in range(STEPS):
+        assert bool(states[t].metrics["skipped"][0]) == olmo[t][0], t
+        if t > 45:
+            continue  # OLMo-core's window now holds the spike
+        ours = float(states[t].metrics["value_threshold"][0])
+        if np.isfinite(olmo[t][1]):
+            assert ours <= olmo[t][1] and np.isclose(ours, olmo[t][1], rtol=2e-2)
+        else:
+            assert ours == np.inf
+    # A NaN loss: OLMo-core stores it, its mean turns NaN, and it skips every
+    # step until the NaN leaves the window. Here only the NaN step is skipped.
+    losses[25] = np.nan
+    olmo = olmo_thresholds(losses, length, sigma)
+    states = [s for _, s in run(tx, grads, losses)]
+    assert all(skip for skip, _ in olmo[25:STEPS])
+    skipped = [t for t, s in enumerate(states) if bool(s.metrics["skipped"][0])]
+    assert skipped == [25, 45]
+
+
+# --------------------------------------------------------------------------- feedback
+
+
+def lognormal_shift(factor: float, steps: int = 400, at: int = 200, seed: int = 0) -> list[float]:
+    rng = np.random.default_rng(seed)
+    norms = np.exp(0.1 * rng.standard_normal(steps))
+    norms[at:] *= factor
+    return [float(np.float32(x)) for x in norms]
+
+
+@pytest.mark.parametrize(("factor", "most_skips"), [(10.0, 40), (50.0, 60)])
+def test_a_lasting_shift_is_learnt_within_the_steps_the_restatement_predicts(
+    factor: float, most_skips: int
+) -> None:
+    """Window 128, sigma 6, lognormal noise: "clipped" learns a x10 / x50 shift."""
+    norms = lognormal_shift(factor)
+    ref = reference(norms, None, window=128, sigma=6.0, min_history=64, feedback="clipped")
+    expected = [r["skipped"] for r in ref]
+    tx = clipjax.skip_on_spike(optax.sgd(1.0))
+    directions_ = directions(len(norms))
+    grads = [{k: v * np.float32(n) for k, v in d.items()} for d, n in zip(directions_, norms)]
+    got = [bool(s.metrics["skipped"][0]) for _, s in run(tx, grads, None)]
+    assert got == expected
+    assert not any(got[:200])  # nothing before the shift
+    skipped = sum(got)
+    assert 5 < skipped <= most_skips and not any(got[200 + most_skips :]), skipped
+    # Under "skip" the same shift stalls training for good.
+    stalled = reference(norms, None, window=128, sigma=6.0, min_history=64, feedback="skip")
+    assert all(r["skipped"] for r in stalled[200:])
+
+
+def test_a_skipped_step_reports_the_inner_clippers_as_idle() -> None:
+    inner = optax.chain(clipjax.zclip(warmup_steps=3, max_grad_norm=None), optax.adam(1e-3))
+    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
+    steps = spike_run(inner, params)
+    (_, before), (_, at) = steps[11], steps[12]
+    assert bool(at.metrics["skipped"][0])
+    found = clipjax.metrics(at)
+    assert float(found["zclip/global/grad_norm"]) == 0.0
+    assert float(found["zclip/global/scale"]) == 1.0
+    assert not bool(found["zclip/global/clipped"])
+    # Thresholds, statistics and counters as they stand; the state is untouched.
+    zclip_state = at.inner_state[0]
+    assert tree_equal(zclip_state, before.inner_state[0])
+    for field in ("threshold", "mean", "std", "step", "count"):
+        np.testing.assert_array_equal(
+            found[f"zclip/global/{field}"], state_fields(zclip_state)[field][0]
+        )
+    # A taken step reports what the clipper did.
+    taken = clipjax.metrics(steps[13][1])
+    assert float(taken["zclip/global/grad_norm"]) > 0.0
+    # Inside jit too.
+    jitted = jax.jit(clipjax.metrics)(at)
+    assert float(jitted["zclip/global/grad_norm"]) == 0.0
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        ({"window_size": 0}, "window_size"),
+        ({"window_size": 2.0}, "window_size"),
+        ({"window_size": True}, "window_size"),
+        ({"sigma": 0.0}, "sigma"),
+        ({"sigma": -1.0}, "sigma"),
+        ({"sigma": float("nan")}, "sigma"),
+        ({"sigma": "6"}, "sigma"),
+        ({"min_history": 0}, "min_history"),
+        ({"window_size": 4, "min_history": 5}, "min_history"),
+        ({"min_history": 1.5}, "min_history"),
+        ({"max_consecutive_skips": 0}, "max_consecutive_skips"),
+        ({"max_consecutive_skips": 2.0}, "max_consecutive_skips"),
+        ({"name": ""}, "name"),
+        ({"name": 3}, "name"),
+        ({"axis_name": 3}, "axis_name"),
+        ({"feedback": "observe_first"}, "feedback"),
+        ({"feedback": None}, "feedback"),
+    ],
+)
+def test_invalid_arguments_name_the_argument(kwargs: dict[str, Any], argument: str) -> None:
+    with pytest.raises(ValueError, match=argument):
+        clipjax.skip_on_spike(optax.sgd(1.0), **kwargs)
+
+
+def test_value_must_be_a_scalar_and_empty_trees_are_allowed() -> None:
+    tx = clipjax.skip_on_spike(optax.sgd(1.0))
+    params = {"w": jnp.ones(3)}
+    with pytest.raises(ValueError, match="value"):
+        tx.update(params, tx.init(params), params, value=jnp.ones(2))
+    updates, state = tx.update({}, tx.init({}), {}, value=1.0)
+    assert updates == {} and not bool(state.metrics["skipped"][0])
+
+
+def test_default_min_history_is_half_the_window() -> None:
+    grads, losses = make_stream("clean")
+    for window, gate in ((16, 8), (1, 1)):
+        tx = clipjax.skip_on_spike(optax.sgd(1.0), window_size=window)
+        states = [s for _, s in run(tx, grads[: gate + 1], losses[: gate + 1])]
+        thresholds = [float(s.metrics["grad_threshold"][0]) for s in states]
+        assert all(th == np.inf for th in thresholds[:gate]) and np.isfinite(thresholds[gate])
+
+
+@pytest.mark.parametrize("inner", [optax.adam, None, "adam"], ids=["factory", "none", "str"])
+def test_inner_must_be_a_transform(inner: Any) -> None:
+    with pytest.raises(TypeError, match="inner") as raised:
+        clipjax.skip_on_spike(inner)
+    if inner is optax.adam:
+        assert "call it" in str(raised.value)
+
+
+def test_integer_gradients_name_the_leaf() -> None:
+    tx = clipjax.skip_on_spike(optax.adam(1e-3))
+    params = {"w": jnp.ones(3), "steps": jnp.ones(2, jnp.int32)}
+    with pytest.raises(ValueError, match="steps"):
+        tx.update(params, tx.init(params), params)

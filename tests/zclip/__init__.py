@@ -1,0 +1,1 @@
+"""zclip against the zclip package and its FIXes."""

@@ -1,0 +1,1 @@
+"""zscore_clip against smartclip's ZScoreClip core."""
