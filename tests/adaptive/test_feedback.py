@@ -1,6 +1,6 @@
 """``feedback``: every adaptive clipper against a float64 restatement.
 
-The restatements live in ``tests/restate.py`` and are written from SPEC 3, 4,
+The restatements live in ``tests/restate/`` and are written from SPEC 3, 4,
 8, 9.1 and the 0.2 CONTRACT. ``test_default_*`` pin them against today's
 default behaviour (observe-first autoclip/zscore_clip, zclip "clipped",
 hist_clip "raw"), so that the tests of the new ``feedback`` values compare with
@@ -184,7 +184,7 @@ def test_incremental_p2_is_the_shared_restatement():
         for v in x:
             p2.observe(float(v))
             got.append(p2.value())
-        np.testing.assert_array_equal(got, R.p2_restated(x, 0.5, textbook=True))
+        np.testing.assert_array_equal(got, S.p2_restated(x, 0.5, textbook=True))
 
 
 @pytest.mark.parametrize("config", TODAY)

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 sc = pytest.importorskip("smartclip.core.stats", reason="needs smartclip (a test reference)")
 
 from clipjax import _stats as S
+from tests.restate.p2 import p2_restated
 
 
 @functools.cache
@@ -163,46 +164,6 @@ def test_welford_matches_smartclip_and_numpy(x64):
 # ---------------------------------------------------------------- P²
 
 
-def p2_textbook_reference(xs, p):
-    """Jain & Chlamtac (1985) P² in float64, written from the paper."""
-    heights, out = [], []
-    for x in map(float, xs):
-        if len(heights) < 5:
-            heights.append(x)
-            if len(heights) == 5:
-                heights.sort()
-                pos = [0, 1, 2, 3, 4]
-                want = [0.0, 2 * p, 4 * p, 2 + 2 * p, 4.0]
-                step = [0.0, p / 2, p, (1 + p) / 2, 1.0]
-            out.append(float(np.median(heights)))
-            continue
-        q = heights
-        if x < q[0]:
-            q[0], cell = x, 0
-        elif x > q[4]:
-            q[4], cell = x, 3
-        else:
-            cell = next(k for k in range(4) if x < q[k + 1] or k == 3)
-        for j in range(cell + 1, 5):
-            pos[j] += 1
-        want = [w + s for w, s in zip(want, step)]
-        for i in (1, 2, 3):
-            gap = want[i] - pos[i]
-            if (gap >= 1 and pos[i + 1] - pos[i] > 1) or (gap <= -1 and pos[i - 1] - pos[i] < -1):
-                d = 1 if gap > 0 else -1
-                a, b = pos[i] - pos[i - 1], pos[i + 1] - pos[i]
-                par = q[i] + d / (pos[i + 1] - pos[i - 1]) * (
-                    (a + d) * (q[i + 1] - q[i]) / b + (b - d) * (q[i] - q[i - 1]) / a
-                )
-                if q[i - 1] < par < q[i + 1]:
-                    q[i] = par
-                else:
-                    q[i] = q[i] + d * (q[i + d] - q[i]) / (pos[i + d] - pos[i])
-                pos[i] += d
-        out.append(q[2])
-    return np.array(out)
-
-
 def p2_run(xs, p, textbook, dtype):
     return run(p2_textbook if textbook else p2_smartclip, S.p2_init(1, p, dtype), xs, p2_read, p)
 
@@ -232,7 +193,7 @@ def test_p2_smartclip_mode_matches_smartclip_float32():
 @pytest.mark.parametrize("p", [0.5, 0.9])
 def test_p2_textbook_matches_reference(p, x64):
     xs = np.random.default_rng(5).gamma(2.0, 1.0, 2000)
-    expected = p2_textbook_reference(xs, p)
+    expected = p2_restated(xs, p, textbook=True)  # Jain & Chlamtac (1985), float64
     _, values = p2_run(xs, p, True, jnp.float64)
     np.testing.assert_allclose(values[:, 0], expected, rtol=1e-12)
     _, values32 = p2_run(xs.astype(np.float32), p, True, jnp.float32)

@@ -10,6 +10,7 @@ import pytest
 import clipjax
 from tests import drive
 from tests import references as R
+from tests import restate as S
 
 needs_smartclip = pytest.mark.skipif(not R.have_smartclip(), reason="smartclip not installed")
 STREAMS = {
@@ -52,7 +53,7 @@ def test_auto_mode_textbook_median_and_welford_std(stream: str) -> None:
     kw = dict(warmup_steps=30, min_history=20)
     got = drive.run(clipjax.autoclip(**kw), norms)
     ref = R.smartclip_autoclip(norms, **kw)
-    median = R.p2_restated(norms, textbook=True)
+    median = S.p2_restated(norms, textbook=True)
     drive.assert_close(got["median"], median)
     drive.assert_close(got["std"][1:], ref["std"][1:])  # Welford ddof=1 as smartclip
     assert got["std"][0] == 0.0  # one sample: 0, not undefined

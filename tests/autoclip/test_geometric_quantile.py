@@ -2,7 +2,7 @@
 
 ``q <- q * exp(-quantile_lr * (1[x <= q] - p))`` from the first finite norm
 (Andrew et al. 2021). Checked step by step against the float64 restatement in
-``restate.py``, then statistically: convergence on stationary light- and
+``tests/restate/autoclip.py``, then statistically: convergence on stationary light- and
 heavy-tailed streams and tracking of a drifting scale.
 
 Long streams run as one ``lax.scan`` with ``scope="per_param"``: each of the

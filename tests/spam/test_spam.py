@@ -30,13 +30,8 @@ import pytest
 
 import clipjax
 from tests.compiled_step import compiled_train_step, full_size_copies
-from tests.references_spam import (
-    have_pytorch_optimizer,
-    restate_spam,
-    restate_stable_spam,
-    run_reference,
-    spiky_gradients,
-)
+from tests.references.spam import have_pytorch_optimizer, run_reference, spiky_gradients
+from tests.restate.spam import restate_spam, restate_stable_spam
 from tests.skip_streams import tree_equal
 
 SHAPES = {"w": (4, 3), "b": (3,)}

@@ -1,114 +1,16 @@
-"""Drivers that run pytorch-optimizer's ``SPAM`` and ``StableSPAM`` on given gradients,
-and float64 NumPy restatements of clipjax's ``spam`` and ``stable_spam``.
+"""Float64 NumPy restatements of clipjax's ``spam`` and ``stable_spam``.
 
-Each driver takes the initial parameters (``{name: float32 array}``) and a
-list of gradient trees of the same names, sets every ``p.grad`` to the
-step's gradient, calls ``optimizer.step()`` and records the parameters after
-the step. ``torch`` and ``pytorch_optimizer`` are imported inside the drivers,
-so ``import references_spam`` works without them.
-
-The restatements (:func:`restate_spam`, :func:`restate_stable_spam`) state
-clipjax's rule element by element in float64: the references' arithmetic
-with optax's decoupled weight decay, ``p - lr * (update + weight_decay * p)``,
-and clipjax's fixes. A NaN or infinite gradient element leaves its parameter
-where it is and its moments as they were; Stable-SPAM's AdaClip maximum and
-AdaGN norm are taken over the finite elements (a non-finite one counts as 0),
-so every other element updates as in the same step with that element 0.
-"""
+They state clipjax's rule element by element in float64: the references'
+(:mod:`tests.references.spam`) arithmetic with optax's decoupled weight decay,
+``p - lr * (update + weight_decay * p)``, and clipjax's fixes. A NaN or infinite
+gradient element leaves its parameter where it is and its moments as they were;
+Stable-SPAM's AdaClip maximum and AdaGN norm are taken over the finite elements (a
+non-finite one counts as 0), so every other element updates as in the same step with
+that element 0."""
 
 from __future__ import annotations
 
-import importlib.util
-from typing import Any
-
 import numpy as np
-
-__all__ = [
-    "have_pytorch_optimizer",
-    "restate_spam",
-    "restate_stable_spam",
-    "run_reference",
-    "spiky_gradients",
-]
-
-
-def have_pytorch_optimizer() -> bool:
-    return (
-        importlib.util.find_spec("torch") is not None
-        and importlib.util.find_spec("pytorch_optimizer") is not None
-    )
-
-
-def run_reference(
-    kind: str,
-    params: dict[str, np.ndarray],
-    grads: list[dict[str, np.ndarray]],
-    **kwargs: Any,
-) -> list[dict[str, np.ndarray]]:
-    """The parameters after each step of ``SPAM`` or ``StableSPAM`` (``kind``).
-
-    Args:
-      kind: ``"SPAM"`` or ``"StableSPAM"``.
-      params: the initial parameters, float32.
-      grads: one ``{name: array}`` per step.
-      **kwargs: the optimizer's own arguments (``lr``, ``update_proj_gap``, ...).
-
-    Returns:
-      One ``{name: float32 array}`` per step: the parameters after it.
-    """
-    import torch
-    from pytorch_optimizer.optimizer import spam as module
-
-    optimizer_class = getattr(module, kind)
-    tensors = {
-        k: torch.nn.Parameter(torch.tensor(np.asarray(v, np.float32))) for k, v in params.items()
-    }
-    optimizer = optimizer_class(list(tensors.values()), **kwargs)
-    out = []
-    for step in grads:
-        for k, p in tensors.items():
-            p.grad = torch.tensor(np.asarray(step[k], np.float32))
-        optimizer.step()
-        out.append({k: p.detach().numpy().copy() for k, p in tensors.items()})
-    return out
-
-
-def spiky_gradients(
-    shapes: dict[str, tuple[int, ...]],
-    steps: int,
-    seed: int = 0,
-    spikes: dict[int, float] | None = None,
-    element_spikes: dict[int, float] | None = None,
-    nonfinite: dict[int, float] | None = None,
-    scale: float = 1e-2,
-) -> list[dict[str, np.ndarray]]:
-    """Gaussian gradients of std ``scale`` with spikes.
-
-    Args:
-      shapes: ``{name: shape}``.
-      steps: how many steps.
-      seed: the NumPy seed.
-      spikes: ``{step: factor}``: the whole gradient times ``factor``.
-      element_spikes: ``{step: factor}``: the first element of every leaf
-        times ``factor``.
-      nonfinite: ``{step: value}``: the first element of the first leaf set to
-        ``value`` (NaN or infinity).
-      scale: the gradients' standard deviation.
-    """
-    rng = np.random.default_rng(seed)
-    spikes, element_spikes, nonfinite = spikes or {}, element_spikes or {}, nonfinite or {}
-    out = []
-    for t in range(steps):
-        g = {k: (scale * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
-        for k in g:
-            g[k] = g[k] * np.float32(spikes.get(t, 1.0))
-            if t in element_spikes:
-                g[k].reshape(-1)[0] *= np.float32(element_spikes[t])
-        if t in nonfinite:
-            first = next(iter(g))
-            g[first].reshape(-1)[0] = nonfinite[t]
-        out.append(g)
-    return out
 
 
 def _warmup_factor(since: int, warmup_steps: int) -> float:

@@ -1,4 +1,4 @@
-"""Sanity tests of the reference drivers in ``references.py``.
+"""Sanity tests of the reference drivers in ``tests/references/``.
 
 Each driver runs a reference package (smartclip, zclip, drytorch) on a
 sequence of norms; here its per-step output is checked against a plain float64
@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from tests import references as R
+from tests import restate as S
 from tests.paths import ROOT
 
 # Slow, `make test` skips it: step-by-step traces of smartclip, zclip and drytorch (torch) next to
@@ -150,7 +151,7 @@ def test_smartclip_auto_mode_median_std_threshold(smartclip_available):
             assert r["threshold"][t] == pytest.approx(r["median"][t] + 3 * r["std"][t], rel=1e-14)
         assert r["scale"][t] == _scale_smartclip(x[t], r["threshold"][t], t + 1 >= 10, eps)
     assert r["median"][4] == np.median(x[:5])
-    np.testing.assert_allclose(r["median"], R.p2_restated(x), rtol=1e-14)
+    np.testing.assert_allclose(r["median"], S.p2_restated(x), rtol=1e-14)
 
 
 def test_smartclip_ema_percentile_restated_and_never_decreases(smartclip_available):

@@ -1,0 +1,229 @@
+"""drytorch's ``HistClipper`` / ``ParamHistClipper`` on one or several torch parameters."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from tests.references._common import (
+    _INF,
+    _NAN,
+    _finalize,
+    _grad_np,
+    _measured_scale,
+    _set_grad,
+    _torch_dtype,
+    _unit_vector,
+)
+
+_CRITERIA = ("zstat", "ema")
+_CLIPS = ("reciprocal", "max", "mean")
+
+
+def _recording_criterion(go: Any, criterion: str, log: dict[int, dict[str, Any]], **kw: Any):
+    """An instance of a drytorch criterion subclass that logs its decisions.
+
+    ``log[id(self)]`` gets ``fired`` (should_clip), ``stat`` (z or ratio from
+    the pre-update statistics) and ``clip`` (get_clip_value, when called). The
+    log dict is shared by ``copy.copy`` (ParamHistClipper), entries are keyed
+    by the id of the criterion copy.
+    """
+    base = go.ZStatCriterion if criterion == "zstat" else go.EMACriterion
+
+    class _Rec(base):
+        def should_clip(self, value: float) -> bool:
+            if isinstance(self, go.ZStatCriterion):
+                denom = math.sqrt(self._v_t) + self._eps if self._v_t >= 0 else _NAN
+                try:
+                    stat = (value - self._mu_t) / denom
+                except ZeroDivisionError:
+                    stat = _NAN
+            else:
+                stat = value / self._mu_t if self._mu_t != 0.0 else _NAN
+            fired = super().should_clip(value)
+            log[id(self)] = {"fired": bool(fired), "stat": stat, "clip": None}
+            return fired
+
+        def get_clip_value(self, value: float) -> float:
+            cv = super().get_clip_value(value)
+            log.setdefault(id(self), {"fired": None, "stat": _NAN})["clip"] = cv
+            return cv
+
+    return _Rec(**kw)
+
+
+def drytorch_reference(
+    norms: np.ndarray,
+    criterion: str = "zstat",
+    clip: str | None = None,
+    alpha: float | None = None,
+    z_thresh: float = 2.5,
+    r_thresh: float = 1.05,
+    n_warmup_steps: int = 20,
+    warmup_max_norm: float | None = 1.0,
+    per_param: bool = False,
+    *,
+    dtype: Any = "float64",
+    n_elem: int = 4,
+) -> dict[str, np.ndarray]:
+    """Run drytorch's ``HistClipper`` (or ``ParamHistClipper``) on ``norms``.
+
+    Setup: ``criterion="zstat"`` -> ``ZStatCriterion(alpha, z_thresh, f)``
+    (``alpha`` default 0.97, ``clip`` default ``"reciprocal"``);
+    ``criterion="ema"`` -> ``EMACriterion(alpha, r_thresh, f)`` (``alpha``
+    default 0.98, ``clip`` default ``"max"``); ``f`` is
+    ``{reciprocal,max,mean}_clipping``. Warm-up strategy
+    ``GradNormClipper(warmup_max_norm)``, or ``NoOp()`` when None.
+    ``per_param=False``: ``HistClipper``; ``True``: ``ParamHistClipper``.
+
+    ``norms``: 1-D ``[steps]`` (one parameter) or 2-D ``[steps, params]``
+    (several parameters: with ``per_param=False`` they form one global group
+    whose norm is ``sqrt(sum_i norms[t, i]**2)``; with ``per_param=True`` each
+    column is an independent group). Each parameter is a float64 (``dtype``)
+    vector of ``n_elem`` entries whose ``.grad`` is set to ``norms[t, i] * u``
+    every step, then ``clipper(params)`` is called.
+
+    Returned fields: ``[steps]`` for ``per_param=False``, ``[steps, params]``
+    for ``per_param=True`` (per-group values):
+
+    * ``grad_norm``: the norm drytorch computes that step (global:
+      ``sqrt(sum((grad**2).sum().item()))``; per param:
+      ``grad.norm(2, dtype=float).item()``).
+    * ``warmup``: the step went through the warm-up branch: the first
+      ``n_warmup_steps`` calls (norm collected -- NaN included --, warm-up
+      strategy applied, criterion neither evaluated nor updated). On the next
+      call drytorch sets ``set_statistics(mean, ddof-1 variance)`` (variance
+      only if > 0, and 1.0 with fewer than 2 samples) and evaluates the
+      criterion in that same call; that step has ``warmup=False``.
+    * ``fired``: ``criterion.should_clip(g)`` (pre-update statistics; False
+      while ``mu == 0`` and on warm-up steps). zstat fires on ``|z| > z_thresh``
+      (also on the low side); ema on ``g/mu > r_thresh``.
+    * ``threshold``: ``criterion.get_clip_value(g)`` evaluated before the
+      update when ``fired``, else +inf (also +inf on warm-up steps). zstat:
+      ``mu + f(|z|, z_thresh) * sqrt(v)``; ema: ``mu * f(g/mu, r_thresh)``
+      (``mean_clipping`` gives 0 there, which zeroes the gradient).
+    * ``z`` (zstat) / ``ratio`` (ema): ``(g - mu)/(sqrt(v) + 1e-8)`` /
+      ``g / mu`` from the pre-update statistics (NaN on warm-up steps; ratio
+      NaN while ``mu == 0``).
+    * ``scale``: measured total multiplier of that parameter group (module
+      docstring), including the warm-up clip on warm-up steps. After warm-up a
+      fired step has ``min(1, threshold / (g + 1e-6))`` (torch
+      ``clip_grad_norm_``), an unfired one exactly 1.
+    * ``hist_scale``: ``scale`` on non-warm-up steps, 1.0 on warm-up steps
+      (what clipjax's hist_clip reports as its own scale).
+    * ``warmup_threshold``: ``warmup_max_norm`` (+inf when None) on warm-up
+      steps, NaN otherwise.
+    * ``mean``: ``criterion._mu_t`` after the step (drytorch's initial 0.0
+      during warm-up). zstat also ``var`` = ``criterion._v_t`` (initial 1.0
+      during warm-up) and ``std = sqrt(var)``. Update order: zstat
+      ``v <- a*v + (1-a)*(g - mu_old)**2`` then ``mu <- a*mu + (1-a)*g``;
+      ema ``mu <- a*mu + (1-a)*g``; always with the raw ``g``.
+    * ``n_collected``: warm-up samples collected so far (after the step).
+    * ``finite_out``: the group's gradient after the step is all finite.
+    """
+    import torch
+    from drytorch.lib import gradient_ops as go
+
+    if criterion not in _CRITERIA:
+        raise ValueError(f"criterion must be one of {_CRITERIA}")
+    if clip is None:
+        clip = "reciprocal" if criterion == "zstat" else "max"
+    if clip not in _CLIPS:
+        raise ValueError(f"clip must be one of {_CLIPS}")
+    clip_fn = {
+        "reciprocal": go.reciprocal_clipping,
+        "max": go.max_clipping,
+        "mean": go.mean_clipping,
+    }[clip]
+
+    x = np.asarray(norms, dtype=np.float64)
+    if x.ndim == 1:
+        x2 = x[:, None]
+    elif x.ndim == 2:
+        x2 = x
+    else:
+        raise ValueError(f"norms must be 1-D or 2-D, got shape {x.shape}")
+    n_steps, n_params = x2.shape
+
+    log: dict[int, dict[str, Any]] = {}
+    ckw: dict[str, Any] = {"clipping_function": clip_fn}
+    if alpha is not None:
+        ckw["alpha"] = alpha
+    if criterion == "zstat":
+        ckw["z_thresh"] = z_thresh
+    else:
+        ckw["r_thresh"] = r_thresh
+    crit = _recording_criterion(go, criterion, log, **ckw)
+    warm = go.NoOp() if warmup_max_norm is None else go.GradNormClipper(warmup_max_norm)
+    cls = go.ParamHistClipper if per_param else go.HistClipper
+    clipper = cls(criterion=crit, warmup_clip_strategy=warm, n_warmup_steps=n_warmup_steps)
+
+    tdt = _torch_dtype(dtype)
+    u = _unit_vector(n_elem)
+    params = [torch.nn.Parameter(torch.zeros(n_elem, dtype=tdt)) for _ in range(n_params)]
+    warm_thr = _INF if warmup_max_norm is None else float(warmup_max_norm)
+    stat_name = "z" if criterion == "zstat" else "ratio"
+
+    keys = [
+        "grad_norm", "warmup", "fired", "threshold", stat_name, "scale", "hist_scale",
+        "warmup_threshold", "mean", "n_collected", "finite_out",
+    ]  # fmt: skip
+    if criterion == "zstat":
+        keys += ["var", "std"]
+    out: dict[str, list] = {k: [] for k in keys}
+
+    def _crit_for(i: int) -> Any:
+        return clipper._dict_criterion[id(params[i])] if per_param else crit
+
+    def _handler_for(i: int) -> Any:
+        return clipper._dict_warmup_handler[id(params[i])] if per_param else clipper._warmup_handler
+
+    for t in range(n_steps):
+        for i, p in enumerate(params):
+            _set_grad(p, float(x2[t, i]), u)
+        befores = [_grad_np(p) for p in params]
+        if per_param:
+            gns = [p.grad.norm(2, dtype=float).item() for p in params]
+            warm_flags = [_handler_for(i).active and not len(_handler_for(i)) >= n_warmup_steps
+                          for i in range(n_params)]  # fmt: skip
+        else:
+            gns = [math.sqrt(sum((p.grad**2).sum().item() for p in params))]
+            warm_flags = [clipper._warmup_handler.active and
+                          not len(clipper._warmup_handler) >= n_warmup_steps]  # fmt: skip
+        log.clear()
+        with torch.no_grad():
+            clipper(params)
+        afters = [_grad_np(p) for p in params]
+
+        n_groups = n_params if per_param else 1
+        row: dict[str, list] = {k: [] for k in keys}
+        for j in range(n_groups):
+            c = _crit_for(j)
+            entry = log.get(id(c))
+            w = warm_flags[j]
+            if per_param:
+                b, a = befores[j], afters[j]
+            else:
+                b, a = np.concatenate(befores), np.concatenate(afters)
+            sc = _measured_scale(b, a)
+            fired = bool(entry["fired"]) if entry is not None else False
+            row["grad_norm"].append(gns[j])
+            row["warmup"].append(w)
+            row["fired"].append(fired)
+            clip_v = entry.get("clip") if entry is not None else None
+            row["threshold"].append(float(clip_v) if fired and clip_v is not None else _INF)
+            row[stat_name].append(_NAN if entry is None else float(entry["stat"]))
+            row["scale"].append(sc)
+            row["hist_scale"].append(1.0 if w else sc)
+            row["warmup_threshold"].append(warm_thr if w else _NAN)
+            row["mean"].append(float(c._mu_t))
+            if criterion == "zstat":
+                row["var"].append(float(c._v_t))
+                row["std"].append(math.sqrt(c._v_t) if c._v_t >= 0 else _NAN)
+            row["n_collected"].append(len(_handler_for(j)))
+            row["finite_out"].append(bool(np.all(np.isfinite(a))))
+        for k in keys:
+            out[k].append(row[k] if per_param else row[k][0])
+    return _finalize(out)
