@@ -408,7 +408,7 @@ SLOW_TESTS.update(
     }
 )
 
-# SPAM / Stable-SPAM (tests/spam/test_spam.py keeps their references and the fold in
+# SPAM / Stable-SPAM (tests/spam/ keeps their references and the fold in
 # the fast suite): the scoped variants of adaclip and ada_norm, and
 # stable_spam's chain of both, whose members the fast suite checks one by one.
 SLOW_TESTS.update(

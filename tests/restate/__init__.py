@@ -1,8 +1,8 @@
 """Float64 NumPy restatements of clipjax's adaptive rules: one module per rule.
 
 :mod:`.autoclip` (autoclip and zscore_clip), :mod:`.zclip`, :mod:`.hist_clip`,
-:mod:`.adagc`, :mod:`.p2` (P², smartclip's and the textbook's), :mod:`.spam`
-(spam and stable_spam, on gradients); :mod:`.run` runs clipjax on trees of given
+:mod:`.adagc`, :mod:`.skip_on_spike`, :mod:`.p2` (P², smartclip's and the textbook's),
+:mod:`.spam` (spam and stable_spam, on gradients); :mod:`.run` runs clipjax on trees of given
 group norms and compares. Each rule is restated once, here: a test that needs one
 imports it (``from tests import restate as S``, then ``S.zclip(...)``; the
 functions are re-exported under the names of their modules).
@@ -33,6 +33,7 @@ from tests.restate.autoclip import P2Median, autoclip, zscore_clip
 from tests.restate.hist_clip import hist_clip
 from tests.restate.p2 import P2, p2_restated
 from tests.restate.run import UNIT, compare, flat_tree, group_norms, layer_tree, run_tree
+from tests.restate.skip_on_spike import skip_on_spike
 from tests.restate.zclip import zclip
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "layer_tree",
     "p2_restated",
     "run_tree",
+    "skip_on_spike",
     "zclip",
     "zscore_clip",
 ]

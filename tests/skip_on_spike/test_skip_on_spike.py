@@ -7,13 +7,11 @@
   the same buffers (never a skipped value).
 * A skipped step leaves the inner state bit-identical and returns zeros in
   each leaf's dtype.
-* Where OLMo-core's ``SkipStepOptimizer`` and Levanter's skip-step wrapper
-  mean the same thing (a window with no spike in it yet), their thresholds and
-  decisions agree; after a spike or a NaN loss they differ, because they keep
-  it in their windows.
 
-How it composes with jit, scan, wrappers and checkpoints, and what its
-compiled step costs: test_skip_on_spike_steps.py.
+The restatement is ``tests/restate/skip_on_spike.py``. OLMo-core's and Levanter's
+rules next to the transform: test_skip_on_spike_references.py. How it composes with
+jit, scan, wrappers and checkpoints, and what its compiled step costs:
+test_skip_on_spike_steps.py.
 """
 
 from __future__ import annotations
@@ -28,6 +26,7 @@ import pytest
 
 import clipjax
 from clipjax._metrics import state_fields
+from tests import restate as S
 from tests.conftest import version_of
 from tests.skip_streams import (
     MIN_HISTORY,
@@ -56,82 +55,6 @@ FIELDS = {
     "count",
 }
 
-# --------------------------------------------------------------------------- restatement
-
-
-def reference(
-    norms: list[float],
-    values: list[float] | None,
-    *,
-    window: int = WINDOW,
-    sigma: float = SIGMA,
-    min_history: int = MIN_HISTORY,
-    max_consecutive_skips: int | None = None,
-    feedback: str = "clipped",
-) -> list[dict[str, Any]]:
-    """The rule in float64 NumPy, step by step: decision, thresholds, buffers after.
-
-    ``feedback``: what enters a buffer, for a finite value x with threshold
-    T: ``"clipped"`` min(x, T) on every step (x itself on a forced step);
-    ``"skip"`` x on taken steps only; ``"raw"`` x on every step.
-    """
-    grad_buffer: list[float] = []
-    value_buffer: list[float] = []
-    seen = {"grad": 0, "value": 0}
-    consecutive = 0
-    out = []
-
-    def observe(buffer: list[float], key: str, x: float, th: float, skip: bool, forced: bool):
-        if not np.isfinite(x) or (feedback == "skip" and skip):
-            return buffer
-        if feedback == "clipped" and not forced:
-            x = min(x, th)
-        seen[key] += 1
-        return [*buffer, x][-window:]
-
-    def threshold(buffer: list[float]) -> float:
-        if len(buffer) < min_history:
-            return np.inf
-        return float(np.mean(buffer) + sigma * np.std(buffer))  # population std
-
-    for t, g in enumerate(norms):
-        v = None if values is None else values[t]
-        grad_threshold = threshold(grad_buffer)
-        value_threshold = np.inf if v is None else threshold(value_buffer)
-        finite = np.isfinite(g) and (v is None or np.isfinite(v))
-        spike = g > grad_threshold or (v is not None and v > value_threshold)
-        forced = False
-        if max_consecutive_skips is not None and consecutive >= max_consecutive_skips:
-            forced = finite and spike
-            spike = False
-        skip = not finite or spike
-        consecutive = consecutive + 1 if skip else 0
-        grad_buffer = observe(grad_buffer, "grad", g, grad_threshold, skip, forced)
-        if v is not None:
-            value_buffer = observe(value_buffer, "value", v, value_threshold, skip, forced)
-        out.append(
-            {
-                "skipped": skip,
-                "grad_seen": seen["grad"],
-                "value_seen": seen["value"],
-                "grad_threshold": grad_threshold,
-                "value_threshold": value_threshold,
-                "consecutive_skips": consecutive,
-                "grad_buffer": list(grad_buffer),
-                "value_buffer": list(value_buffer),
-                # how far from the boundary: float32 and float64 agree when large
-                "margin": min(
-                    abs(x - th) / abs(th)
-                    for x, th in ((g, grad_threshold), (v, value_threshold))
-                    if x is not None and np.isfinite(x) and np.isfinite(th)
-                )
-                if np.isfinite(grad_threshold) and np.isfinite(g)
-                else np.inf,
-            }
-        )
-    return out
-
-
 CASES = [
     ("clean", True, None),
     ("loss_spike", True, None),
@@ -159,7 +82,7 @@ def test_decisions_match_the_float64_restatement(
 ) -> None:
     grads, losses = make_stream(case)
     values = losses if with_value else None
-    ref = reference(
+    ref = S.skip_on_spike(
         [norm64(g) for g in grads], values, max_consecutive_skips=max_skips, feedback=feedback
     )
     assert min(r["margin"] for r in ref) > 1e-4, "a step too close to its threshold"
@@ -358,97 +281,6 @@ def test_metrics_reports_its_fields_and_the_inner_clippers() -> None:
     assert set(keys) == {f"guard/global/{f}" for f in FIELDS}
 
 
-# --------------------------------------------------------------------------- the references
-
-
-def levanter_thresholds(norms: list[float], length: int, sigma: float) -> list[tuple[bool, float]]:
-    """Levanter's rule restated: a window of the last ``length + 1`` values, every
-    value stored (skipped or not), population std floored at 1e-6, judged once it
-    holds ``max(2, length // 2)`` values."""
-    window: list[float] = []
-    out = []
-    for g in norms:
-        if len(window) >= max(2, length // 2):
-            mean = np.nanmean(window)
-            threshold = mean + sigma * max(np.nanstd(window), 1e-6)
-            skip = not g <= threshold
-        else:
-            threshold, skip = np.inf, False
-        out.append((skip, threshold))
-        window = [*window, g][-(length + 1) :]
-    return out
-
-
-def olmo_thresholds(values: list[float], length: int, sigma: float) -> list[tuple[bool, float]]:
-    """OLMo-core's rule restated: the last ``length`` values before this one,
-    every value stored, Bessel-corrected std, judged once ``max(20, length // 2)``
-    values (this one included) were seen."""
-    seen: list[float] = []
-    out = []
-    for x in values:
-        seen = [*seen, x][-(length + 1) :]
-        if len(seen) < max(20, length // 2):
-            out.append((False, np.inf))
-            continue
-        history = seen[:-1]
-        threshold = np.mean(history) + sigma * np.std(history, ddof=1)
-        out.append((not (x - np.mean(history)) <= sigma * np.std(history, ddof=1), threshold))
-    return out
-
-
-def test_levanter_agrees_until_its_window_holds_a_spike() -> None:
-    length, sigma = 16, 4.0
-    grads, _ = make_stream("clean")
-    norms = [norm64(g) for g in grads]
-    norms[30], norms[32] = 10.0, 3.5  # a spike, then a smaller one
-    grads = [{k: v * np.float32(n) for k, v in d.items()} for d, n in zip(directions(STEPS), norms)]
-    lev = levanter_thresholds(norms, length, sigma)
-    # Same window (length + 1 values), same gate, no loss.
-    tx = clipjax.skip_on_spike(
-        optax.sgd(1.0), window_size=length + 1, min_history=length // 2, sigma=sigma
-    )
-    states = [s for _, s in run(tx, grads, None)]
-    for t in range(31):
-        assert bool(states[t].metrics["skipped"][0]) == lev[t][0], t
-        np.testing.assert_allclose(states[t].metrics["grad_threshold"][0], lev[t][1], rtol=1e-5)
-    assert lev[30][0] and bool(states[30].metrics["skipped"][0])
-    # Levanter stored the spike: its std, and so its threshold, jumped, and the
-    # second spike goes through; here the window is clean and it is skipped.
-    assert lev[32][1] > 2 * float(states[32].metrics["grad_threshold"][0])
-    assert not lev[32][0] and bool(states[32].metrics["skipped"][0])
-
-
-def test_olmo_core_agrees_until_its_window_holds_a_nan_loss() -> None:
-    length, sigma = 40, 4.0
-    grads, losses = make_stream("clean")
-    losses[45] = 9.0
-    olmo = olmo_thresholds(losses, length, sigma)
-    # Same history (the last `length` values), same gate (>= 19 values before
-    # this one); OLMo-core's std is Bessel-corrected, so its thresholds are a
-    # little higher and the decisions agree away from the boundary.
-    tx = clipjax.skip_on_spike(
-        optax.sgd(1.0), window_size=length, min_history=max(20, length // 2) - 1, sigma=sigma
-    )
-    states = [s for _, s in run(tx, grads, losses)]
-    for t in range(STEPS):
-        assert bool(states[t].metrics["skipped"][0]) == olmo[t][0], t
-        if t > 45:
-            continue  # OLMo-core's window now holds the spike
-        ours = float(states[t].metrics["value_threshold"][0])
-        if np.isfinite(olmo[t][1]):
-            assert ours <= olmo[t][1] and np.isclose(ours, olmo[t][1], rtol=2e-2)
-        else:
-            assert ours == np.inf
-    # A NaN loss: OLMo-core stores it, its mean turns NaN, and it skips every
-    # step until the NaN leaves the window. Here only the NaN step is skipped.
-    losses[25] = np.nan
-    olmo = olmo_thresholds(losses, length, sigma)
-    states = [s for _, s in run(tx, grads, losses)]
-    assert all(skip for skip, _ in olmo[25:STEPS])
-    skipped = [t for t, s in enumerate(states) if bool(s.metrics["skipped"][0])]
-    assert skipped == [25, 45]
-
-
 # --------------------------------------------------------------------------- feedback
 
 
@@ -465,7 +297,7 @@ def test_a_lasting_shift_is_learnt_within_the_steps_the_restatement_predicts(
 ) -> None:
     """Window 128, sigma 6, lognormal noise: "clipped" learns a x10 / x50 shift."""
     norms = lognormal_shift(factor)
-    ref = reference(norms, None, window=128, sigma=6.0, min_history=64, feedback="clipped")
+    ref = S.skip_on_spike(norms, None, window=128, sigma=6.0, min_history=64, feedback="clipped")
     expected = [r["skipped"] for r in ref]
     tx = clipjax.skip_on_spike(optax.sgd(1.0))
     directions_ = directions(len(norms))
@@ -476,7 +308,7 @@ def test_a_lasting_shift_is_learnt_within_the_steps_the_restatement_predicts(
     skipped = sum(got)
     assert 5 < skipped <= most_skips and not any(got[200 + most_skips :]), skipped
     # Under "skip" the same shift stalls training for good.
-    stalled = reference(norms, None, window=128, sigma=6.0, min_history=64, feedback="skip")
+    stalled = S.skip_on_spike(norms, None, window=128, sigma=6.0, min_history=64, feedback="skip")
     assert all(r["skipped"] for r in stalled[200:])
 
 
