@@ -161,8 +161,8 @@ def test_inject_hyperparams_equals_the_clipper_built_with_those_values(case: str
 
 # hyperparameters that must be static_args, with the factory and the others held fixed
 # (zclip's and hist_clip's warmup_steps may be injected: their warm-up sample is kept as
-# running sums, tests/test_inject.py.) norm_type chooses the norm's code: passed, it must
-# be static.
+# running sums, tests/contract/test_inject.py.) norm_type chooses the norm's code:
+# passed, it must be static.
 MUST_BE_STATIC = [
     (
         "clip_by_global_norm",

@@ -247,7 +247,7 @@ def test_a_taken_step_costs_no_more_than_the_optimizer() -> None:
     Measured on jax 0.10.2 (XLA:CPU): -0.17 for skip_on_spike(clipjax.adamw)
     (the norm's read merges with the moments' loop, and the step drops the
     copies adam alone makes), where skip_on_spike(optax.adamw) pays +1.83 for
-    its conditional (tests/test_skip_on_spike_steps.py).
+    its conditional (tests/skip_on_spike/test_skip_on_spike_steps.py).
     """
     alone, grad_bytes = compiled_train_step(clipjax.adamw(1e-3))
     skip, _ = compiled_train_step(clipjax.skip_on_spike(clipjax.adamw(1e-3)))
