@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
+from tests import scripts
 from tests.paths import ROOT
 
 EXAMPLE = ROOT / "examples" / "data_parallel.py"
 
 
 def test_data_parallel_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    spec = importlib.util.spec_from_file_location("data_parallel_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = scripts.load(EXAMPLE, "data_parallel_example")
     module.main(["--steps", "8", "--spike-step", "6"])
     out = capsys.readouterr().out
     assert out.startswith("8 devices")

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import subprocess
-import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
+from tests import scripts
 from tests.paths import ROOT
 
 pytest.importorskip("flax")
@@ -23,25 +22,11 @@ DEMO = ROOT / "examples" / "demo.py"
 
 
 def run_demo(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    return subprocess.run(
-        [sys.executable, str(DEMO), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=ROOT,
-    )
+    return scripts.run(DEMO, *args, timeout=timeout)
 
 
-def load_demo():
-    spec = importlib.util.spec_from_file_location("clipjax_demo", DEMO)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load_demo() -> ModuleType:
+    return scripts.load(DEMO, "clipjax_demo")
 
 
 def test_short_run_prints_table_and_writes_figure(tmp_path: Path) -> None:

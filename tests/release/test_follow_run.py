@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
 
+from tests import scripts
 from tests.paths import ROOT
 
 pytest.importorskip("matplotlib")
@@ -21,12 +21,8 @@ pytestmark = pytest.mark.slow
 SCRIPT = ROOT / "examples" / "follow_run.py"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("clipjax_follow_run", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def load_script() -> ModuleType:
+    return scripts.load(SCRIPT, "clipjax_follow_run")
 
 
 def test_short_run_writes_the_page_with_every_row(tmp_path: Path) -> None:

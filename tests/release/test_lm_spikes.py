@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
 
+from tests import scripts
 from tests.paths import ROOT
 
 pytest.importorskip("matplotlib")
@@ -24,26 +24,11 @@ SCRIPT = ROOT / "examples" / "lm_spikes.py"
 
 
 def run_script(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=ROOT,
-    )
+    return scripts.run(SCRIPT, *args, timeout=timeout)
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("clipjax_lm_spikes", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses looks the module up there
-    spec.loader.exec_module(module)
-    return module
+def load_script() -> ModuleType:
+    return scripts.load(SCRIPT, "clipjax_lm_spikes")
 
 
 @pytest.mark.slow
