@@ -1,11 +1,13 @@
 """Float64 NumPy restatements of clipjax's adaptive rules: one module per rule.
 
 :mod:`.autoclip` (autoclip and zscore_clip), :mod:`.zclip`, :mod:`.hist_clip`,
-:mod:`.adagc`, :mod:`.skip_on_spike`, :mod:`.p2` (P², smartclip's and the textbook's),
-:mod:`.spam` (spam and stable_spam, on gradients); :mod:`.run` runs clipjax on trees of given
-group norms and compares. Each rule is restated once, here: a test that needs one
-imports it (``from tests import restate as S``, then ``S.zclip(...)``; the
-functions are re-exported under the names of their modules).
+:mod:`.adagc`, :mod:`.skip_on_spike`, :mod:`.p2` (P², smartclip's and the
+textbook's), :mod:`.spam` (spam and stable_spam, on gradients); :mod:`.run` runs
+clipjax on trees of given group norms and compares. Each of these rules is restated
+once, here (the one-line rules of agc, the element-wise clippers and the p-norms are
+restated in their own test files): a test that needs one imports it (``from tests
+import restate as S``, then ``S.zclip(...)``; the functions are re-exported under
+the names of their modules).
 
 Written from the rules as the docstrings and the papers state them, not from
 clipjax's code: each function walks a sequence of group norms step by
