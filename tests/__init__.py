@@ -11,6 +11,7 @@ restatements step by step, streaming statistics, recorded runs); ``docs/`` the g
 Helpers: ``references/`` (the reference packages driven on a norm sequence),
 ``restate/`` (float64 NumPy restatements of clipjax's rules), ``drive``,
 ``transforms`` and ``cases`` (every public transform / clipper as the cross-cutting
-tests build it), ``compiled_step``, ``skip_streams``, ``paths``. ``conftest.py``
+tests build it), ``compiled_step``, ``skip_streams``, ``scripts`` (the examples, run or
+imported), ``paths``. ``conftest.py``
 holds the shared fixtures and the lists of slow tests.
 """
