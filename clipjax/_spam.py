@@ -76,7 +76,7 @@ def _after(x: Array, first: Array) -> Array:
     an optimization barrier does not survive to copy insertion on XLA:CPU.
     Adding ``first[0] >> 31 >> 1`` (always 0, never folded) to ``x`` makes the
     second loop wait for the first at the cost of reading one element.
-    tests/test_spam.py counts the copies.
+    tests/spam/test_spam_pieces.py counts the copies.
     """
     if first.size == 0:
         return x
