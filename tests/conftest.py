@@ -435,10 +435,73 @@ SLOW_TESTS.update(
     }
 )
 
+# `make test` within 5 minutes from a fresh clone on 2 cores: the costliest
+# cases of tests whose other cases stay in the fast suite, each clipper family
+# keeping at least one (`--durations=0` of the fast suite picked them: about 80
+# test-seconds of 620).
+SLOW_TESTS.update(
+    {
+        **_cases(
+            "contract/test_contract.py::test_metrics_found_in_every_wrapper",
+            "stable_spam_uncounted spam adaclip",
+            "7 wrappers compiled (ada_norm stays for the SPAM family)",
+        ),
+        **_cases(
+            "contract/test_update_clipping.py::test_after_the_optimizer_it_clips_the_update",
+            "agc clip_by_percentile autoclip",
+            "a training run per clipper (agc_per_layer, clip_by_value, autoclip_ema stay)",
+        ),
+        **_cases(
+            "contract/test_stacked.py::test_each_slice_is_the_unstacked_layer",
+            "per_param-1-hist_clip per_param-1-hist_clip_ema per_param-1-adagc "
+            "per_param-1-autoclip_window per_param-1-autoclip_ema per_param-1-zscore_clip "
+            "per_param-1-agc_exclude_bias",
+            "the per_layer case and per_param zclip and agc stay",
+        ),
+        **_cases(
+            "contract/test_serialization.py::test_orbax_round_trip",
+            "skip_on_spike_chain skip_on_spike_select skip_on_spike_cond hist_clip_ema_per_layer "
+            "zclip_per_param clip_by_percentile autoclip_ema_per_param autoclip_window "
+            "agc_per_layer ada_norm_per_layer zscore_normalize clip_by_global_norm_inf",
+            "a round trip per state class stays (flax bytes keep every case)",
+        ),
+        **_cases(
+            "spam/test_spam_pieces.py::test_update_if_skips_bit_identically_and_takes_as_update",
+            "stable_spam",
+            "spam stays; stable_spam's members are checked one by one",
+        ),
+        **_cases(
+            "adaptive/test_feedback.py::test_scopes_match_per_group_restatement",
+            "boundary-per_param",
+            "the per_layer cases stay",
+        ),
+        "contract/test_stacked.py::test_flax_linen_nn_scan_model": (
+            "a flax training run; the nnx scan model stays"
+        ),
+        **_cases(
+            "skip_on_spike/test_dtypes.py::test_updates_and_state_keep_the_inner_optimizers_dtypes",
+            " ".join(
+                f"{route}-{dtypes}-mu_f32"
+                for route in ("fold_clipjax_adamw", "cond_optax_adam", "cond_chain_zclip_adam")
+                for dtypes in ("f32-f32", "f32-bf16", "bf16-f32")
+            ),
+            "mu_dtype float32 stays with bfloat16 params and gradients, on every route",
+        ),
+        **_cases(
+            "contract/test_inject.py::test_injected_equals_the_factory_called_with_the_same_values",
+            "hist_clip_zstat autoclip_percentile zclip_percentile",
+            "a second mode of a clipper whose default mode stays",
+        ),
+        "contract/test_serialization.py::test_flax_imported_before_or_after_clipjax[before]": (
+            "a subprocess; flax imported after clipjax stays"
+        ),
+    }
+)
+
 # Every contract test runs with and without jit (chex.variants). The fast
-# suite keeps both for `state_is_stable_and_dtypes_kept` (every clipper,
-# eagerly) and the jitted variant of the others; bfloat16 stands for the
-# low-precision dtypes.
+# suite keeps both for `state_is_stable_and_dtypes_kept` (every norm-based
+# clipper and one of each other family, eagerly) and the jitted variant of the
+# others; bfloat16 stands for the low-precision dtypes.
 SLOW_PATTERNS = {
     # float16 as well as bfloat16: bfloat16 stays for every clipper.
     r"contract/test_contract\.py::TestContractWithAndWithoutJit::test_low_precision_leaves_keep_dtype_"
@@ -447,6 +510,12 @@ SLOW_PATTERNS = {
     ),
     r"contract/test_contract\.py::TestContractWithAndWithoutJit::"
     r"test_(?!state_is_stable_and_dtypes_kept_).*__without_jit$": "eager variant",
+    # Eagerly, op by op, the SPAM family, the normalisers and the element-wise
+    # clippers take seconds each: adaclip_global, ada_norm's, clip_by_value and
+    # every norm-based clipper stay eager in the fast suite.
+    r"contract/test_contract\.py::TestContractWithAndWithoutJit::test_state_is_stable_and_dtypes_kept_"
+    r"(spam|stable_spam|stable_spam_uncounted|adaclip|ada_norm|zscore_normalize|agc|"
+    r"clip_by_percentile)__without_jit$": "eager variant of an element-wise transform",
 }
 
 _TESTS_DIR = Path(__file__).parent
