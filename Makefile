@@ -90,7 +90,7 @@ $(VENV_MIN)/.installed: pyproject.toml Makefile | $(BIN_MIN)/python
 	@touch $@
 
 # The long runs carry the `slow` marker (their file's pytestmark, or the lists in
-# tests/conftest.py): `make test` leaves them out, `make test-all` (and .ci/run)
+# tests/slow_marks.py): `make test` leaves them out, `make test-all` (and .ci/run)
 # runs everything.
 test: $(VENV)/.installed
 	$(BIN)/ruff check .

@@ -1,4 +1,4 @@
-"""tests/conftest.py marks the long runs slow from lists of test ids: an id that no
+"""tests/slow_marks.py marks the long runs slow from lists of test ids: an id that no
 longer names a test (a moved or renamed test) stops the session instead of silently
 leaving that test in the fast suite."""
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests import conftest
+from tests import slow_marks
 
 
 class Item:
@@ -32,45 +32,45 @@ def tests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "sub").mkdir()
     (tmp_path / "test_x.py").touch()
     (tmp_path / "sub" / "test_y.py").touch()
-    monkeypatch.setattr(conftest, "_TESTS_DIR", tmp_path)
-    monkeypatch.setattr(conftest, "SLOW_TESTS", {})
-    monkeypatch.setattr(conftest, "SLOW_PATTERNS", {})
+    monkeypatch.setattr(slow_marks, "_TESTS_DIR", tmp_path)
+    monkeypatch.setattr(slow_marks, "SLOW_TESTS", {})
+    monkeypatch.setattr(slow_marks, "SLOW_PATTERNS", {})
     return tmp_path
 
 
 def test_a_listed_test_is_marked_slow(tests: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(conftest, "SLOW_TESTS", {"sub/test_y.py::test_long": "why"})
-    monkeypatch.setattr(conftest, "SLOW_PATTERNS", {r"test_x\.py::test_.*_eager$": "why"})
+    monkeypatch.setattr(slow_marks, "SLOW_TESTS", {"sub/test_y.py::test_long": "why"})
+    monkeypatch.setattr(slow_marks, "SLOW_PATTERNS", {r"test_x\.py::test_.*_eager$": "why"})
     items = [
         Item(tests, "sub/test_y.py", "test_long[a]"),
         Item(tests, "sub/test_y.py", "test_short"),
         Item(tests, "test_x.py", "test_one_eager"),
         Item(tests, "test_x.py", "test_one_jit"),
     ]
-    conftest.pytest_collection_modifyitems(config(), items)
+    slow_marks.pytest_collection_modifyitems(config(), items)
     assert [i.markers for i in items] == [["slow"], [], ["slow"], []]
 
 
 def test_a_stale_entry_stops_the_session(tests: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(conftest, "SLOW_TESTS", {"test_x.py::test_renamed": "why"})
+    monkeypatch.setattr(slow_marks, "SLOW_TESTS", {"test_x.py::test_renamed": "why"})
     items = [Item(tests, "test_x.py", "test_long")]
     with pytest.raises(pytest.UsageError, match=r"test_x\.py::test_renamed"):
-        conftest.pytest_collection_modifyitems(config(), items)
+        slow_marks.pytest_collection_modifyitems(config(), items)
     # A session that selects some tests only cannot tell a stale entry from an unselected one.
-    conftest.pytest_collection_modifyitems(config(keyword="long"), items)
-    conftest.pytest_collection_modifyitems(config(args=("tests/test_x.py::test_long",)), items)
+    slow_marks.pytest_collection_modifyitems(config(keyword="long"), items)
+    slow_marks.pytest_collection_modifyitems(config(args=("tests/test_x.py::test_long",)), items)
     # An entry for an existing file this session did not collect is not checked.
-    monkeypatch.setattr(conftest, "SLOW_TESTS", {"sub/test_y.py::test_gone": "why"})
-    conftest.pytest_collection_modifyitems(config(), items)
+    monkeypatch.setattr(slow_marks, "SLOW_TESTS", {"sub/test_y.py::test_gone": "why"})
+    slow_marks.pytest_collection_modifyitems(config(), items)
     # An entry naming a file that does not exist (moved into a subfolder, renamed)
     # stops every session, whatever it selects.
     items = [Item(tests, "sub/test_y.py", "test_long")]
-    monkeypatch.setattr(conftest, "SLOW_TESTS", {"test_y.py::test_long": "why"})
+    monkeypatch.setattr(slow_marks, "SLOW_TESTS", {"test_y.py::test_long": "why"})
     for session in (config(), config(keyword="long")):
         with pytest.raises(pytest.UsageError, match=r"test_y\.py::test_long"):
-            conftest.pytest_collection_modifyitems(session, items)
-    monkeypatch.setattr(conftest, "SLOW_TESTS", {})
-    monkeypatch.setattr(conftest, "SLOW_PATTERNS", {r"test_y\.py::test_long": "why"})
+            slow_marks.pytest_collection_modifyitems(session, items)
+    monkeypatch.setattr(slow_marks, "SLOW_TESTS", {})
+    monkeypatch.setattr(slow_marks, "SLOW_PATTERNS", {r"test_y\.py::test_long": "why"})
     with pytest.raises(pytest.UsageError, match=r"test_y\\\.py::test_long"):
-        conftest.pytest_collection_modifyitems(config(keyword="long"), items)
+        slow_marks.pytest_collection_modifyitems(config(keyword="long"), items)
     assert items[0].markers == []
