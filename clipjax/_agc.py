@@ -278,7 +278,7 @@ def _grouped(
     ) -> tuple[Any, AGCState]:
         del extra_args
         leaves, paths, treedef, grouping = check_tree(
-            updates, state, AGCState, layout, who=who, scope=scope
+            updates, state, AGCState, layout, who=who, scope=scope, dtypes=False
         )
         p_leaves = _param_leaves(params, scope, state.info, who)
         _grouping.check_inexact(leaves, grouping, who)
@@ -364,7 +364,7 @@ def _unitwise(
     ) -> tuple[Any, AGCState]:
         del extra_args
         leaves, _, treedef, grouping = check_tree(
-            updates, state, AGCState, layout, who=who, scope=scope
+            updates, state, AGCState, layout, who=who, scope=scope, dtypes=False
         )
         p_leaves = _param_leaves(params, scope, state.info, who)
         _grouping.check_inexact(leaves, grouping, who)

@@ -216,16 +216,16 @@ class Norms(NamedTuple):
 
 def check_tree(
     updates: Any, state: Any, state_class: type, layout: Callable[[int], Any], *, who: str,
-    scope: Scope,
+    scope: Scope, dtypes: bool = True,
 ) -> tuple[list[Any], list[Any], Any, Grouping]:  # fmt: skip
     """The state checks of :func:`group_norms`, without the norms.
 
     ``state`` must be a ``state_class`` built by ``init`` for a tree like
     ``updates`` (``layout(num_groups)`` gives its arrays' shapes): otherwise a
-    ``TypeError`` or ``ValueError`` says what was expected. Returns the
-    leaves of ``updates``, their paths, the tree structure and the groups.
-    The leaves' dtypes are not checked (``_grouping.check_inexact``): a
-    clipper that needs ``params`` checks them first.
+    ``TypeError`` or ``ValueError`` says what was expected. With ``dtypes``
+    every leaf must be inexact (``_grouping.check_inexact``); a clipper that
+    needs ``params`` passes False and checks them after its params. Returns
+    the leaves of ``updates``, their paths, the tree structure and the groups.
     """
     _state_check.check_state(state, state_class, who)
     info: _metrics.GroupInfo = state.info
@@ -243,6 +243,8 @@ def check_tree(
             )
     for field, value in layout(grouping.num_groups).items():
         _state_check.check_layout(who, field, getattr(state, field), value)
+    if dtypes:
+        _grouping.check_inexact(leaves, grouping, who)
     return leaves, paths, treedef, grouping
 
 
@@ -270,7 +272,6 @@ def group_norms(
     leaves, _, treedef, grouping = check_tree(
         updates, state, state_class, layout, who=who, scope=scope
     )
-    _grouping.check_inexact(leaves, grouping, who)
     partial = _grouping.leaf_power_sums(leaves, 2.0, grouping)
     norm = _grouping.group_norms(leaves, grouping, 2.0, partial)
     per_leaf = None
@@ -509,7 +510,6 @@ def element_transform(
         leaves, _, treedef, grouping = check_tree(
             updates, state, state_class, layout, who=who, scope=scope
         )
-        _grouping.check_inexact(leaves, grouping, who)
         dtype = _grouping.norm_dtype(leaves)
         out, values, finite, leaf_norm = step(leaves, grouping, dtype, state.leaf_index)
         metrics = counted(state.metrics, finite, values.get("clipped"), **values)

@@ -253,7 +253,6 @@ def adaclip(
         leaves, _, treedef, grouping = _kit.check_tree(
             updates, state, AdaClipState, layout, who=who, scope=scope
         )
-        _grouping.check_inexact(leaves, grouping, who)
         dtype = state.max_ema.dtype
         maxima, squares = _max_and_squares(leaves, dtype)
         grad_max = _grouping.group_norms(leaves, grouping, math.inf, maxima)
@@ -385,7 +384,6 @@ def ada_norm(
         leaves, _, treedef, grouping = _kit.check_tree(
             updates, state, AdaNormState, layout, who=who, scope=scope
         )
-        _grouping.check_inexact(leaves, grouping, who)
         dtype = state.norm_ema.dtype
         one = _grouping.per_leaf(_finite_square_and_count, dtype)
         stacks = grouping.leaf_stacks or (None,) * len(leaves)

@@ -236,7 +236,6 @@ def _p_norms(
     leaves, _, treedef, grouping = _kit.check_tree(
         updates, state, ClipByGlobalNormState, layout, who=who, scope=scope
     )
-    _grouping.check_inexact(leaves, grouping, who)
     norm = _grouping.group_norms(leaves, grouping, p)
     per_leaf = None
     if leaf_norms:
