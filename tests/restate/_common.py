@@ -45,6 +45,14 @@ class _Log:
         for k, v in self.rows.items():
             v.append(row.get(k, NAN))
 
+    def nonfinite(self, g: float, **stats) -> None:
+        """A non-finite norm: nothing observed, scale 1, not clipped or capped, and
+        ``clip_to`` the norm itself; the threshold and ``z`` on such a step are not
+        defined by the rules (NaN here: not compared)."""
+        self.add(
+            g=g, threshold=NAN, scale=1.0, observed=False, z=NAN, clip_to=g, capped=False, **stats
+        )
+
     def out(self) -> dict[str, np.ndarray]:
         return {k: np.asarray(v) for k, v in self.rows.items()}
 

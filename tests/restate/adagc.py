@@ -9,7 +9,6 @@ import numpy as np
 from tests.restate._common import (
     COMMON,
     INF,
-    NAN,
     _Log,
 )
 
@@ -36,7 +35,7 @@ def adagc(
         for i, g in enumerate(row):
             log = logs[i]
             if not math.isfinite(g):
-                log.add(g=g, threshold=NAN, scale=1.0, observed=False, mean=gamma[i])
+                log.nonfinite(g, mean=gamma[i])
                 continue
             if log.count < warmup_steps:
                 gamma[i] = min(gamma[i], h * g)

@@ -149,9 +149,7 @@ def _smartclip_family(
     gate = max(warmup_steps, min_history)
     for g in map(float, norms):
         if not math.isfinite(g):
-            # A non-finite norm: nothing observed, scale 1; the threshold on such a step is
-            # not defined by the rule (NaN here: not compared).
-            log.add(g=g, threshold=NAN, scale=1.0, observed=False, capped=False, **stats.report())
+            log.nonfinite(g, **stats.report())
             continue
         x = _positive(g, eps)
         if feedback == "observe_first":

@@ -55,16 +55,7 @@ def hist_clip(
 
     for g in map(float, norms):
         if not math.isfinite(g):
-            log.add(
-                g=g,
-                threshold=NAN,
-                scale=1.0,
-                observed=False,
-                z=NAN,
-                clip_to=g,
-                capped=False,
-                **stats(),
-            )
+            log.nonfinite(g, **stats())
             continue
         if log.count < warmup_steps:
             samples.append(g)

@@ -45,16 +45,7 @@ def zclip(
 
     for g in map(float, norms):
         if not math.isfinite(g):
-            log.add(
-                g=g,
-                threshold=NAN,
-                scale=1.0,
-                observed=False,
-                z=NAN,
-                clip_to=g,
-                capped=False,
-                **stats(),
-            )
+            log.nonfinite(g, **stats())
             continue
         if log.count < warmup_steps:
             samples.append(g)
