@@ -321,6 +321,47 @@ def rows() -> dict[str, Row]:
             needs="a norm a tensor, the EMAs of it and of its square and the metrics of the "
             "`[groups]` arrays; each leaf scaled by its own scalar",
         ),
+        # docs/defences_2025.md: AXLearn, torchzero, AdamWClip, Levanter.
+        "skip_and_clip": Row(
+            "clipjax.skip_and_clip_by_global_norm(clipjax.adamw(1e-3), "
+            "drop_norm=clipjax.drop_norm_by_grad_norm_stddev(), max_norm=1.0, "
+            "grad_norm_ema_decay=0.99)",
+            BASELINE,
+            needs="the EMAs of the global norm and the drop test, the clip's multiply and the "
+            "skip folded into adam's loops as selects",
+        ),
+        "clip_norm_growth": Row(
+            plus('clipjax.clip_norm_growth(scope="global")'),
+            BASELINE,
+            needs=_SCALAR + "the previous norm and the metrics",
+        ),
+        "clip_norm_growth_per_param": Row(
+            plus("clipjax.clip_norm_growth(scope={per_param})"),
+            BASELINE,
+            WIDER,
+            needs="a norm a tensor, its previous norm and the metrics of the `[groups]` arrays; "
+            "each leaf scaled by its own scalar",
+        ),
+        "clip_norm_by_ema": Row(
+            plus("clipjax.clip_norm_by_ema(scope={per_param})"),
+            BASELINE,
+            WIDER,
+            needs="a float32 EMA of the updates (one more read and write of a parameter-size "
+            "buffer) and its norm a tensor, then the cap's multiply of it",
+        ),
+        "adamw_clip": Row(
+            "clipjax.adamw(1e-3, clip_grad_adapt=3.0)",
+            "optax_adamw",
+            WIDER,
+            needs="the threshold from v and the clamp in adam's loops, and one two-output "
+            "reduce a leaf (the norm and the clipped count, for the metrics) that the "
+            "moments' loop waits for",
+        ),
+        "clip_by_historical_norm": Row(
+            plus("clipjax.clip_by_historical_norm()"),
+            BASELINE,
+            needs=_SCALAR + "the mean and std of its 128-norm window and the metrics",
+        ),
     }
 
 

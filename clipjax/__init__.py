@@ -7,7 +7,9 @@ jit-compatible pytree carrying its per-step metrics; read them with
 
 from clipjax import _serialization
 from clipjax._adagc import AdaGCState, adagc
+from clipjax._adamw_clip import AdamWClipState
 from clipjax._agc import AGCState, agc
+from clipjax._attention_logits import max_attention_logits
 from clipjax._autoclip import AutoClipState, autoclip
 from clipjax._elementwise import (
     ClipByPercentileState,
@@ -17,6 +19,12 @@ from clipjax._elementwise import (
 )
 from clipjax._fold import SkippableTransform, UpdateClippingState, adam, adamw, chain
 from clipjax._grouping import path_name, stacked
+from clipjax._growth_clip import (
+    ClipNormByEMAState,
+    ClipNormGrowthState,
+    clip_norm_by_ema,
+    clip_norm_growth,
+)
 from clipjax._hist_clip import (
     Criterion,
     HistClipState,
@@ -27,14 +35,22 @@ from clipjax._hist_clip import (
     reciprocal_clipping,
     zstat_criterion,
 )
+from clipjax._historical_clip import HistoricalNormClipState, clip_by_historical_norm
 from clipjax._kit import ClipTransform
 from clipjax._metrics import GroupInfo, metrics
 from clipjax._percentile import approx_percentile, approx_relative_error, exact_percentile
+from clipjax._qk_clip import QKClipState, QKHeads, qk_clip
 from clipjax._skip import (
     ConditionalRouteWarning,
     SkipOnSpikeState,
     SkipOnSpikeTransform,
     skip_on_spike,
+)
+from clipjax._skip_and_clip import (
+    SkipAndClipState,
+    drop_norm_by_grad_norm_ema,
+    drop_norm_by_grad_norm_stddev,
+    skip_and_clip_by_global_norm,
 )
 from clipjax._spam import SpamState, spam
 from clipjax._stable_spam import AdaClipState, AdaNormState, ada_norm, adaclip, stable_spam
@@ -60,16 +76,23 @@ __all__ = [
     "AdaClipState",
     "AdaGCState",
     "AdaNormState",
+    "AdamWClipState",
     "AutoClipState",
     "ClipByGlobalNormState",
     "ClipByPercentileState",
     "ClipByValueState",
+    "ClipNormByEMAState",
+    "ClipNormGrowthState",
     "ClipTransform",
     "ConditionalRouteWarning",
     "Criterion",
     "GroupInfo",
     "HistClipState",
+    "HistoricalNormClipState",
     "NormalizePerParamState",
+    "QKClipState",
+    "QKHeads",
+    "SkipAndClipState",
     "SkipOnSpikeState",
     "SkipOnSpikeTransform",
     "SkippableTransform",
@@ -89,18 +112,26 @@ __all__ = [
     "autoclip",
     "chain",
     "clip_by_global_norm",
+    "clip_by_historical_norm",
     "clip_by_percentile",
     "clip_by_value",
+    "clip_norm_by_ema",
+    "clip_norm_growth",
+    "drop_norm_by_grad_norm_ema",
+    "drop_norm_by_grad_norm_stddev",
     "ema_criterion",
     "exact_percentile",
     "global_norm",
     "hist_clip",
+    "max_attention_logits",
     "max_clipping",
     "mean_clipping",
     "metrics",
     "normalize_per_param",
     "path_name",
+    "qk_clip",
     "reciprocal_clipping",
+    "skip_and_clip_by_global_norm",
     "skip_on_spike",
     "spam",
     "stable_spam",

@@ -399,6 +399,28 @@ def _scale_by_stable_adam(
     return skippable(init, update, _zeroing(keep_state_if), keep_state_if)
 
 
+def _adam_clip(
+    b1: Any, b2: Any, eps: Any, eps_root: Any, mu_dtype: Any, nesterov: bool,
+    update_clipping: bool, clip_grad_adapt: Any, clip_grad_min: Any, clip_grad_warm_up: Any,
+) -> SkippableTransform:  # fmt: skip
+    """AdamWClip's Adam member (:mod:`clipjax._adamw_clip`, which builds on this module)."""
+    from clipjax import _adamw_clip
+
+    if update_clipping:
+        raise ValueError(
+            "update_clipping=True and clip_grad_adapt are two clips of Adam; choose one"
+        )
+    # None, not numbers, by default: inject_hyperparams would inject a numeric
+    # default, and inject_hyperparams(clipjax.adamw)'s state would differ from optax's.
+    clip_grad_min = 1e-10 if clip_grad_min is None else clip_grad_min
+    clip_grad_warm_up = 0 if clip_grad_warm_up is None else clip_grad_warm_up
+    _adamw_clip.check(clip_grad_adapt, clip_grad_min, clip_grad_warm_up)
+    return _adamw_clip.scale_by_adam_clip(
+        b1, b2, eps, eps_root, mu_dtype, nesterov, clip_grad_adapt, clip_grad_min,
+        clip_grad_warm_up,
+    )  # fmt: skip
+
+
 def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
     """``optax.chain`` that can skip a step: see :class:`SkippableTransform`.
 
@@ -470,6 +492,9 @@ def adam(
     *,
     nesterov: bool = False,
     update_clipping: bool = False,
+    clip_grad_adapt: Any = None,
+    clip_grad_min: Any = None,
+    clip_grad_warm_up: Any = None,
 ) -> SkippableTransform:
     """``optax.adam`` that can skip a step without a conditional.
 
@@ -495,6 +520,10 @@ def adam(
       nesterov: use Nesterov momentum (NAdam).
       update_clipping: StableAdamW's update clipping (see
         :func:`clipjax.adamw`) on Adam without weight decay.
+      clip_grad_adapt: AdamWClip's element-wise clip at this many standard
+        deviations (see :func:`clipjax.adamw`); None: none.
+      clip_grad_min: AdamWClip's smallest threshold (None: 1e-10).
+      clip_grad_warm_up: AdamWClip's steps before the clip starts (None: 0).
 
     Returns:
       A :class:`SkippableTransform`.
@@ -513,6 +542,12 @@ def adam(
       Kingma and Ba, `Adam: A Method for Stochastic Optimization
       <https://arxiv.org/abs/1412.6980>`_, 2014.
     """
+    if clip_grad_adapt is not None:
+        return chain(
+            _adam_clip(b1, b2, eps, eps_root, mu_dtype, nesterov, update_clipping,
+                       clip_grad_adapt, clip_grad_min, clip_grad_warm_up),
+            selecting(optax.scale_by_learning_rate(learning_rate)),
+        )  # fmt: skip
     if update_clipping:
         return chain(
             _scale_by_stable_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, None),
@@ -536,6 +571,9 @@ def adamw(
     *,
     nesterov: bool = False,
     update_clipping: bool = False,
+    clip_grad_adapt: Any = None,
+    clip_grad_min: Any = None,
+    clip_grad_warm_up: Any = None,
 ) -> SkippableTransform:
     """``optax.adamw`` that can skip a step without a conditional.
 
@@ -575,6 +613,20 @@ def adamw(
     at that step and every later one. Here, as in torch-optimi (and in Adam),
     a NaN RMS divides by 1 and only the NaN elements' step is NaN.
 
+    ``clip_grad_adapt=k`` is AdamWClip (PyPI ``adamwclip``): each gradient
+    element is clipped to ``[-T, T]``, ``T = max(k * sqrt(v_hat),
+    clip_grad_min)`` with ``v_hat`` the bias-corrected second moment before
+    the step, and the moments and the update are computed from the clipped
+    gradient. It keeps no state beyond Adam's (its metrics,
+    :class:`clipjax.AdamWClipState`, sit next to the moments and read as
+    ``adamw_clip/{leaf path}/clipped_fraction``), and reproduces the
+    package's ``AdamWClip(clip_grad_adapt=k)`` step by step to float32
+    rounding, except on the first step: the package clips it to
+    ``clip_grad_min`` (its ``v`` is still 0), which holds the first tens of
+    steps near zero; here the clip starts at step
+    ``max(clip_grad_warm_up, 1) + 1``, as the package's with
+    ``clip_grad_warm_up=1``. See the docs' *More spike defences* page.
+
     Static arguments: none; every number may be injected or scheduled with
     ``optax.inject_hyperparams``, with no ``static_args``; ``mu_dtype`` and a
     callable ``mask`` go in ``static_args`` (inject_hyperparams would call them
@@ -594,6 +646,12 @@ def adamw(
         would have no effect, and raises ``ValueError``.
       nesterov: use Nesterov momentum (NAdamW).
       update_clipping: StableAdamW's per-tensor update clipping (above).
+      clip_grad_adapt: AdamWClip's threshold in standard deviations (``> 0``;
+        the package's default is 3), or None (default) for plain AdamW.
+      clip_grad_min: AdamWClip's smallest threshold (``>= 0``); None: the
+        package's 1e-10.
+      clip_grad_warm_up: steps taken before AdamWClip's clip starts (an int
+        ``>= 0``; the clip never applies to the first step); None: 0.
 
     Returns:
       A :class:`SkippableTransform`.
@@ -623,6 +681,13 @@ def adamw(
             "mask has no effect with weight_decay=0 (no leaf is decayed): pass a "
             "weight_decay > 0, or drop mask"
         )
+    if clip_grad_adapt is not None:
+        return chain(
+            _adam_clip(b1, b2, eps, eps_root, mu_dtype, nesterov, update_clipping,
+                       clip_grad_adapt, clip_grad_min, clip_grad_warm_up),
+            selecting(optax.add_decayed_weights(weight_decay, mask)),
+            selecting(optax.scale_by_learning_rate(learning_rate)),
+        )  # fmt: skip
     if update_clipping:
         return chain(
             _scale_by_stable_adam(

@@ -155,6 +155,14 @@ API_PAGES = {
             ("Adaptive gradient clipping", ["agc"]),
             ("Stable-SPAM's AdaClip and AdaGN", ["adaclip", "ada_norm"]),
             (
+                "Growth-capped and historical clippers (torchzero, Levanter)",
+                ["clip_norm_growth", "clip_norm_by_ema", "clip_by_historical_norm"],
+            ),
+            (
+                "QK-Clip: attention weights after the optimizer",
+                ["qk_clip", "QKHeads", "max_attention_logits"],
+            ),
+            (
                 "hist_clip criteria and clip functions",
                 [
                     "zstat_criterion",
@@ -172,6 +180,14 @@ API_PAGES = {
         "Transforms that wrap a whole optimizer.",
         [
             ("Skipping steps", ["skip_on_spike"]),
+            (
+                "AXLearn's skip-and-clip",
+                [
+                    "skip_and_clip_by_global_norm",
+                    "drop_norm_by_grad_norm_ema",
+                    "drop_norm_by_grad_norm_stddev",
+                ],
+            ),
             ("Optimizers that skip without a conditional", ["adam", "adamw", "chain"]),
             ("Spike-aware optimizers (SPAM, Stable-SPAM)", ["spam", "stable_spam"]),
             ("StableAdamW's update clipping", ["UpdateClippingState"]),

@@ -60,6 +60,14 @@ CLIPPERS: dict[str, Case] = {
     "agc_per_layer": Case(
         lambda **kw: clipjax.agc(clipping=0.05, scope="per_layer", **kw), "agc", "per_layer"
     ),
+    "clip_norm_growth_per_layer": Case(
+        lambda **kw: clipjax.clip_norm_growth(mul=1.2, scope="per_layer", **kw),
+        "clip_norm_growth",
+        "per_layer",
+    ),
+    "clip_by_historical_norm": Case(
+        lambda **kw: clipjax.clip_by_historical_norm(4, **kw), "clip_by_historical_norm"
+    ),
 }
 
 _OPTIONAL: dict[str, Case] = {

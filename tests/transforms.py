@@ -47,6 +47,12 @@ TRANSFORMS: dict[str, tuple[Factory, str, str]] = {
     ),
     "ada_norm": (lambda: clipjax.ada_norm(), "ada_norm", "target_norm"),
     "ada_norm_per_layer": (lambda: clipjax.ada_norm(scope="per_layer"), "ada_norm", "mean"),
+    "clip_norm_growth": (lambda: clipjax.clip_norm_growth(), "clip_norm_growth", "prev_norm"),
+    "clip_by_historical_norm": (
+        lambda: clipjax.clip_by_historical_norm(4),
+        "clip_by_historical_norm",
+        "std",
+    ),
 }
 # Whole optimizers (full-size moments in their states): the contract here, not
 # the clipper-only checks of test_compat.py.
@@ -61,6 +67,24 @@ OPTIMIZERS: dict[str, tuple[Factory, str, str]] = {
         lambda: clipjax.stable_spam(1e-2, reset_interval=4, count_clipped=False),
         "stable_spam",
         "resets",
+    ),
+    # A clipper whose state holds a full-size EMA of the updates; AdamWClip; AXLearn's
+    # skip-and-clip around adamw.
+    "clip_norm_by_ema": (lambda: clipjax.clip_norm_by_ema(), "clip_norm_by_ema", "ema_norm"),
+    "adamw_clip": (
+        lambda: clipjax.adamw(1e-2, clip_grad_adapt=1.0),
+        "adamw_clip",
+        "clipped_fraction",
+    ),
+    "skip_and_clip": (
+        lambda: clipjax.skip_and_clip_by_global_norm(
+            clipjax.adamw(1e-2),
+            drop_norm=clipjax.drop_norm_by_grad_norm_ema((5,)),
+            max_norm=1.0,
+            grad_norm_ema_decay=0.9,
+        ),
+        "skip_and_clip_by_global_norm",
+        "count_exceeds_5x_mean",
     ),
 }
 # Transforms whose metrics hold no gradient norm (spam reports its clip per element).

@@ -58,6 +58,27 @@ def skip_on_spike_adamw(
     )
 
 
+def skip_and_clip_adamw(
+    drop_norm: float | None = None, max_norm: float | None = None, eps: float = 1e-8
+) -> Any:
+    return clipjax.skip_and_clip_by_global_norm(
+        clipjax.adamw(1e-2), drop_norm=drop_norm, max_norm=max_norm, eps=eps
+    )
+
+
+def skip_and_clip_rule(
+    max_norm: float | None = None, grad_norm_ema_decay: float | None = None, eps: float = 1e-8
+) -> Any:
+    """skip_and_clip_by_global_norm with a drop rule (a callable: never injected)."""
+    return clipjax.skip_and_clip_by_global_norm(
+        clipjax.adamw(1e-2),
+        drop_norm=clipjax.drop_norm_by_grad_norm_ema((2,)),
+        max_norm=max_norm,
+        grad_norm_ema_decay=grad_norm_ema_decay,
+        eps=eps,
+    )
+
+
 # case -> (factory, keyword arguments: every number in them is injected)
 CASES: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
     "autoclip_all": (
@@ -157,6 +178,37 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
         clipjax.adamw,
         dict(learning_rate=1e-2, b1=0.8, b2=0.99, eps=1e-7, eps_root=1e-9, weight_decay=0.1),
     ),
+    "adam_clip": (
+        clipjax.adam,
+        dict(learning_rate=1e-2, clip_grad_adapt=1.0, clip_grad_min=1e-6, clip_grad_warm_up=1),
+    ),
+    "adamw_clip": (
+        clipjax.adamw,
+        dict(
+            learning_rate=1e-2,
+            weight_decay=0.1,
+            clip_grad_adapt=2.0,
+            clip_grad_min=1e-3,
+            clip_grad_warm_up=2,
+        ),
+    ),
+    "clip_norm_growth": (
+        clipjax.clip_norm_growth,
+        dict(add=0.3, mul=1.2, min_value=1e-3, max_decay=3.0),
+    ),
+    "clip_norm_by_ema": (
+        clipjax.clip_norm_by_ema,
+        dict(beta=0.9, max_ema_growth=1.2, init=0.01, min_norm=1e-4),
+    ),
+    "clip_by_historical_norm": (
+        clipjax.clip_by_historical_norm,
+        dict(sigma_factor=1.5, min_history=2),
+    ),
+    "skip_and_clip": (skip_and_clip_adamw, dict(drop_norm=3.0, max_norm=0.5, eps=1e-6)),
+    "skip_and_clip_rule": (
+        skip_and_clip_rule,
+        dict(max_norm=0.5, grad_norm_ema_decay=0.9, eps=1e-6),
+    ),
 }
 
 # The public factories the coverage test holds to account, and the case factories
@@ -168,9 +220,16 @@ FACTORIES = {
         *("clip_by_global_norm", "clip_by_value", "clip_by_percentile"),
         *("normalize_per_param", "zscore_normalize", "adaclip", "ada_norm"),
         *("spam", "stable_spam", "skip_on_spike", "adam", "adamw"),
+        *("clip_norm_growth", "clip_norm_by_ema", "clip_by_historical_norm"),
+        "skip_and_clip_by_global_norm",
     ]
 }
-STANDS_FOR = {skip_on_spike_adamw: clipjax.skip_on_spike, hist_clip_zstat: clipjax.hist_clip}
+STANDS_FOR = {
+    skip_on_spike_adamw: clipjax.skip_on_spike,
+    hist_clip_zstat: clipjax.hist_clip,
+    skip_and_clip_adamw: clipjax.skip_and_clip_by_global_norm,
+    skip_and_clip_rule: clipjax.skip_and_clip_by_global_norm,
+}
 
 
 def numeric(parameter: inspect.Parameter) -> bool:

@@ -48,6 +48,11 @@ CLIPPERS = {
     "adagc": lambda scope: clipjax.adagc(warmup_steps=3, scope=scope),
     "agc": lambda scope: clipjax.agc(clipping=0.05, scope=scope),
     "agc_exclude_bias": lambda scope: clipjax.agc(clipping=0.05, exclude_bias_bn=True, scope=scope),
+    "clip_norm_growth": lambda scope: clipjax.clip_norm_growth(mul=1.05, scope=scope),
+    "clip_norm_by_ema": lambda scope: clipjax.clip_norm_by_ema(scope=scope),
+    "clip_by_historical_norm": lambda scope: clipjax.clip_by_historical_norm(
+        4, sigma_factor=0.5, min_history=2, scope=scope
+    ),
 }
 NEEDS_PARAMS = {"agc"}
 

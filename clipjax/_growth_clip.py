@@ -1,0 +1,376 @@
+"""Growth-capped clipping: torchzero's ``ClipNormGrowth`` and ``ClipNormByEMA``.
+
+Both rules come from inikishev/torchzero at commit
+2b6a2287df3aec9e7801249a691088f958c15ed9: ``ClipNormGrowth`` and
+``norm_growth_clip_`` in ``torchzero/modules/clipping/growth_clipping.py``,
+``ClipNormByEMA`` in ``torchzero/modules/clipping/ema_clipping.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, get_args
+
+import jax
+import jax.numpy as jnp
+
+from clipjax import _grouping, _kit, _validation
+from clipjax._grouping import Scope
+from clipjax._kit import ClipTransform
+from clipjax._metrics import GroupInfo
+from clipjax._types import SpikeFeedback
+
+
+class ClipNormGrowthState(NamedTuple):
+    """State of :func:`clip_norm_growth`: the previous norm per group, then the shared fields.
+
+    Attributes:
+      prev_norm: ``[groups]`` the norm the next step may grow from (the last
+        step's norm after clipping, decayed and floored; torchzero's
+        ``prev_norm``), 0 before the group's first finite norm.
+      metrics: this step's metrics and the counters (``clipjax._kit``).
+      info: static names (algorithm, prefix, groups, leaves).
+      leaf_index: each leaf's group index, int32 scalars (empty for one group).
+      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> state = clipjax.clip_norm_growth().init({"w": jnp.zeros(3), "b": jnp.zeros(2)})
+      >>> state.info.groups, state.prev_norm.shape
+      (('b', 'w'), (2,))
+    """
+
+    prev_norm: jax.Array
+    metrics: dict[str, jax.Array]
+    info: GroupInfo
+    leaf_index: tuple[jax.Array, ...]
+    leaf_metrics: dict[str, jax.Array]
+
+    def statistics(self) -> dict[str, jax.Array]:
+        """The statistics :func:`clipjax.metrics` reports: ``prev_norm``."""
+        return {"prev_norm": self.prev_norm}
+
+
+def clip_norm_growth(
+    add: float | None = None,
+    mul: float | None = 1.5,
+    min_value: float | None = 1e-4,
+    max_decay: float | None = 2.0,
+    scope: Scope = "per_param",
+    *,
+    feedback: SpikeFeedback = "clipped",
+    axis_name: str | None = None,
+    leaf_norms: bool = False,
+    name: str | None = None,
+) -> ClipTransform:
+    """Caps how fast a gradient norm may grow from one step to the next (torchzero).
+
+    Per group, with ``g`` its norm and ``p`` the previous norm (``prev_norm``)::
+
+        first finite norm: not clipped; p <- max(g, min_value)
+        T = min(p + add, p * mul)           (the terms given)
+        scale = T / g  where g > T, else 1
+        p <- min(g, T), or p / max_decay where g / p < 1 / max_decay;
+             then max(p, min_value)
+
+    So a norm may be at most ``mul`` times (or ``add`` above) the last one, and
+    the norm it may grow from falls by at most ``max_decay`` a step. ``p``
+    learns the clipped norm (``feedback="clipped"``, torchzero's rule); ``"raw"``
+    learns ``g`` itself (a spike then lets the next one through), ``"skip"``
+    keeps ``p`` on a clipped step (a lasting rise is then clipped to ``p * mul``
+    at every step). A non-finite norm passes unchanged and leaves ``p`` as it is.
+
+    Unlike torchzero: the first norm is floored at ``min_value`` too (torchzero
+    keeps it as it is, so a zero first gradient zeroes the second step), its
+    ``denom = max(denom, min_value)`` (a no-op for ``min_value <= 1``, a division
+    of every step otherwise) is left out, and a NaN norm does not enter ``p``.
+
+    Static arguments: none; every number may be injected or scheduled with
+    ``optax.inject_hyperparams`` (whether ``add``, ``mul``, ``min_value`` or
+    ``max_decay`` is None is fixed by the call), a callable ``scope`` goes in
+    ``static_args``.
+
+    Args:
+      add: the largest increment of the norm over ``p`` (``>= 0``), or None.
+      mul: the largest growth factor over ``p`` (``> 0``), or None; one of
+        ``add`` and ``mul`` is required.
+      min_value: the floor of ``p`` (``> 0``), or None.
+      max_decay: how much ``p`` may fall in a step (``>= 1``), or None.
+      scope: ``"per_param"`` (torchzero's ``tensorwise=True``), ``"global"``
+        (``tensorwise=False``), ``"per_layer"``, a callable or
+        :func:`clipjax.stacked`.
+      feedback: ``"clipped"`` (default), ``"raw"`` or ``"skip"``.
+      axis_name: average the group norms over this mapped axis first.
+      leaf_norms: also record each leaf's L2 norm before clipping.
+      name: metrics prefix (default ``clip_norm_growth``).
+
+    Returns:
+      A :class:`~clipjax.ClipTransform`; metrics per group: ``grad_norm``,
+      ``threshold`` (``T``; +inf on the first step), ``scale``, ``clipped``,
+      ``prev_norm`` (after the step) and the counters.
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> tx = clipjax.clip_norm_growth(mul=1.5, scope="global")
+      >>> state = tx.init({"w": jnp.zeros(1)})
+      >>> for g in [1.0, 1.2, 10.0]:
+      ...     out, state = tx.update({"w": jnp.array([g])}, state)
+      >>> round(float(out["w"][0]), 4)  # at most 1.5 x 1.2
+      1.8
+
+    References:
+      torchzero ``ClipNormGrowth`` (inikishev/torchzero,
+      ``torchzero/modules/clipping/growth_clipping.py``, commit 2b6a228).
+    """
+    settings = dict(locals())
+    if add is None and mul is None:
+        raise ValueError("add and mul are both None: give at least one growth bound (mul=1.5)")
+    if add is not None:
+        _validation.non_negative("add", add)
+    if mul is not None:
+        _validation.positive("mul", mul)
+    if min_value is not None:
+        _validation.positive("min_value", min_value)
+    if max_decay is not None:
+        _validation.check("max_decay", max_decay, lambda x: x >= 1, ">= 1")
+    _kit.check_feedback(feedback, get_args(SpikeFeedback))
+    _grouping.validate_scope(scope)
+    _kit.check_name(name)
+    who = name or "clip_norm_growth"
+
+    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
+        return {
+            "prev_norm": jnp.zeros((num_groups,), dtype),
+            "metrics": _kit.metric_arrays(num_groups, dtype, ()),
+        }
+
+    layout = _kit.layout_of(arrays)
+
+    def init_fn(params: Any) -> Any:
+        start = _kit.start(params, scope, "clip_norm_growth", name, leaf_norms)
+        return _kit.new_state(ClipNormGrowthState, start, arrays(start.num_groups, start.dtype))
+
+    def update_fn(
+        updates: Any, state: ClipNormGrowthState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, ClipNormGrowthState]:
+        del params, extra_args
+        grads = _kit.group_norms(
+            updates, state, ClipNormGrowthState, layout, who=who, scope=scope,
+            axis_name=axis_name, leaf_norms=leaf_norms,
+        )  # fmt: skip
+        g, prev = grads.norm, state.prev_norm
+        finite = jnp.isfinite(g)
+        first = state.metrics["count"] == 0
+
+        # The rule: the norm the step may reach from the last one.
+        allowed = jnp.full_like(g, jnp.inf)
+        if add is not None:
+            allowed = prev + add
+        if mul is not None:
+            allowed = jnp.minimum(allowed, prev * mul)
+        threshold = jnp.where(first, jnp.inf, allowed)
+        fires = finite & (g > threshold)
+        scale = jnp.where(fires, threshold / jnp.where(fires, g, 1.0), 1.0).astype(g.dtype)
+
+        # What p learns: the clipped norm (torchzero's norm / denom), decayed by at
+        # most max_decay (from the raw norm's ratio, as torchzero), floored.
+        x, observed = _kit.observation(feedback, g, boundary=threshold, fires=fires)
+        if max_decay is not None:
+            decays = ~first & (g / prev < 1 / jnp.asarray(max_decay, g.dtype))
+            x = jnp.where(decays, prev / max_decay, x)
+        if min_value is not None:
+            x = jnp.maximum(x, min_value)
+        prev = jnp.where(observed, x, prev).astype(prev.dtype)
+
+        metrics = _kit.step_metrics(
+            state.metrics, norm=g, threshold=threshold, scale=scale, observed=observed
+        )
+        new_state = state._replace(prev_norm=prev, **_kit.shared_fields(state, grads, metrics))
+        return _kit.scaled(grads, scale, state), new_state
+
+    # optax types a state as OptState (an array tree), not as ClipNormGrowthState.
+    tx = ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+    tx.configure = lambda **overrides: clip_norm_growth(**{**settings, **overrides})
+    return tx
+
+
+class ClipNormByEMAState(NamedTuple):
+    """State of :func:`clip_norm_by_ema`: the EMA of the updates, then the shared fields.
+
+    Attributes:
+      exp_avg: the EMA of the updates themselves, a tree like the params
+        (float32, float64 or complex; torchzero's ``exp_avg``).
+      ema_norm: ``[groups]`` the norm of ``exp_avg`` after the step's growth
+        cap (torchzero's ``prev_ema_norm``), 0 before the first finite norm.
+      metrics: this step's metrics and the counters (``clipjax._kit``).
+      info: static names (algorithm, prefix, groups, leaves).
+      leaf_index: each leaf's group index, int32 scalars (empty for one group).
+      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> state = clipjax.clip_norm_by_ema().init({"w": jnp.zeros(3)})
+      >>> state.exp_avg["w"].shape, state.ema_norm.shape
+      ((3,), (1,))
+    """
+
+    exp_avg: Any
+    ema_norm: jax.Array
+    metrics: dict[str, jax.Array]
+    info: GroupInfo
+    leaf_index: tuple[jax.Array, ...]
+    leaf_metrics: dict[str, jax.Array]
+
+    def statistics(self) -> dict[str, jax.Array]:
+        """The statistics :func:`clipjax.metrics` reports: ``ema_norm``."""
+        return {"ema_norm": self.ema_norm}
+
+
+def _ema_dtype(leaf: Any) -> Any:
+    """The EMA's dtype: at least float32 (a bfloat16 EMA would lose the small steps)."""
+    return jnp.promote_types(jnp.result_type(leaf), jnp.float32)
+
+
+def clip_norm_by_ema(
+    beta: float = 0.99,
+    max_ema_growth: float | None = 1.5,
+    init: float = 0.0,
+    min_norm: float = 1e-6,
+    scope: Scope = "per_param",
+    *,
+    axis_name: str | None = None,
+    leaf_norms: bool = False,
+    name: str | None = None,
+) -> ClipTransform:
+    """Clips each update's norm to the norm of an EMA of the updates, whose growth is capped.
+
+    torchzero's ``ClipNormByEMA``. Per group, with ``u`` this step's update and
+    ``g`` its norm::
+
+        m <- m + (1 - beta) (u - m)            (m starts at init; a full-size EMA)
+        e = |m|;  cap = max(growth * e_prev, min_norm)  (e_prev = e on the first step)
+        m <- m / max(1, e / cap);  e <- min(e, cap);  e_prev <- e
+        scale = min(1, e / g)
+
+    So an update's norm is at most that of the running mean of the updates
+    (the norm of a momentum), and that norm grows by at most ``max_ema_growth``
+    a step. The EMA sees each update before its own clip (torchzero's order,
+    observe first): a spike enters it, bounded by the growth cap. With
+    ``init=0`` the first steps are clipped hard (``e`` is ``1 - beta`` of the
+    first norm), and updates of varying direction are clipped to the norm of
+    their mean, about ``sqrt((1 - beta) / (1 + beta))`` of theirs for
+    independent directions. The state holds a float32 copy of the updates.
+
+    Unlike torchzero, a non-finite norm passes its group unchanged and leaves
+    its EMA as it was (torchzero's EMA turns NaN for good).
+
+    Static arguments: none; every number may be injected or scheduled with
+    ``optax.inject_hyperparams`` (whether ``max_ema_growth`` is None is fixed
+    by the call), a callable ``scope`` goes in ``static_args``.
+
+    Args:
+      beta: EMA decay, in (0, 1).
+      max_ema_growth: the largest growth factor of the EMA's norm a step
+        (``> 0``), or None for no cap.
+      init: the EMA's initial value, every element.
+      min_norm: the cap never falls below this (``>= 0``).
+      scope: ``"per_param"`` (torchzero's ``tensorwise=True``), ``"global"``,
+        ``"per_layer"``, a callable or :func:`clipjax.stacked`.
+      axis_name: average the update norms and the EMA norms over this mapped
+        axis first, so every replica applies the same scale.
+      leaf_norms: also record each leaf's L2 norm before clipping.
+      name: metrics prefix (default ``clip_norm_by_ema``).
+
+    Returns:
+      A :class:`~clipjax.ClipTransform`; metrics per group: ``grad_norm``,
+      ``threshold`` (``e``), ``scale``, ``clipped``, ``ema_norm`` (after the
+      step) and the counters.
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> tx = clipjax.clip_norm_by_ema(beta=0.5, scope="global")
+      >>> state = tx.init({"w": jnp.zeros(1)})
+      >>> for g in [1.0, 1.0, 1.0]:
+      ...     out, state = tx.update({"w": jnp.array([g])}, state)
+      >>> float(out["w"][0])  # the EMA's norm: 0.5, 0.75, 0.875
+      0.875
+
+    References:
+      torchzero ``ClipNormByEMA`` (inikishev/torchzero,
+      ``torchzero/modules/clipping/ema_clipping.py``, commit 2b6a228).
+    """
+    settings = dict(locals())
+    _validation.open_unit("beta", beta)
+    if max_ema_growth is not None:
+        _validation.positive("max_ema_growth", max_ema_growth)
+    _validation.check("init", init, lambda x: x == x, "a number")
+    _validation.non_negative("min_norm", min_norm)
+    _grouping.validate_scope(scope)
+    _kit.check_name(name)
+    who = name or "clip_norm_by_ema"
+
+    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
+        return {
+            "ema_norm": jnp.zeros((num_groups,), dtype),
+            "metrics": _kit.metric_arrays(num_groups, dtype, ()),
+        }
+
+    layout = _kit.layout_of(arrays)
+
+    def init_fn(params: Any) -> Any:
+        start = _kit.start(params, scope, "clip_norm_by_ema", name, leaf_norms)
+        exp_avg = jax.tree.map(lambda p: jnp.full(jnp.shape(p), init, _ema_dtype(p)), params)
+        own = {"exp_avg": exp_avg, **arrays(start.num_groups, start.dtype)}
+        return _kit.new_state(ClipNormByEMAState, start, own)
+
+    def update_fn(
+        updates: Any, state: ClipNormByEMAState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, ClipNormByEMAState]:
+        del params, extra_args
+        grads = _kit.group_norms(
+            updates, state, ClipNormByEMAState, layout, who=who, scope=scope,
+            axis_name=axis_name, leaf_norms=leaf_norms,
+        )  # fmt: skip
+        g, grouping = grads.norm, grads.grouping
+        finite = jnp.isfinite(g)
+        first = state.metrics["count"] == 0
+        ema_leaves, ema_tree = jax.tree.flatten(state.exp_avg)
+
+        # The EMA with this step's update (torch's lerp_), its norm, the growth cap.
+        moved = [m + (1 - beta) * (u.astype(m.dtype) - m) for u, m in zip(grads.leaves, ema_leaves)]
+        e = _grouping.group_norms(moved, grouping) if moved else jnp.zeros_like(g)
+        if axis_name is not None:
+            e = jax.lax.pmean(e, axis_name)
+        e = e.astype(g.dtype)
+        divisor = jnp.ones_like(e)
+        if max_ema_growth is not None:
+            cap = jnp.maximum(jnp.where(first, e, state.ema_norm) * max_ema_growth, min_norm)
+            divisor = jnp.maximum(e / cap, 1.0)
+            e = e / divisor
+        divisor = jnp.where(finite, divisor, 1.0)
+        kept = _grouping.leaf_scales(grouping, finite, state.leaf_index)
+        shrink = _grouping.leaf_scales(grouping, 1.0 / divisor, state.leaf_index)
+        exp_avg = [
+            jnp.where(k, n * s.astype(n.dtype), m)
+            for n, m, k, s in zip(moved, ema_leaves, kept, shrink)
+        ]
+
+        # torchzero's denom = max(g / max(e, tiny), 1): the update's norm at most e.
+        floor = 2 * jnp.finfo(g.dtype).tiny
+        threshold = jnp.maximum(e, floor)
+        fires = finite & (g > threshold)
+        scale = jnp.where(fires, threshold / jnp.where(fires, g, 1.0), 1.0).astype(g.dtype)
+
+        metrics = _kit.step_metrics(
+            state.metrics, norm=g, threshold=threshold, scale=scale, observed=finite
+        )
+        new_state = state._replace(
+            exp_avg=jax.tree.unflatten(ema_tree, exp_avg),
+            ema_norm=jnp.where(finite, e, state.ema_norm),
+            **_kit.shared_fields(state, grads, metrics),
+        )
+        return _kit.scaled(grads, scale, state), new_state
+
+    # optax types a state as OptState (an array tree), not as ClipNormByEMAState.
+    tx = ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+    tx.configure = lambda **overrides: clip_norm_by_ema(**{**settings, **overrides})
+    return tx

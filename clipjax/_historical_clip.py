@@ -1,0 +1,193 @@
+"""``clip_by_historical_norm``: Levanter's clip at mean + k std of a window of past norms.
+
+From stanford-crfm/levanter at commit 9263f81e8b453241332c2c0b2d2001bfb2d2241c,
+``src/levanter/optim/clip_update_norm.py`` (``clip_update_by_historical_norm``),
+which Levanter's ``AdamConfig`` chains after the optimizer's moments and weight
+decay and before the learning rate (``src/levanter/optim/config.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, get_args
+
+import jax
+import jax.numpy as jnp
+
+from clipjax import _grouping, _kit, _stats, _validation
+from clipjax._grouping import Scope
+from clipjax._kit import ClipTransform
+from clipjax._metrics import GroupInfo
+from clipjax._types import SpikeFeedback
+
+# Levanter's floors: the std in the threshold, the norm in the scale's denominator.
+STD_FLOOR = 1e-6
+NORM_FLOOR = 1e-6
+
+
+class HistoricalNormClipState(NamedTuple):
+    """State of :func:`clip_by_historical_norm`: a window of norms per group, then shared fields.
+
+    Attributes:
+      window: ``[groups, rolling_interval_length]`` ring buffer of the observed
+        norms (Levanter's ``update_norms``; slot ``seen % length`` is next).
+      seen: ``int32[groups]`` norms ever written to the window.
+      metrics: this step's metrics and the counters (``clipjax._kit``).
+      info: static names (algorithm, prefix, groups, leaves).
+      leaf_index: each leaf's group index, int32 scalars (empty for one group).
+      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> state = clipjax.clip_by_historical_norm().init({"w": jnp.zeros(3)})
+      >>> state.window.shape, state.info.groups
+      ((1, 128), ('global',))
+    """
+
+    window: jax.Array
+    seen: jax.Array
+    metrics: dict[str, jax.Array]
+    info: GroupInfo
+    leaf_index: tuple[jax.Array, ...]
+    leaf_metrics: dict[str, jax.Array]
+
+
+def clip_by_historical_norm(
+    rolling_interval_length: int | None = None,
+    sigma_factor: float = 3.0,
+    min_history: int | None = None,
+    scope: Scope = "global",
+    *,
+    feedback: SpikeFeedback = "raw",
+    axis_name: str | None = None,
+    leaf_norms: bool = False,
+    name: str | None = None,
+) -> ClipTransform:
+    """Levanter's update clip: at mean + k std of the last norms, once half the window is full.
+
+    Per group, with ``g`` the norm and the window the last
+    ``rolling_interval_length`` observed norms (before this step)::
+
+        T = mean + sigma_factor * max(std, 1e-6)   (population std of the window)
+        scale = T / max(g, 1e-6)  where g > T and the window holds >= min_history norms
+        then g enters the window
+
+    Levanter places it after the optimizer, on the update (the recipe in the
+    docs' *More spike defences* page); it clips gradients as well. What enters
+    the window is set by ``feedback``: ``"raw"`` (default, Levanter's: the
+    unclipped norm, "to prevent collapse"), ``"clipped"`` (``min(g, T)``: a
+    spike then widens the window's spread no more than a norm at the
+    threshold) or ``"skip"`` (nothing on a clipped step; a lasting rise can
+    then be clipped for good).
+
+    Unlike Levanter, a NaN or infinite norm passes unchanged and never enters
+    the window (Levanter's enters it: the threshold is NaN, and nothing is
+    clipped, until it leaves the window 128 steps later).
+
+    Static arguments: ``rolling_interval_length`` (it sizes the window: name it
+    in static_args); ``sigma_factor`` and ``min_history`` may be injected or
+    scheduled with ``optax.inject_hyperparams``.
+
+    Args:
+      rolling_interval_length: the window's length (an int ``>= 1``); default
+        Levanter's 128.
+      sigma_factor: how many standard deviations above the mean (``> 0``).
+      min_history: norms in the window before any clip, an int in ``[1,
+        rolling_interval_length]``; default Levanter's
+        ``max(2, rolling_interval_length // 2)``.
+      scope: ``"global"`` (Levanter's), ``"per_param"``, ``"per_layer"``, a
+        callable or :func:`clipjax.stacked`.
+      feedback: ``"raw"`` (default), ``"clipped"`` or ``"skip"``.
+      axis_name: average the group norms over this mapped axis first.
+      leaf_norms: also record each leaf's L2 norm before clipping.
+      name: metrics prefix (default ``clip_by_historical_norm``).
+
+    Returns:
+      A :class:`~clipjax.ClipTransform`; metrics per group: ``grad_norm``,
+      ``threshold`` (+inf until ``min_history``), ``scale``, ``clipped``,
+      ``mean`` and ``std`` (of the window after the step) and the counters.
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> tx = clipjax.clip_by_historical_norm(8)
+      >>> state = tx.init({"w": jnp.zeros(1)})
+      >>> for g in [1.0, 1.1, 0.9, 1.0, 10.0]:
+      ...     out, state = tx.update({"w": jnp.array([g])}, state)
+      >>> round(float(out["w"][0]), 4)  # mean + 3 std of the first four
+      1.2121
+
+    References:
+      Levanter ``clip_update_by_historical_norm`` (stanford-crfm/levanter,
+      ``src/levanter/optim/clip_update_norm.py``, commit 9263f81).
+    """
+    settings = dict(locals())
+    if rolling_interval_length is None:
+        rolling_interval_length = 128
+    _validation.integer("rolling_interval_length", rolling_interval_length, 1)
+    _validation.positive("sigma_factor", sigma_factor)
+    if min_history is None:
+        min_history = min(max(2, rolling_interval_length // 2), rolling_interval_length)
+    _validation.integer("min_history", min_history, 1, static=False)
+    concrete = _validation.concrete(min_history)
+    if concrete is not None and concrete > rolling_interval_length:
+        raise ValueError(
+            f"min_history must be <= rolling_interval_length ({rolling_interval_length}), "
+            f"got {min_history!r}"
+        )
+    _kit.check_feedback(feedback, get_args(SpikeFeedback))
+    _grouping.validate_scope(scope)
+    _kit.check_name(name)
+    who = name or "clip_by_historical_norm"
+
+    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
+        return {
+            "window": jnp.zeros((num_groups, rolling_interval_length), dtype),
+            "seen": jnp.zeros((num_groups,), jnp.int32),
+            "metrics": _kit.metric_arrays(num_groups, dtype, ("mean", "std")),
+        }
+
+    layout = _kit.layout_of(arrays)
+
+    def init_fn(params: Any) -> Any:
+        start = _kit.start(params, scope, "clip_by_historical_norm", name, leaf_norms)
+        return _kit.new_state(HistoricalNormClipState, start, arrays(start.num_groups, start.dtype))
+
+    def update_fn(
+        updates: Any, state: HistoricalNormClipState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, HistoricalNormClipState]:
+        del params, extra_args
+        grads = _kit.group_norms(
+            updates, state, HistoricalNormClipState, layout, who=who, scope=scope,
+            axis_name=axis_name, leaf_norms=leaf_norms,
+        )  # fmt: skip
+        g, window, seen = grads.norm, state.window, state.seen
+        finite = jnp.isfinite(g)
+
+        # The rule, from the window before this step (Levanter's jnp.mean/std over
+        # its valid entries: population std).
+        mean, std, held = _stats.ring_mean_std(window, seen, ddof=0)
+        threshold = mean + sigma_factor * jnp.maximum(std, STD_FLOOR)
+        threshold = jnp.where(held >= min_history, threshold, jnp.inf).astype(g.dtype)
+        fires = finite & (g > threshold)
+        scale = jnp.where(fires, threshold / jnp.maximum(g, NORM_FLOOR), 1.0).astype(g.dtype)
+
+        # What the window learns.
+        x, observed = _kit.observation(feedback, g, boundary=threshold, fires=fires)
+        slot = (seen % rolling_interval_length)[:, None]
+        at_slot = jnp.arange(rolling_interval_length) == slot
+        window = jnp.where(at_slot & observed[:, None], x[:, None].astype(window.dtype), window)
+        seen = seen + observed.astype(seen.dtype)
+        after_mean, after_std, _ = _stats.ring_mean_std(window, seen, ddof=0)
+
+        metrics = _kit.step_metrics(
+            state.metrics, norm=g, threshold=threshold, scale=scale, observed=observed,
+            mean=after_mean, std=after_std,
+        )  # fmt: skip
+        new_state = state._replace(
+            window=window, seen=seen, **_kit.shared_fields(state, grads, metrics)
+        )
+        return _kit.scaled(grads, scale, state), new_state
+
+    # optax types a state as OptState (an array tree), not as HistoricalNormClipState.
+    tx = ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+    tx.configure = lambda **overrides: clip_by_historical_norm(**{**settings, **overrides})
+    return tx

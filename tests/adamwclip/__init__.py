@@ -1,0 +1,1 @@
+"""AdamWClip: ``clipjax.adamw(..., clip_grad_adapt=...)`` against the ``adamwclip`` package."""

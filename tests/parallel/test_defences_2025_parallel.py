@@ -1,0 +1,151 @@
+"""``skip_and_clip_by_global_norm`` and ``clip_norm_by_ema`` on 8 devices.
+
+* ``jax.pmap`` with ``axis_name`` and per-replica gradients (one replica
+  spikes, one goes NaN): the global norm is averaged over the axis before the
+  decision, so every replica drops the same steps and the replicas' states
+  stay bit-identical; ``clip_norm_by_ema`` averages its norms, so every replica
+  applies the same scale. Without ``axis_name`` the replicas disagree (the
+  control).
+* ``jax.jit`` with the batch sharded over a mesh equals one device.
+
+(``clip_norm_growth`` and ``clip_by_historical_norm`` are cases of
+``tests/cases.py``, run by the other modules here.)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import clipjax
+from tests.cases import (
+    BATCH,
+    DEVICES,
+    IN,
+    OUT,
+    assert_trees_close,
+    assert_trees_equal,
+    batches,
+    loss_fn,
+    mlp_params,
+)
+
+N = DEVICES
+STEPS = 16
+SPIKE_STEP, SPIKE_REPLICA = 9, 3
+NAN_STEP, NAN_REPLICA = 12, 5
+
+
+def data() -> list[tuple[np.ndarray, np.ndarray]]:
+    out = []
+    for t, (x, y) in enumerate(batches(STEPS, spikes=None)):
+        x = x.reshape(N, BATCH // N, IN).copy()
+        y = y.reshape(N, BATCH // N, OUT).copy()
+        if t == SPIKE_STEP:
+            y[SPIKE_REPLICA] *= 1000.0
+        if t == NAN_STEP:
+            y[NAN_REPLICA, 0, 0] = np.nan
+        out.append((x, y))
+    return out
+
+
+def make(axis_name: str | None) -> optax.GradientTransformation:
+    rule = clipjax.drop_norm_by_grad_norm_ema((5,))
+    # With axis_name, the clipped updates are averaged before adamw: every replica
+    # then holds the same parameters and moments.
+    average = [optax.stateless(lambda u, p: jax.lax.pmean(u, axis_name))] if axis_name else []
+    return clipjax.skip_and_clip_by_global_norm(
+        optax.chain(clipjax.clip_norm_by_ema(axis_name=axis_name), *average, clipjax.adamw(1e-2)),
+        drop_norm=rule,
+        max_norm=1.0,
+        grad_norm_ema_decay=0.9,
+        axis_name=axis_name,
+    )
+
+
+@functools.cache
+def pmap_run(axis_name: str | None) -> list[Any]:
+    tx = make(axis_name)
+
+    @functools.partial(jax.pmap, axis_name="batch")
+    def step(params: Any, state: Any, batch: Any) -> Any:
+        grads = jax.grad(loss_fn)(params, batch)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    replicate = lambda tree: jax.pmap(lambda _: tree)(np.arange(N))
+    params, state = replicate(mlp_params()), replicate(tx.init(mlp_params()))
+    out = []
+    for batch in data():
+        params, state = step(params, state, batch)
+        out.append(jax.device_get((params, state)))
+    return out
+
+
+def test_pmap_replicas_drop_the_same_steps_and_stay_identical() -> None:
+    run = pmap_run("batch")
+    replica = lambda tree, i: jax.tree.map(lambda x: np.asarray(x)[i], tree)
+    for t, (params, state) in enumerate(run):
+        skipped = np.asarray(state.metrics["skipped"])[:, 0]
+        assert skipped.all() or not skipped.any(), t
+        # The EMAs of the updates differ between replicas (their gradients do);
+        # the decisions, the scales, the parameters and adamw's moments do not.
+        ema_state, adam_state = state.inner_state[0], state.inner_state[-1]
+        same = (params, state.metrics, state.mean, state.var, ema_state.metrics, adam_state)
+        for i in range(1, N):
+            assert_trees_equal(replica(same, i), replica(same, 0), f"{t}")
+    skipped = [bool(np.asarray(s.metrics["skipped"])[0, 0]) for _, s in run]
+    assert skipped[SPIKE_STEP] and skipped[NAN_STEP] and sum(skipped) == 2
+
+
+def test_pmap_without_axis_name_replicas_disagree() -> None:
+    _, state = pmap_run(None)[SPIKE_STEP]
+    skipped = np.asarray(state.metrics["skipped"])[:, 0]
+    assert skipped[SPIKE_REPLICA] and skipped.sum() == 1
+
+
+def sharded_or_single(sharded: bool) -> list[Any]:
+    tx = make(None)
+
+    def step(params: Any, state: Any, batch: Any) -> Any:
+        grads = jax.grad(loss_fn)(params, batch)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    params = mlp_params()
+    batches_ = [(x.reshape(BATCH, IN), y.reshape(BATCH, OUT)) for x, y in data()]
+    if sharded:
+        mesh = Mesh(np.array(jax.devices()), ("data",))
+        replicated = NamedSharding(mesh, P())
+        params = jax.device_put(params, replicated)
+        state = jax.jit(tx.init, out_shardings=replicated)(params)
+        batches_ = [jax.device_put(b, NamedSharding(mesh, P("data"))) for b in batches_]
+        jitted = jax.jit(step, out_shardings=replicated)
+    else:
+        device = jax.devices()[0]
+        params = jax.device_put(params, device)
+        state = jax.device_put(tx.init(params), device)
+        batches_ = [jax.device_put(b, device) for b in batches_]
+        jitted = jax.jit(step)
+    out = []
+    for batch in batches_:
+        params, state = jitted(params, state, batch)
+        out.append(jax.device_get((params, state)))
+    return out
+
+
+def test_sharded_jit_equals_one_device() -> None:
+    sharded, single = sharded_or_single(True), sharded_or_single(False)
+    for t, ((params, state), (want_params, want)) in enumerate(zip(sharded, single)):
+        assert_trees_close(params, want_params, rtol=1e-5, what=f"step {t}: ")
+        assert_trees_close(state.inner_state, want.inner_state, rtol=1e-5, what=f"step {t}: ")
+        assert_trees_close(state.metrics, want.metrics, rtol=1e-6, what=f"step {t}: ")
+        # The spread of a few nearly equal norms: its square amplifies their rounding.
+        np.testing.assert_allclose(np.sqrt(state.var), np.sqrt(want.var), rtol=1e-4, atol=1e-8)
+    assert bool(single[NAN_STEP][1].metrics["skipped"][0])
