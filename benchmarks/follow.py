@@ -11,9 +11,10 @@ change later norms):
   after the shift on (at least 15 steps apart).
 
 The base level is 1, or 0.05 for a setting with an absolute ceiling
-(``max_grad_norm``, reported by a ``capped`` metric): a ceiling is a static
+(``max_grad_norm``, reported by a ``headroom`` metric): a ceiling is a static
 clip the user chose, so such a setting is judged on the grid scaled to stay
-below it (levels 0.0125 to 0.5 under a ceiling of 1).
+below it (levels 0.0125 to 0.5 under a ceiling of 1). A relative ceiling has
+no scale and is judged on the grid itself.
 
 Per setting and cell (sigma, k), over seeds, the table gives:
 
@@ -93,9 +94,10 @@ def stream(
 
 
 def has_ceiling(tx: optax.GradientTransformation) -> bool:
-    """Whether a setting bounds every step by an absolute ceiling (a ``capped`` metric)."""
+    """Whether a setting bounds every step by an absolute ceiling (a ``headroom``
+    metric; a relative ceiling has none and is judged on the grid itself)."""
     state = tx.init({"w": jnp.zeros((1,), jnp.float32)})
-    return any(k.endswith("/capped") for k in clipjax.metrics(state))
+    return any(k.endswith("/headroom") for k in clipjax.metrics(state))
 
 
 # The settings of the grid: the references' defaults, feedback="clipped",
@@ -113,8 +115,11 @@ SETTINGS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "autoclip(feedback='clipped')": lambda: clipjax.autoclip(feedback="clipped"),
     "zscore_clip(feedback='clipped')": lambda: clipjax.zscore_clip(feedback="clipped"),
     "zclip(feedback='clipped')": lambda: clipjax.zclip(feedback="clipped"),
-    "zclip(feedback='clipped', max_grad_norm=None)": lambda: clipjax.zclip(
-        feedback="clipped", max_grad_norm=None
+    "zclip(feedback='clipped', max_grad_norm=1.0)": lambda: clipjax.zclip(
+        feedback="clipped", max_grad_norm=1.0
+    ),
+    "zclip(feedback='clipped', max_grad_norm=None, relative_ceiling=None)": lambda: (
+        clipjax.zclip(feedback="clipped", max_grad_norm=None, relative_ceiling=None)
     ),
     "zclip(mode='percentile', feedback='clipped')": lambda: clipjax.zclip(
         mode="percentile", feedback="clipped"

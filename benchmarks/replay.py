@@ -1,4 +1,4 @@
-"""Protecting a run from its first step: recorded gradient norms replayed through a clipper.
+"""The start of a run at any gradient scale: recorded norms replayed through a clipper.
 
 ``tests/data/lm_spikes_gpu_norms.npz`` holds the raw global gradient norm and
 the batch loss of every step of three unclipped runs (seeds 0-2, 2000 steps)
@@ -9,26 +9,34 @@ the norm is 12-16; it falls to about 0.5 within 20 steps and spikes to
 mass for about a thousand steps and shrinks every later update: on the GPU
 the runs that let it through stalled.
 
-Each seed's stream is replayed **open loop** (clipping does not change the
-later norms) as a one-element gradient through the setting, followed by
+Each seed's stream is multiplied by k (a loss times k: k = 0.01, 0.1, 1, 10,
+100) and replayed **open loop** (clipping does not change the later norms) as
+a one-element gradient through the setting, followed by
 ``optax.scale_by_adam(b1=0.9, b2=0.999)`` (inside ``skip_on_spike`` for the
-skip rows, which also get the recorded loss as ``value``); ``v̂`` is adam's
-bias-corrected second moment read from its state after each step. The
+skip rows, which also get the recorded loss times k as ``value``); ``v̂`` is
+adam's bias-corrected second moment after each step. Adam alone does the same
+thing at every k; a setting with an absolute number in its rule does not. The
 reference is the same recursion, in float64, on the stream with every step
 bounded by 2x the median of the 50 raw norms before it (for the first 50
-steps, which have no such history, 2x the median of steps 50-99: an oracle
-no clipper can be, which knows the level the run settles at).
+steps, 2x the median of steps 50-99: an oracle no clipper can be, which knows
+the level the run settles at), times k.
 
-The table gives, per seed, the largest ``sqrt(v̂) / sqrt(v̂ reference)`` from
-step 100 on: how much the start of the run still shrinks adam's updates,
-relative to a clipper that caught every early spike at twice the level. The
-share of steps clipped in the first 100 is read from ``clipjax.metrics`` (a
-skip counts as clipped). A setting **protects the run from its first step**
-when the ratio is at most 1.25 on every seed.
+Per setting, k and seed:
 
-AGC is not replayed (its bound is relative to the parameters' norm, which the
-recording does not have); SPAM and Stable-SPAM are optimizers with moments of
-their own and are not either.
+* **sqrt(v̂) / reference**: the largest ratio from step 100 on: how much the
+  start of the run still shrinks adam's updates;
+* **relative to the level**: the same for ``sqrt(v̂)`` over the running median
+  (50 steps) of the norm the optimizer receives, against the reference's
+  (for a setting that rescales every step, which makes the first measure
+  meaningless);
+* **changed after step 100**: the share of steps from step 100 on whose norm
+  the setting changed (clipped, scaled or skipped).
+
+A setting is **the same at every scale** when, on every seed and every k, the
+first ratio is at most 1.25 and the share changed is within 5 points of its
+share at k = 1. AGC is not replayed (its bound is relative to the parameters'
+norm, which the recording does not have); SPAM and Stable-SPAM are optimizers
+with moments of their own and are not either.
 
 Run: ``python benchmarks/replay.py [--update-docs] [settings ...]`` (the
 former writes ``docs/generated/replay.md``).
@@ -40,6 +48,7 @@ import argparse
 import os
 import re
 import sys
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,9 +63,11 @@ PAGE = os.path.join(ROOT, "docs", "generated", "replay.md")
 B1, B2 = 0.9, 0.999
 WINDOW = 50  # the reference bounds a step by BOUND x the median of this many norms before it
 BOUND = 2.0
-FROM_STEP = 100  # the ratio is judged from this step on
-EARLY = 100  # "clipped early": the share of the first EARLY steps clipped
+FROM_STEP = 100  # the ratios and the share changed are judged from this step on
+SCALES = (0.01, 0.1, 1.0, 10.0, 100.0)
 TARGET = 1.25
+MAX_SHIFT = 0.05  # the share changed within 5 points of its share at k = 1
+CHANGED = 1e-5  # a norm moved by more than float32 rounding
 
 
 def recommended() -> str:
@@ -69,32 +80,35 @@ def build(code: str) -> optax.GradientTransformation:
     return eval(code, {"clipjax": clipjax, "optax": optax})
 
 
-# name -> (code of the clipper, or None for no clipping; wrapped in skip_on_spike)
+# name -> (code of the clipper, or None for no clipping; wrapped in skip_on_spike).
+# Every reference default and every feedback="clipped" setting.
 def settings() -> dict[str, tuple[str | None, bool]]:
     rec = recommended()
-    return {
+    table: dict[str, tuple[str | None, bool]] = {
         "none": (None, False),
         "recommended": (rec, False),
         "skip_on_spike(recommended)": (rec, True),
         "skip_on_spike(adam)": (None, True),
-        "clip_by_global_norm(1.0)": ("clipjax.clip_by_global_norm(1.0)", False),
-        "autoclip()": ("clipjax.autoclip()", False),
-        'autoclip(feedback="clipped")': ('clipjax.autoclip(feedback="clipped")', False),
-        "zscore_clip()": ("clipjax.zscore_clip()", False),
-        'zscore_clip(feedback="clipped")': ('clipjax.zscore_clip(feedback="clipped")', False),
-        "zclip()": ("clipjax.zclip()", False),
-        'zclip(feedback="clipped")': ('clipjax.zclip(feedback="clipped")', False),
-        'zclip(feedback="clipped", max_grad_norm=None)': (
-            'clipjax.zclip(feedback="clipped", max_grad_norm=None)',
-            False,
-        ),
-        "hist_clip()": ("clipjax.hist_clip()", False),
-        'hist_clip(feedback="clipped")': ('clipjax.hist_clip(feedback="clipped")', False),
-        "adagc()": ("clipjax.adagc()", False),
-        'adagc(feedback="clipped")': ('clipjax.adagc(feedback="clipped")', False),
-        "adaclip()": ("clipjax.adaclip()", False),
-        "ada_norm()": ("clipjax.ada_norm()", False),
     }
+    for code in (
+        "clip_by_global_norm(1.0)",
+        "autoclip()",
+        'autoclip(feedback="clipped")',
+        "zscore_clip()",
+        'zscore_clip(feedback="clipped")',
+        "zclip()",
+        'zclip(feedback="clipped")',
+        'zclip(feedback="clipped", max_grad_norm=1.0)',
+        'zclip(feedback="clipped", max_grad_norm=None, relative_ceiling=None)',
+        "hist_clip()",
+        'hist_clip(feedback="clipped")',
+        "adagc()",
+        'adagc(feedback="clipped")',
+        "adaclip()",
+        "ada_norm()",
+    ):
+        table[code] = (f"clipjax.{code}", False)
+    return table
 
 
 def load() -> tuple[np.ndarray, np.ndarray]:
@@ -122,77 +136,120 @@ def adam_rms(norms: np.ndarray) -> np.ndarray:
     return out
 
 
+def running_median(x: np.ndarray, window: int = WINDOW) -> np.ndarray:
+    """The median of the last ``window`` values up to and including each step."""
+    out = np.empty_like(x)
+    for t in range(x.shape[-1]):
+        out[..., t] = np.median(x[..., max(0, t - window + 1) : t + 1], axis=-1)
+    return out
+
+
+def _recorder() -> optax.GradientTransformation:
+    """Passes the updates through and keeps the last one's value: what adam receives."""
+    return optax.GradientTransformation(
+        lambda params: jnp.zeros((1,), jnp.float32), lambda u, s, p=None: (u, u["w"])
+    )
+
+
 def replay(code: str | None, skip: bool, norms: np.ndarray, losses: np.ndarray) -> tuple:
-    """``(sqrt(v̂), clipped)``, each ``[seeds, steps]``, of one setting."""
+    """``(sqrt(v̂), |received|)``, each ``[seeds, steps]``, of one setting."""
     clipper = optax.identity() if code is None else build(code)
-    inner = optax.chain(clipper, optax.scale_by_adam(b1=B1, b2=B2))
+    inner = optax.chain(clipper, _recorder(), optax.scale_by_adam(b1=B1, b2=B2))
     tx = clipjax.skip_on_spike(inner) if skip else inner
     params = {"w": jnp.zeros((1,), jnp.float32)}
 
     def one(xs: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
-        def step(state, inputs):
+        def step(state: Any, inputs: tuple) -> tuple:
             g, value = inputs
             extra = {"value": value} if skip else {}
             _, state = tx.update({"w": g[None]}, state, params, **extra)
             adam = optax.tree_utils.tree_get(state, "ScaleByAdamState")
             v_hat = adam.nu["w"][0] / (1 - B2 ** adam.count.astype(jnp.float32))
-            m = clipjax.metrics(state) if code is not None or skip else {}
-            flags = [jnp.any(v) for k, v in m.items() if k.endswith(("/clipped", "/skipped"))]
-            clipped = jnp.any(jnp.stack(flags)) if flags else jnp.zeros((), bool)
-            return state, (jnp.sqrt(v_hat), clipped)
+            received = jnp.abs((state.inner_state if skip else state)[1][0])
+            if skip:
+                skipped = clipjax.metrics(state)["skip_on_spike/global/skipped"]
+                received = jnp.where(skipped > 0, 0.0, received)
+            return state, (jnp.sqrt(v_hat), received)
 
         return jax.lax.scan(step, tx.init(params), (xs, values))[1]
 
     run = jax.jit(jax.vmap(one))
-    rms, clipped = run(jnp.asarray(norms, jnp.float32), jnp.asarray(losses, jnp.float32))
-    return np.asarray(rms, np.float64), np.asarray(clipped)
+    rms, received = run(jnp.asarray(norms, jnp.float32), jnp.asarray(losses, jnp.float32))
+    return np.asarray(rms, np.float64), np.asarray(received, np.float64)
 
 
-class Result:
-    """One setting's figures, per seed."""
+class Result(NamedTuple):
+    """One setting at one scale, per seed."""
 
-    def __init__(self, rms: np.ndarray, reference: np.ndarray, clipped: np.ndarray) -> None:
-        ratio = rms[:, FROM_STEP:] / reference[:, FROM_STEP:]
-        self.worst = ratio.max(axis=1)
-        self.mean = ratio.mean(axis=1)
-        self.clipped_early = clipped[:, :EARLY].mean(axis=1)
-        self.clipped = clipped.mean(axis=1)
-
-    def protects(self) -> bool:
-        return bool((self.worst <= TARGET).all())
+    worst: np.ndarray  # largest sqrt(v̂) / reference from FROM_STEP
+    relative: np.ndarray  # the same, each over the running median of what adam receives
+    changed: np.ndarray  # share of steps from FROM_STEP whose norm the setting changed
 
 
-def evaluate(names: list[str] | None = None) -> dict[str, Result]:
+def measure(
+    rms: np.ndarray, received: np.ndarray, norms: np.ndarray, reference: tuple
+) -> Result:
+    ref_rms, ref_relative = reference
+    ratio = rms[:, FROM_STEP:] / ref_rms[:, FROM_STEP:]
+    level = np.maximum(running_median(received), np.finfo(np.float32).tiny)
+    relative = (rms / level)[:, FROM_STEP:] / ref_relative[:, FROM_STEP:]
+    moved = np.abs(received - norms) > CHANGED * norms
+    return Result(ratio.max(axis=1), relative.max(axis=1), moved[:, FROM_STEP:].mean(axis=1))
+
+
+def evaluate(
+    names: list[str] | None = None, scales: tuple[float, ...] = SCALES
+) -> dict[str, dict[float, Result]]:
+    """``{setting: {k: Result}}``."""
     norms, losses = load()
-    reference = adam_rms(reference_bound(norms))
+    bounded = reference_bound(norms)
+    ref_rms = adam_rms(bounded)
+    reference = (ref_rms, ref_rms / running_median(bounded))
     table = settings()
-    results = {}
+    results: dict[str, dict[float, Result]] = {}
     for name in names or list(table):
         code, skip = table[name]
-        rms, clipped = replay(code, skip, norms, losses)
-        results[name] = Result(rms, reference, clipped)
+        results[name] = {}
+        for k in scales:
+            rms, received = replay(code, skip, k * norms, k * losses)
+            # Divided by k: at every scale the reference is the k = 1 one, times k.
+            results[name][k] = measure(rms / k, received / k, norms, reference)
     return results
 
 
-def markdown(results: dict[str, Result]) -> str:
+def same_at_every_scale(by_scale: dict[float, Result]) -> bool:
+    """At most TARGET on every seed and scale, the share changed within MAX_SHIFT of k = 1's."""
+    base = by_scale[1.0].changed
+    return all(
+        (r.worst <= TARGET).all() and (np.abs(r.changed - base) <= MAX_SHIFT + 1e-9).all()
+        for r in by_scale.values()
+    )
+
+
+def markdown(results: dict[str, dict[float, Result]]) -> str:
     per = lambda x, fmt: " / ".join(f"{v:{fmt}}" for v in x)
-    lines = [
-        "| setting | sqrt(v̂) / reference from step 100, worst (per seed) | mean (per seed) "
-        "| clipped, first 100 steps | clipped, all steps | protects |",
-        "|---|---:|---:|---:|---:|---|",
-    ]
     rec = recommended()
-    for name, r in results.items():
-        label = name.replace("recommended", f"recommended: {rec}")
-        lines.append(
-            f"| `{label}` | {per(r.worst, '.2f')} | {per(r.mean, '.2f')} "
-            f"| {per(r.clipped_early, '.0%')} | {per(r.clipped, '.0%')} "
-            f"| {'yes' if r.protects() else 'no'} |"
-        )
-    return "\n".join(lines)
+    label = lambda name: name.replace("recommended", f"recommended: {rec}")
+    scales = list(next(iter(results.values())))
+    k_cols = " | ".join(f"k = {k:g}" for k in scales)
+    rule = "|---|" + "---:|" * len(scales)
+    out = []
+    for title, field, fmt in (
+        ("sqrt(v̂) / reference from step 100, worst, per seed", "worst", ".2f"),
+        ("relative to the level: sqrt(v̂) / running median received, over the reference's", "relative", ".2f"),
+        ("changed after step 100, per seed", "changed", ".0%"),
+    ):  # fmt: skip
+        extra = " same at every scale |" if field == "worst" else ""
+        out += [f"**{title}**", "", f"| setting | {k_cols} |{extra}", rule + ("---|" if extra else "")]
+        for name, by_scale in results.items():
+            cells = " | ".join(per(getattr(by_scale[k], field), fmt) for k in scales)
+            verdict = f" {'yes' if same_at_every_scale(by_scale) else 'no'} |" if extra else ""
+            out.append(f"| `{label(name)}` | {cells} |{verdict}")
+        out.append("")
+    return "\n".join(out)
 
 
-def page(results: dict[str, Result]) -> str:
+def page(results: dict[str, dict[float, Result]]) -> str:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import common
 
@@ -204,14 +261,13 @@ def page(results: dict[str, Result]) -> str:
     doc = __doc__.split("\n\n")
     return "\n".join(
         [
-            "# Protecting a run from its first step: recorded norms replayed",
+            "# The start of a run at any gradient scale: recorded norms replayed",
             "",
             *meta,
             "",
-            "\n\n".join(doc[1:5]).strip(),
+            "\n\n".join(doc[1:6]).strip(),
             "",
             markdown(results),
-            "",
         ]
     )
 

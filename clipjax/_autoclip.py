@@ -173,6 +173,8 @@ def _arrays(s: _Settings, num_groups: int, dtype: Any = jnp.float32) -> dict[str
     else:
         fields["quantile"] = _stats.gquantile_init(num_groups, dtype)
     reported = ("median", "std") if s.mode == "auto" else ("quantile",)
+    if s.ceiling is not None:
+        reported = (*reported, "headroom")
     fields["metrics"] = _kit.metric_arrays(num_groups, dtype, reported, s.ceiling is not None)
     return fields
 
@@ -448,6 +450,8 @@ def autoclip(
         if s.ceiling is not None:
             scale, capped = _kit.ceiling_scale(scale, g, s.ceiling)
             threshold = jnp.where(gate_open, jnp.minimum(threshold, s.ceiling), s.ceiling)
+            level = values["median"] if "median" in values else values["quantile"]
+            values = {**values, "headroom": _kit.headroom(s.ceiling, level)}
 
         metrics = _kit.step_metrics(
             state.metrics, norm=g, threshold=threshold, scale=scale, observed=observed,

@@ -354,6 +354,7 @@ def hist_clip(
     )
     score_name = criterion.score_name
     fields = ("clip_to",) if score_name is None else ("clip_to", score_name)
+    fields += ("headroom",) if ceiling is not None else ()
 
     def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
         mean, var, sample = statistic.init(num_groups, dtype)
@@ -410,6 +411,9 @@ def hist_clip(
         stats = _kit.select_groups(observed, statistic.observe(stats, x, count), stats)
 
         scores = {} if score_name is None else {score_name: jnp.where(warming, 0.0, score)}
+        if ceiling is not None:
+            level = jnp.where(warming, _stats.sample_mean(stats.warmup), stats.mean)
+            scores["headroom"] = _kit.headroom(ceiling, level)
         metrics = _kit.step_metrics(
             state.metrics,
             norm=g,

@@ -298,18 +298,28 @@ def layout_of(build: Callable[[int], Any]) -> Callable[[int], Any]:
 # --------------------------------------------------------------------------- a step
 
 
-def ceiling_scale(scale: Array, norm: Array, ceiling: Any) -> tuple[Array, Array]:
-    """``(scale, capped)`` of a step bounded by an absolute ceiling on its group norm.
+def ceiling_scale(
+    scale: Array, norm: Array, ceiling: Any, eps: float = CEILING_EPS
+) -> tuple[Array, Array]:
+    """``(scale, capped)`` of a step bounded by a ceiling on its group norm.
 
     The multiplier is the smaller of the rule's ``scale`` and
-    ``ceiling / (norm + 1e-6)`` where the norm exceeds the ceiling; ``capped``
+    ``ceiling / (norm + eps)`` where the norm exceeds the ceiling; ``capped``
     says the ceiling was the binding bound. A non-finite norm passes.
     """
     finite = jnp.isfinite(norm)
     over = finite & (norm > ceiling)
-    bound = jnp.where(over, ceiling / (norm + CEILING_EPS), 1.0).astype(scale.dtype)
+    bound = jnp.where(over, ceiling / (norm + eps), 1.0).astype(scale.dtype)
     capped = over & (bound <= scale)
     return jnp.minimum(scale, bound), capped
+
+
+def headroom(ceiling: Any, level: Array) -> Array:
+    """An absolute ceiling over the clipper's running level of the norm (+inf before
+    any level): below 1 the ceiling binds on most steps (a static clip); far above 1
+    in the first steps it bounds nothing there."""
+    positive = level > 0
+    return jnp.where(positive, ceiling / jnp.where(positive, level, 1.0), jnp.inf)
 
 
 def observation(

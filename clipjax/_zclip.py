@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, cast, get_args
+from typing import Any, Literal, NamedTuple, cast, get_args
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +18,12 @@ from clipjax._types import ClipOption, TargetFeedback, ZClipMode
 _DIV_EPS = 1e-6
 
 
+def _zscore(deviation: jax.Array, spread: jax.Array) -> jax.Array:
+    """``deviation / spread``; where the spread is 0, +inf above the mean and 0 otherwise."""
+    safe = jnp.where(spread > 0, spread, 1.0)
+    return jnp.where(spread > 0, deviation / safe, jnp.where(deviation > 0, jnp.inf, 0.0))
+
+
 class ZClipState(NamedTuple):
     """State of :func:`zclip`: its statistics per group, then the shared fields.
 
@@ -27,6 +33,10 @@ class ZClipState(NamedTuple):
       var: ``[groups]`` EMA variance (the sample's population variance at first).
       sample: the warm-up sample's running sums (count, total, squared
         deviations), ``[groups]`` each.
+      window: with a relative ceiling, the last ``ceiling_window`` positive
+        finite norms (``[groups, window]``, with a sorted copy); None without one.
+      low: with a relative ceiling, ``[groups]`` the smallest positive finite
+        norm so far (``+inf`` before the first); None without one.
       metrics: this step's metrics and the counters (``clipjax._kit``).
       info: static names (algorithm, prefix, groups, leaves).
       leaf_index: each leaf's group index (empty for one group).
@@ -42,6 +52,8 @@ class ZClipState(NamedTuple):
     mean: jax.Array
     var: jax.Array
     sample: _stats.SampleState
+    window: _stats.WindowState | None
+    low: jax.Array | None
     metrics: dict[str, jax.Array]
     info: GroupInfo
     leaf_index: tuple[jax.Array, ...]
@@ -63,9 +75,13 @@ def _checked(
     clip_factor: Any,
     skip_update_on_spike: bool,
     feedback: Any,
-) -> tuple[ClipOption, float, TargetFeedback]:
-    """Validates zclip's arguments; returns ``(clip_option, clip_factor, feedback)``
-    with their defaults filled in (``skip_update_on_spike`` is ``feedback="skip"``)."""
+    relative_ceiling: Any,
+    ceiling_window: Any,
+) -> tuple[ClipOption, float, TargetFeedback, Any, Any]:
+    """Validates zclip's arguments; returns ``(clip_option, clip_factor, feedback,
+    max_grad_norm, relative_ceiling)`` with their defaults filled in
+    (``skip_update_on_spike`` is ``feedback="skip"``; the ceilings' ``"auto"``
+    below)."""
     _validation.open_unit("alpha", alpha)
     _validation.positive("z_thresh", z_thresh)
     _validation.non_negative("eps", eps)
@@ -94,16 +110,53 @@ def _checked(
                 f"feedback={feedback!r}"
             )
         feedback = "skip"
+    max_grad_norm, relative_ceiling = _ceilings(max_grad_norm, relative_ceiling, feedback)
+    if ceiling_window is not None:
+        _validation.integer("ceiling_window", ceiling_window, minimum=1)
+    # clip_factor stays as given: a traced value under inject_hyperparams.
+    return (
+        cast(ClipOption, clip_option),
+        cast(float, clip_factor),
+        cast(TargetFeedback, feedback),
+        max_grad_norm,
+        relative_ceiling,
+    )
+
+
+# The relative ceiling of feedback="clipped": a multiple of the run's own level.
+DEFAULT_RELATIVE_CEILING = 1.5
+# ... over the median of this many norms (None: this; a shape, so not injected).
+DEFAULT_CEILING_WINDOW = 100
+
+
+def _ceilings(max_grad_norm: Any, relative_ceiling: Any, feedback: str) -> tuple[Any, Any]:
+    """``(max_grad_norm, relative_ceiling)`` with ``"auto"`` resolved: the reference's
+    absolute 1.0 and no relative ceiling, except under ``feedback="clipped"``, where
+    no absolute number and a relative ceiling of 1.5 (an absolute ``max_grad_norm``
+    given there replaces the relative ceiling's default)."""
+    for name, value in (("max_grad_norm", max_grad_norm), ("relative_ceiling", relative_ceiling)):
+        if isinstance(value, str) and value != "auto":
+            raise ValueError(f'{name} must be a positive number, None or "auto", got {value!r}')
+    scale_free = feedback == "clipped"
+    if max_grad_norm == "auto":
+        max_grad_norm = None if scale_free else _kit.DEFAULT_CEILING
+    if relative_ceiling == "auto":
+        relative_ceiling = (
+            DEFAULT_RELATIVE_CEILING if scale_free and max_grad_norm is None else None
+        )
     if max_grad_norm is not None:
         _validation.positive("max_grad_norm", max_grad_norm)
-    # clip_factor stays as given: a traced value under inject_hyperparams.
-    return cast(ClipOption, clip_option), cast(float, clip_factor), cast(TargetFeedback, feedback)
+    if relative_ceiling is not None:
+        _validation.check(
+            "relative_ceiling", relative_ceiling, lambda x: x > 1, "> 1 (a multiple of the level)"
+        )
+    return max_grad_norm, relative_ceiling
 
 
 def zclip(
     alpha: float = 0.97,
     z_thresh: float = 2.5,
-    max_grad_norm: float | None = 1.0,
+    max_grad_norm: float | Literal["auto"] | None = "auto",
     eps: float = 1e-6,
     warmup_steps: int = 25,
     mode: ZClipMode = "zscore",
@@ -113,6 +166,8 @@ def zclip(
     scope: Scope = "global",
     *,
     feedback: TargetFeedback = "clip_target",
+    relative_ceiling: float | Literal["auto"] | None = "auto",
+    ceiling_window: int | None = None,
     axis_name: str | None = None,
     leaf_norms: bool = False,
     name: str | None = None,
@@ -129,52 +184,56 @@ def zclip(
                          clip_val = clip_factor (mean + z_thresh**2 std / z)  (adaptive_scaling)
                                   = mean                                      (clip_option="mean")
         percentile mode: spike when g > B = mean + z_thresh std;  clip_val = B
-        T = min(clip_val if spike else g, max_grad_norm);  scale = T / (g + 1e-6) if g > T
+        T = min(clip_val if spike else g, ceiling);  scale = T / (g + 1e-6) if g > T
         mean <- alpha mean + (1 - alpha) v;  var <- alpha var + (1 - alpha) (v - mean)**2
 
-    where ``v``, what the step teaches the statistics, is set by ``feedback``:
-    ``"clip_target"`` (the reference rule) ``clip_val`` on a spike, ``g``
-    otherwise; ``"clipped"`` ``min(g, B)``; ``"raw"`` ``g``; ``"skip"``
-    nothing on a spike. ``clip_val`` lies below ``B`` and tends to ``mean``
-    as a spike grows, so under ``"clip_target"`` the statistics cannot rise
-    past a lasting rise of the norm, and every later step is clipped to the
-    old level; ``"clipped"`` learns it (the docs' *Choosing a clipper*). A
-    non-finite norm passes unchanged and is never observed.
+    ``v``, what the step teaches the statistics, is set by ``feedback``:
+    ``"clip_target"`` (the reference) ``clip_val`` on a spike, else ``g``;
+    ``"clipped"`` ``min(g, B)``; ``"raw"`` ``g``; ``"skip"`` nothing on a
+    spike. Under ``"clip_target"`` the statistics cannot follow a lasting rise
+    of the norm; ``"clipped"`` learns it. A non-finite norm passes unchanged
+    and is never observed.
 
-    Metrics per group: ``grad_norm``, ``threshold`` (the norm above which the
-    step is clipped: ``min(B, max_grad_norm)``, the ceiling during warm-up),
-    ``clip_to`` (the norm the step leaves with), ``scale``, ``clipped``,
-    ``capped`` (the ceiling was the bound), ``z`` (0 during warm-up), ``mean``
-    and ``std`` (after the step) and the counters.
+    The ceiling is absolute (``max_grad_norm``, the reference's 1.0) or, the
+    default under ``feedback="clipped"``, relative to the run's own norms:
+    ``relative_ceiling`` times the smallest positive norm so far during the
+    warm-up, then times the median of the last ``ceiling_window`` positive
+    norms (a change that lasts half the window is learnt, a shorter one is
+    bounded). No norm can bound step 0, so with a relative ceiling step ``t``
+    of the warm-up is also weighed by ``(t + 1) / warmup_steps``, ``eps`` is
+    relative to the mean and ``scale = T / g``: no absolute number is left,
+    and a loss times ``k`` gives the same updates (adam's eps aside).
 
-    Static arguments: ``mode``, ``clip_option``, ``scope`` and ``feedback``
-    choose code; every number may be injected or scheduled with
-    ``optax.inject_hyperparams``, ``warmup_steps`` included (a callable
-    ``scope`` goes in ``static_args``).
+    Metrics per group: ``grad_norm``, ``threshold`` (``min(B, ceiling)``, the
+    ceiling during warm-up), ``clip_to`` (the norm the step leaves with),
+    ``scale`` (the factor applied, time weight included), ``clipped``,
+    ``capped`` (a ceiling was the bound), ``z``, ``mean``, ``std``, the
+    counters; ``weight`` with a relative ceiling; ``headroom``
+    (``max_grad_norm / mean``) with an absolute one.
+
+    Static arguments: ``mode``, ``clip_option``, ``scope``, ``feedback`` and
+    ``ceiling_window`` choose code or shapes; every other number may be
+    injected or scheduled with ``optax.inject_hyperparams``.
 
     Args:
       alpha: EMA smoothing factor of mean and variance, in (0, 1).
       z_thresh: z-score threshold (``> 0``).
-      max_grad_norm: the ceiling: an absolute bound on every step's norm from
-        the first, under every ``feedback``; None for none. Default 1.0, the
-        reference's: it assumes a healthy step's norm is below 1. Where
-        ``capped`` shows most steps capped after the first few hundred,
-        raise it.
+      max_grad_norm: an absolute ceiling on every step's norm, or None.
+        ``"auto"``: 1.0, except None under ``feedback="clipped"``.
       eps: added to the standard deviation in the z-score.
-      warmup_steps: number of finite norms collected before the rule applies
-        (``>= 1``).
+      warmup_steps: finite norms collected before the rule applies (``>= 1``).
       mode: ``"zscore"`` or ``"percentile"``.
-      clip_option: ``"adaptive_scaling"`` (None: the default) or ``"mean"``;
-        zscore mode only.
-      clip_factor: multiplier of the adaptive clip value (``> 0``; None: 1.0);
-        ``"adaptive_scaling"`` only.
+      clip_option: ``"adaptive_scaling"`` (None: the default) or ``"mean"``.
+      clip_factor: multiplier of the adaptive clip value (None: 1.0).
       skip_update_on_spike: the reference's name for ``feedback="skip"``.
       scope: ``"global"``, ``"per_param"``, ``"per_layer"``, a callable or
-        :func:`clipjax.stacked`; each group has its own statistics and warm-up.
-      feedback: ``"clip_target"`` (default), ``"clipped"``, ``"raw"`` or
-        ``"skip"``.
-      axis_name: average the group norms over this mapped axis first, so every
-        replica keeps identical statistics and applies the same scale.
+        :func:`clipjax.stacked`; each group has its own statistics.
+      feedback: ``"clip_target"`` (default), ``"clipped"``, ``"raw"`` or ``"skip"``.
+      relative_ceiling: the relative ceiling's multiple of the level (``> 1``),
+        or None. ``"auto"``: 1.5 under ``feedback="clipped"`` without an
+        absolute ceiling, else None.
+      ceiling_window: the norms whose median is the level (None: 100).
+      axis_name: average the group norms over this mapped axis first.
       leaf_norms: also record each leaf's L2 norm before clipping.
       name: metrics prefix (default ``zclip``).
 
@@ -193,7 +252,7 @@ def zclip(
       (True, True)
       >>> float(m["zclip/global/clip_to"]) < float(m["zclip/global/threshold"])
       True
-      >>> bool(m["zclip/global/capped"])  # a spike clip, below the 1.0 ceiling
+      >>> bool(m["zclip/global/capped"])  # a spike clip, below the relative ceiling
       False
 
     References:
@@ -201,24 +260,34 @@ def zclip(
       <https://arxiv.org/abs/2504.02507>`_, 2025; package ``zclip``.
     """
     settings = dict(locals())
-    clip_option, clip_factor, feedback = _checked(
+    clip_option, clip_factor, feedback, max_grad_norm, relative_ceiling = _checked(
         alpha, z_thresh, max_grad_norm, eps, warmup_steps, mode, clip_option, clip_factor,
-        skip_update_on_spike, feedback,
+        skip_update_on_spike, feedback, relative_ceiling, ceiling_window,
     )  # fmt: skip
     _grouping.validate_scope(scope)
     _kit.check_name(name)
-    ceiling = max_grad_norm is not None
-    cap = max_grad_norm if ceiling else math.inf
-    fields = ("clip_to", "z")
+    window_size = DEFAULT_CEILING_WINDOW if ceiling_window is None else ceiling_window
+    absolute = max_grad_norm is not None
+    relative = relative_ceiling is not None
+    cap = max_grad_norm if absolute else math.inf
+    fields = (
+        ("clip_to", "z") + (("weight",) if relative else ()) + (("headroom",) if absolute else ())
+    )
 
     def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
         zeros = jnp.zeros((num_groups,), dtype)
-        return {
+        own = {
             "mean": zeros,
             "var": zeros,
             "sample": _stats.sample_init(num_groups, dtype),
-            "metrics": _kit.metric_arrays(num_groups, dtype, fields, ceiling),
+            "window": None,
+            "low": None,
+            "metrics": _kit.metric_arrays(num_groups, dtype, fields, absolute or relative),
         }
+        if relative:
+            own["window"] = _stats.window_init(num_groups, window_size, dtype)
+            own["low"] = jnp.full((num_groups,), jnp.inf, dtype)
+        return own
 
     layout = _kit.layout_of(arrays)
 
@@ -237,16 +306,29 @@ def zclip(
         g = grads.norm
         warming = state.metrics["count"] < warmup_steps
         limit = jnp.asarray(cap, g.dtype)
+        finite = jnp.isfinite(g)
+        if relative:
+            # The run's own level: the smallest norm so far while warming up,
+            # then the median of the last ceiling_window norms: a change of the
+            # norm that lasts half the window is learnt, a shorter one is bounded.
+            level = jnp.where(warming, state.low, _stats.window_percentile(state.window, 50.0))
+            limit = jnp.minimum(
+                limit, jnp.where(state.window.count > 0, relative_ceiling * level, jnp.inf)
+            )
 
-        # The rule, from the statistics before this step.
+        # The rule, from the statistics before this step. With a relative
+        # ceiling no absolute number enters: eps is relative to the mean and
+        # the multiplier is T / g, so a loss times k is the same run.
         std = jnp.sqrt(state.var)
-        z = (g - state.mean) / (std + eps)
+        guard = eps * state.mean if relative else eps
+        div_eps = 0.0 if relative else _DIV_EPS
+        z = _zscore(g - state.mean, std + guard) if relative else (g - state.mean) / (std + eps)
         if mode == "percentile":
             boundary = state.mean + z_thresh * std
             spike = g > boundary
             clip_val = boundary
         else:
-            boundary = state.mean + z_thresh * (std + eps)
+            boundary = state.mean + z_thresh * (std + guard)
             spike = z > z_thresh
             if clip_option == "mean":
                 clip_val = state.mean
@@ -258,13 +340,21 @@ def zclip(
         applied = jnp.minimum(jnp.where(spike, clip_val, g), limit)
         # zclip uses torch's clip_grad_norm_ rule in warm-up (min(1, c / (g + 1e-6)))
         # and scales only when g > T afterwards.
-        ratio = jnp.minimum(1.0, jnp.where(warming, limit, applied) / (g + _DIV_EPS))
+        ratio = jnp.minimum(1.0, jnp.where(warming, limit, applied) / (g + div_eps))
         scale = jnp.where(warming | (g > applied), ratio, 1.0)
-        finite = jnp.isfinite(g)
         scale = jnp.where(finite, scale, 1.0)
         capped = None
-        if ceiling:
-            scale, capped = _kit.ceiling_scale(scale, g, max_grad_norm)
+        if absolute or relative:
+            scale, capped = _kit.ceiling_scale(scale, g, limit, eps=div_eps)
+        weight = None
+        if relative:
+            # Step t's gradient weighs (t + 1) / warmup_steps while the optimizer's
+            # second moment forms: no norm seen yet can bound step 0.
+            steps = (state.metrics["step"] + 1).astype(g.dtype)
+            weight = jnp.where(
+                finite, jnp.minimum(1.0, steps / jnp.asarray(warmup_steps, g.dtype)), 1.0
+            )
+            scale = scale * weight
 
         # What the statistics learn: the warm-up sample, then the EMAs.
         x, observed = _kit.observation(
@@ -283,7 +373,20 @@ def zclip(
         mean, var, sample = _kit.select_groups(
             observed, (mean, var, sample), (state.mean, state.var, state.sample)
         )
+        window, low = state.window, state.low
+        if relative:
+            # A zero norm carries no scale: only positive finite norms enter.
+            enters = finite & (g > 0)
+            window, low = _kit.select_groups(
+                enters,
+                (_stats.window_update(window, g), jnp.minimum(low, g)),
+                (window, low),
+            )
 
+        more = {} if weight is None else {"weight": weight}
+        if absolute:
+            level = jnp.where(warming, _stats.sample_mean(sample), mean)
+            more["headroom"] = _kit.headroom(max_grad_norm, level)
         metrics = _kit.step_metrics(
             state.metrics,
             norm=g,
@@ -291,12 +394,16 @@ def zclip(
             scale=scale,
             observed=observed,
             capped=capped,
-            clip_to=jnp.where(finite & (scale < 1), applied, g),
+            clip_to=jnp.where(
+                finite & (scale < 1), applied if weight is None else applied * weight, g
+            ),
             z=jnp.where(warming, jnp.zeros_like(z), z),
+            **more,
         )
         new_state = state._replace(
-            mean=mean, var=var, sample=sample, **_kit.shared_fields(state, grads, metrics)
-        )
+            mean=mean, var=var, sample=sample, window=window, low=low,
+            **_kit.shared_fields(state, grads, metrics),
+        )  # fmt: skip
         return _kit.scaled(grads, scale, state), new_state
 
     # optax types a state as OptState (an array tree), not as ZClipState.

@@ -193,7 +193,9 @@ def zscore_clip(
     def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
         return {
             "moments": _stats.ema_moments_init(num_groups, dtype),
-            "metrics": _kit.metric_arrays(num_groups, dtype, (), ceiling is not None),
+            "metrics": _kit.metric_arrays(
+                num_groups, dtype, () if ceiling is None else ("headroom",), ceiling is not None
+            ),
         }
 
     layout = _kit.layout_of(arrays)
@@ -246,9 +248,10 @@ def zscore_clip(
             scale, capped = _kit.ceiling_scale(scale, g, ceiling)
             threshold = jnp.where(gate_open, jnp.minimum(threshold, ceiling), ceiling)
 
+        more = {} if ceiling is None else {"headroom": _kit.headroom(ceiling, moments.mean)}
         metrics = _kit.step_metrics(
             state.metrics, norm=g, threshold=threshold, scale=scale, observed=observed,
-            capped=capped,
+            capped=capped, **more,
         )  # fmt: skip
         new_state = state._replace(moments=moments, **_kit.shared_fields(state, grads, metrics))
         return _kit.scaled(grads, scale, state), new_state

@@ -81,6 +81,9 @@ class Config:
     weight_decay: float = 0.1
     eps: float = 1e-8
     static_sweep: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0)  # clip_by_global_norm max_norms
+    # The loss is multiplied by this (so is every gradient): adam alone does the
+    # same run at any value (its eps aside), a rule with an absolute number does not.
+    loss_scale: float = 1.0
 
 
 # --config gpu: the configuration above (one GPU, about five minutes for the table).
@@ -277,7 +280,8 @@ def build_model(cfg: Config, text: jax.Array, windows: jax.Array) -> Model:
         # setting sees the same batches.
         data_key = jax.random.fold_in(jax.random.key(seed), 1)
         window = sample_batch(text, jax.random.fold_in(data_key, step), cfg)
-        return jax.value_and_grad(lm_loss)(params, window, cfg)
+        loss, grads = jax.value_and_grad(lambda p: cfg.loss_scale * lm_loss(p, window, cfg))(params)
+        return loss / cfg.loss_scale, grads
 
     return Model(
         init=jax.jit(jax.vmap(init)),
@@ -317,7 +321,8 @@ def train(
     """
 
     def update(params: Any, opt_state: Any, grads: Any, loss: jax.Array) -> tuple:
-        extra = {"value": loss} if needs_value else {}
+        # skip_on_spike watches the loss the gradients come from (scaled).
+        extra = {"value": cfg.loss_scale * loss} if needs_value else {}
         updates, opt_state = tx.update(grads, opt_state, params, **extra)
         params = optax.apply_updates(params, updates)
         grad_norm = optax.global_norm(grads)

@@ -115,8 +115,11 @@ class Setting(NamedTuple):
       about: one line for --help and the markdown.
       needs_value: update() takes the batch loss as ``value=`` (skip_on_spike).
       static_max_norm: for optax's clip_by_global_norm, which keeps no metrics:
-        a step counts as clipped when the global norm exceeds it.
+        a step counts as clipped when the global norm exceeds it (its value at
+        loss x 1: the sweep scales it with ``--loss-scale``).
       panel: the figure's panel that draws it (a key of PANELS).
+      scaled: the static clip's max_norm is multiplied by the loss scale (the
+        sweep); False for an absolute one (``clip_1``).
     """
 
     make: Callable[[Config], optax.GradientTransformation]
@@ -124,6 +127,13 @@ class Setting(NamedTuple):
     needs_value: bool = False
     static_max_norm: float | None = None
     panel: str = "clipped"
+    scaled: bool = True
+
+    def max_norm(self, cfg: Config) -> float | None:
+        """The static clip's max_norm in this run (None: not a static clip)."""
+        if self.static_max_norm is None:
+            return None
+        return self.static_max_norm * (cfg.loss_scale if self.scaled else 1.0)
 
 
 def schedule(cfg: Config, lr: float | None = None) -> optax.Schedule:
@@ -164,13 +174,18 @@ PANELS = {
 }
 
 
-def static(max_norm: float) -> Setting:
-    return Setting(
-        clipped_adamw(lambda: optax.clip_by_global_norm(max_norm)),
-        f"optax.clip_by_global_norm({max_norm:g}), then adamw",
+def static(max_norm: float, scaled: bool = True) -> Setting:
+    """optax's clip at ``max_norm`` (times the loss scale when ``scaled``)."""
+    setting = Setting(
+        lambda cfg: optax.chain(optax.clip_by_global_norm(setting.max_norm(cfg)), adamw(cfg)),
+        f"optax.clip_by_global_norm({max_norm:g}"
+        + (" x the loss scale" if scaled else ", whatever the loss scale")
+        + "), then adamw",
         static_max_norm=max_norm,
         panel="baselines",
+        scaled=scaled,
     )
+    return setting
 
 
 # The setting the documentation recommends: the "recommended" and
@@ -208,6 +223,9 @@ ROWS: list[tuple[str, Setting]] = [
             panel="baselines",
         ),
     ),
+    # The field's untuned default, at 1.0 whatever the loss scale (the sweep's
+    # static_1 is 1.0 x the loss scale).
+    ("clip_1", static(1.0, scaled=False)),
     ("recommended", clipper(f"{RECOMMENDED} (the recommended setting)", recommended, "clipped")),
     (
         "skip_recommended",
@@ -261,14 +279,20 @@ ROWS: list[tuple[str, Setting]] = [
         ),
     ),
     (
-        "zclip_fb",
-        clipper('zclip(feedback="clipped")', lambda: clipjax.zclip(feedback="clipped"), "clipped"),
+        "zclip_fb_cap1",
+        clipper(
+            'zclip(feedback="clipped", max_grad_norm=1.0) (an absolute ceiling: recommended '
+            "in 0.3)",
+            lambda: clipjax.zclip(feedback="clipped", max_grad_norm=1.0),
+            "clipped",
+        ),
     ),
     (
         "zclip_fb_nocap",
         clipper(
-            'zclip(feedback="clipped", max_grad_norm=None) (no ceiling: recommended at 0b10f73)',
-            lambda: clipjax.zclip(feedback="clipped", max_grad_norm=None),
+            'zclip(feedback="clipped", max_grad_norm=None, relative_ceiling=None) (no ceiling, '
+            "no time weight: recommended at 0b10f73)",
+            lambda: clipjax.zclip(feedback="clipped", max_grad_norm=None, relative_ceiling=None),
             "clipped",
         ),
     ),
@@ -641,14 +665,22 @@ def markdown(
     best = best_static(summaries)
     names = [*summaries, *missing]
     lines = [
-        f"# Natural loss spikes, {config.upper()} configuration",
+        f"# Natural loss spikes, {config.upper()} configuration"
+        + ("" if cfg.loss_scale == 1 else f", loss x {cfg.loss_scale:g}"),
         "",
         *page_header(argv),
         f"Model: byte-level transformer, {cfg.n_layers} layers, d_model {cfg.d_model}, "
         f"{cfg.n_heads} heads, context {cfg.context}, batch {cfg.batch}; adamw(lr {cfg.lr:g}, "
         f"b1 {cfg.b1:g}, b2 {cfg.b2:g}, eps {cfg.eps:g}, weight decay {cfg.weight_decay:g}), "
         f"{cfg.warmup} warm-up steps then constant; {cfg.steps} steps; seeds {seeds}. "
-        f"Data: {text_info}.",
+        f"Data: {text_info}."
+        + (
+            ""
+            if cfg.loss_scale == 1
+            else f" The loss is multiplied by {cfg.loss_scale:g} (so is every gradient); the "
+            f"static sweep's max_norm too (static_<v> clips at v x {cfg.loss_scale:g}), while "
+            "clip_1 stays at 1.0. Held-out and batch losses are shown at x 1."
+        ),
         "",
         f"## Final held-out loss, {config.upper()} configuration",
         "",
@@ -749,6 +781,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "default: the config's, 0.25,0.5,1,2); with --only, adds these rows to the named ones",
     )
     parser.add_argument(
+        "--loss-scale",
+        type=float,
+        default=1.0,
+        help="multiply the loss (and so every gradient) by this; the static sweep's max_norm "
+        "is multiplied too (its rows keep their names at x 1), clip_1 stays at 1.0; the page "
+        "is lm_spikes_<config>_loss_x<k>.md",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help=f"{QUICK_STEPS} steps, small eval: a smoke test, numbers mean nothing",
@@ -791,6 +831,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cfg = replace(cfg, warmup=min(cfg.warmup, cfg.steps // 4))
     if args.seeds < 1:
         parser.error("--seeds must be positive")
+    if not (args.loss_scale > 0 and math.isfinite(args.loss_scale)):
+        parser.error("--loss-scale must be a positive number")
+    cfg = replace(cfg, loss_scale=args.loss_scale)
 
     sweep = None
     if args.static_sweep:
@@ -817,6 +860,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def page_stem(config: str, cfg: Config) -> str:
+    """lm_spikes_<config>, with _lr<lr> for a learning rate other than the config's and
+    _loss_x<k> for a loss scale other than 1."""
+    stem = f"lm_spikes_{config}"
+    if cfg.lr != CONFIGS[config].lr:
+        stem += f"_lr{cfg.lr:g}"
+    return stem + ("" if cfg.loss_scale == 1 else f"_loss_x{cfg.loss_scale:g}")
+
+
 def write_page(
     args: argparse.Namespace,
     runs: dict[str, Run],
@@ -830,7 +882,7 @@ def write_page(
     the figure and, with --npz, the curves."""
     cfg, seeds = args.cfg, list(range(args.seeds))
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"lm_spikes_{args.config}"
+    stem = page_stem(args.config, args.cfg)
     if figure and runs:
         plot(args.out / f"{stem}.png", runs, args.settings, cfg)
     summaries = {name: summarize(run, cfg) for name, run in runs.items()}
@@ -895,7 +947,7 @@ def main(argv: list[str] | None = None) -> dict[str, Run]:
                 model,
                 progress,
                 needs_value=settings[name].needs_value,
-                static_max_norm=settings[name].static_max_norm,
+                static_max_norm=settings[name].max_norm(cfg),
             )
             if not bar:
                 final = np.asarray(runs[name].eval_loss[:, -1])
@@ -912,7 +964,7 @@ def main(argv: list[str] | None = None) -> dict[str, Run]:
     print(table_notes())
 
     total_s = sum(r.seconds for r in runs.values())
-    stem = f"lm_spikes_{args.config}"
+    stem = page_stem(args.config, args.cfg)
     print(f"\nWrote {stem}.md and .png under {args.out} ({total_s:.0f} s).")
     return runs
 

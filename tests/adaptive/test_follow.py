@@ -75,11 +75,14 @@ def test_clipped_feedback_learns_the_same_rise() -> None:
 
 @pytest.mark.parametrize(
     "make",
-    [lambda: clipjax.zclip(feedback="clipped"), lambda: clipjax.autoclip(feedback="clipped")],
+    [
+        lambda: clipjax.zclip(feedback="clipped", max_grad_norm=1.0),
+        lambda: clipjax.autoclip(feedback="clipped"),
+    ],
     ids=["zclip", "autoclip"],
 )
 def test_a_ceiling_is_judged_on_the_scaled_grid(make) -> None:
-    """A setting with a ceiling (max_grad_norm=1.0) follows a run on the grid
+    """A setting with an absolute ceiling (max_grad_norm=1.0) follows a run on the grid
     scaled below it (base 0.05); on the unscaled grid, after a lasting rise
     above the ceiling it is a static clip at 1.0: it clips every later step and
     says so in its ``capped`` metric."""
@@ -98,6 +101,15 @@ def test_a_ceiling_is_judged_on_the_scaled_grid(make) -> None:
         metrics = clipjax.metrics(state)
         capped.append(bool(next(v for k, v in metrics.items() if k.endswith("/capped"))))
     assert all(capped)
+
+
+def test_a_relative_ceiling_is_judged_on_the_grid_itself() -> None:
+    """zclip(feedback="clipped") has no absolute number: the same at base 1 and 0.05."""
+    make = lambda: clipjax.zclip(feedback="clipped")
+    assert not follow.has_ceiling(make())
+    for base in (1.0, 0.05):
+        cells = follow.evaluate(make, SEEDS, base=base)
+        assert not _failures(cells), (base, _failures(cells))
 
 
 def test_a_static_clip_below_the_level_does_not_follow() -> None:

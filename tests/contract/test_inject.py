@@ -119,6 +119,10 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
             alpha=0.8, z_thresh=1.5, max_grad_norm=40.0, eps=1e-5, warmup_steps=2, clip_factor=0.9
         ),
     ),
+    "zclip_relative": (
+        clipjax.zclip,
+        dict(feedback="clipped", alpha=0.8, relative_ceiling=2.0, warmup_steps=3, eps=1e-5),
+    ),
     "zclip_percentile": (
         clipjax.zclip,
         dict(mode="percentile", alpha=0.8, z_thresh=1.0, warmup_steps=1, max_grad_norm=40.0),

@@ -92,6 +92,36 @@ def test_cpu_quick_run_writes_the_page(tmp_path: Path) -> None:
     np.testing.assert_array_equal(curves["static_1/clipped"], curves["static_1/grad_norm"] > 1.0)
 
 
+@pytest.mark.slow
+def test_a_loss_scale_scales_the_sweep_not_clip_1(tmp_path: Path) -> None:
+    """--loss-scale 10: the gradients are 10x, the sweep's clip too (static_1 clips at
+    10, the same steps as at x 1), clip_1 stays at 1.0 and clips every step; the
+    recommended setting is the same run; the page says so and has its own name."""
+    runs = {}
+    for k in ("1", "10"):
+        out = tmp_path / k
+        result = run_script(
+            "--config", "cpu_long", "--quick", "--seeds", "1", "--only", "recommended,clip_1",
+            "--static-sweep", "1", "--npz", "--loss-scale", k, "--out", str(out),
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        stem = "lm_spikes_cpu_long" if k == "1" else "lm_spikes_cpu_long_loss_x10"
+        runs[k] = np.load(out / f"{stem}.npz")
+        page = (out / f"{stem}.md").read_text()
+    assert "loss x 10" in page and "--loss-scale 10" in page and "clip_1 stays at 1.0" in page
+    one, ten = runs["1"], runs["10"]
+    # Training amplifies float32 rounding (k x the gradient is not exact), so the
+    # runs agree closely at first and to a few percent at the end.
+    early = np.s_[:, :5]
+    np.testing.assert_allclose(
+        ten["static_1/grad_norm"][early], 10 * one["static_1/grad_norm"][early], rtol=1e-3
+    )
+    np.testing.assert_array_equal(ten["static_1/clipped"][early], one["static_1/clipped"][early])
+    for row in ("static_1", "recommended"):
+        np.testing.assert_allclose(ten[f"{row}/eval_loss"], one[f"{row}/eval_loss"], rtol=0.03)
+    assert ten["clip_1/clipped"].all() and not one["clip_1/clipped"].all()
+
+
 def test_command_and_unavailable_rows() -> None:
     lm = load_script()
     assert lm.command(["--config", "cpu", "--out", "/x/y", "--seeds", "3"]) == (
@@ -103,8 +133,9 @@ def test_command_and_unavailable_rows() -> None:
     assert names[:5] == ["none", "static_0.25", "static_0.5", "static_1", "static_2"]
     for required in (
         "autoclip", "autoclip_fb", "autoclip_fb_window", "zscore_clip", "zscore_clip_fb",
-        "zclip", "zclip_fb", "zclip_nocap_w10", "hist_clip", "hist_clip_fb", "adagc", "low_lr",
-        "skip", "skip_recommended", "skip_fb_skip", "recommended",
+        "zclip", "zclip_fb_cap1", "zclip_fb_nocap", "zclip_nocap_w10", "hist_clip",
+        "hist_clip_fb", "adagc", "low_lr", "skip", "skip_recommended", "skip_fb_skip",
+        "recommended", "clip_1",
     ):  # fmt: skip
         assert required in names
     # One row list; every row in a panel of the figure; the recommended rows
@@ -127,7 +158,9 @@ def test_command_and_unavailable_rows() -> None:
 def test_help_and_bad_setting() -> None:
     result = run_script("--help")
     assert result.returncode == 0
-    for option in ("--seeds", "--steps", "--only", "--quick", "--out", "--static-sweep"):
+    for option in (
+        "--seeds", "--steps", "--only", "--quick", "--out", "--static-sweep", "--loss-scale"
+    ):  # fmt: skip
         assert option in result.stdout
     result = run_script("--only", "nope")
     assert result.returncode == 2

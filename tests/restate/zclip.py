@@ -11,7 +11,6 @@ from tests.restate._common import (
     COMMON,
     INF,
     NAN,
-    _capped,
     _Log,
     _observation,
 )
@@ -24,18 +23,38 @@ def zclip(
     *,
     alpha: float = 0.97,
     z_thresh: float = 2.5,
-    max_grad_norm: float | None = 1.0,
+    max_grad_norm: float | str | None = "auto",
     eps: float = 1e-6,
     warmup_steps: int = 25,
     mode: str = "zscore",
     clip_option: str = "adaptive_scaling",
     clip_factor: float = 1.0,
     feedback: str = "clip_target",
+    relative_ceiling: float | str | None = "auto",
+    ceiling_window: int = 100,
 ) -> dict[str, np.ndarray]:
-    """zclip; ``threshold`` is the boundary ``min(B, cap)``, ``clip_to`` the norm it leaves with."""
+    """zclip; ``threshold`` is the boundary ``min(B, ceiling)``, ``clip_to`` the norm it
+    leaves with.
+
+    ``"auto"`` ceilings: an absolute 1.0, except under ``feedback="clipped"``, where a
+    relative ceiling of 1.5: every step bounded at 1.5 x the smallest positive norm so
+    far during the warm-up, then 1.5 x the median of the last ``ceiling_window``
+    positive norms; step t weighed by ``min(1, (t + 1) / warmup_steps)``; no absolute
+    number anywhere (eps relative to the mean, multipliers T / g).
+    """
+    if max_grad_norm == "auto":
+        max_grad_norm = None if feedback == "clipped" else 1.0
+    if relative_ceiling == "auto":
+        relative_ceiling = 1.5 if feedback == "clipped" and max_grad_norm is None else None
     cap = INF if max_grad_norm is None else float(max_grad_norm)
-    log = _Log([*COMMON, "clip_to", "mean", "std", "z", *(["capped"] if cap < INF else [])])
+    relative = relative_ceiling is not None
+    ceiling = cap < INF or relative
+    fields = [*COMMON, "clip_to", "mean", "std", "z", *(["capped"] if ceiling else [])]
+    log = _Log([*fields, *(["weight"] if relative else [])])
+    div = 0.0 if relative else _ZCLIP_DIV
     samples: list[float] = []
+    window: list[float] = []
+    low = INF
     mean = var = NAN
 
     def stats() -> dict[str, float]:
@@ -44,60 +63,64 @@ def zclip(
         return {"mean": mean, "std": math.sqrt(var)}
 
     for g in map(float, norms):
+        warming = log.count < warmup_steps
+        limit = cap
+        if relative and window:
+            level = low if warming else float(np.median(window))
+            limit = min(cap, float(relative_ceiling) * level)
+        weight = min(1.0, (log.step + 1) / warmup_steps) if relative else 1.0
+        extra = {"weight": 1.0} if relative else {}
         if not math.isfinite(g):
-            log.nonfinite(g, **stats())
+            log.nonfinite(g, **stats(), **extra)
             continue
-        if log.count < warmup_steps:
+        if warming:
             samples.append(g)
             if len(samples) == warmup_steps:
                 mean, var = float(np.mean(samples)), float(np.var(samples))
-            scale = min(1.0, cap / (g + _ZCLIP_DIV))
-            to = min(g, cap) if scale < 1 else g
-            capped = _capped(g, 1.0, cap)[1]
-            log.add(
-                g=g,
-                threshold=cap,
-                scale=scale,
-                observed=True,
-                z=0.0,
-                clip_to=to,
-                capped=capped,
-                **stats(),
-            )
-            continue
-        std = math.sqrt(var)
-        z = (g - mean) / (std + eps)
-        if mode == "percentile":
-            boundary = mean + z_thresh * std
-            clip_val = boundary
-            spike = g > boundary
+            rule = 1.0
+            spike, clip_val, z, threshold, observed = False, NAN, 0.0, limit, True
+            scale = min(1.0, limit / (g + div)) if g + div > 0 else 1.0
+            applied = min(g, limit)
         else:
-            boundary = mean + z_thresh * (std + eps)
-            spike = z > z_thresh
-            if clip_option == "mean":
-                clip_val = mean
+            std = math.sqrt(var)
+            spread = std + (eps * mean if relative else eps)
+            z = (g - mean) / spread if spread > 0 else (INF if g > mean else 0.0)
+            if mode == "percentile":
+                boundary = mean + z_thresh * std
+                clip_val = boundary
+                spike = g > boundary
             else:
-                clip_val = clip_factor * (mean + z_thresh**2 * std / z) if spike else NAN
-        applied = min(clip_val if spike else g, cap)
-        scale = applied / (g + _ZCLIP_DIV) if g > applied else 1.0
-        observed = not (spike and feedback == "skip")
-        if observed:
-            v = _observation(feedback, g, boundary, clip_val, spike)
-            new_mean = alpha * mean + (1 - alpha) * v
-            var = alpha * var + (1 - alpha) * (v - new_mean) ** 2
-            mean = new_mean
-        to = applied if scale < 1 else g
-        threshold = min(boundary, cap)
-        # The ceiling is the bound where it lies at or below the rule's clip value.
-        capped = _capped(g, clip_val / (g + _ZCLIP_DIV) if spike else 1.0, cap)[1]
+                boundary = mean + z_thresh * (std + (eps * mean if relative else eps))
+                spike = z > z_thresh
+                if clip_option == "mean":
+                    clip_val = mean
+                else:
+                    clip_val = clip_factor * (mean + z_thresh**2 * std / z) if spike else NAN
+            applied = min(clip_val if spike else g, limit)
+            scale = applied / (g + div) if g > applied else 1.0
+            rule = clip_val / (g + div) if spike else 1.0
+            threshold = min(boundary, limit)
+            observed = not (spike and feedback == "skip")
+            if observed:
+                v = _observation(feedback, g, boundary, clip_val, spike)
+                new_mean = alpha * mean + (1 - alpha) * v
+                var = alpha * var + (1 - alpha) * (v - new_mean) ** 2
+                mean = new_mean
+        # The ceiling is the bound where it lies at or below the rule's own scale.
+        capped = g > limit and limit / (g + div) <= rule
+        scale *= weight
+        if g > 0:
+            window = (window + [g])[-ceiling_window:]
+            low = min(low, g)
         log.add(
             g=g,
             threshold=threshold,
             scale=scale,
             observed=observed,
             z=z,
-            clip_to=to,
+            clip_to=applied * weight if scale < 1 else g,
             capped=capped,
             **stats(),
+            **({"weight": weight} if relative else {}),
         )
     return log.out()
