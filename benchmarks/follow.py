@@ -118,8 +118,8 @@ SETTINGS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "zclip(feedback='clipped', max_grad_norm=1.0)": lambda: clipjax.zclip(
         feedback="clipped", max_grad_norm=1.0
     ),
-    "zclip(feedback='clipped', max_grad_norm=None, relative_ceiling=None)": lambda: (
-        clipjax.zclip(feedback="clipped", max_grad_norm=None, relative_ceiling=None)
+    "zclip(feedback='clipped', max_grad_norm=None, relative_ceiling=None)": lambda: clipjax.zclip(
+        feedback="clipped", max_grad_norm=None, relative_ceiling=None
     ),
     "zclip(mode='percentile', feedback='clipped')": lambda: clipjax.zclip(
         mode="percentile", feedback="clipped"

@@ -186,9 +186,7 @@ class Result(NamedTuple):
     changed: np.ndarray  # share of steps from FROM_STEP whose norm the setting changed
 
 
-def measure(
-    rms: np.ndarray, received: np.ndarray, norms: np.ndarray, reference: tuple
-) -> Result:
+def measure(rms: np.ndarray, received: np.ndarray, norms: np.ndarray, reference: tuple) -> Result:
     ref_rms, ref_relative = reference
     ratio = rms[:, FROM_STEP:] / ref_rms[:, FROM_STEP:]
     level = np.maximum(running_median(received), np.finfo(np.float32).tiny)
@@ -234,13 +232,15 @@ def markdown(results: dict[str, dict[float, Result]]) -> str:
     k_cols = " | ".join(f"k = {k:g}" for k in scales)
     rule = "|---|" + "---:|" * len(scales)
     out = []
+    relative = "relative to the level: sqrt(v̂) / running median received, over the reference's"
     for title, field, fmt in (
         ("sqrt(v̂) / reference from step 100, worst, per seed", "worst", ".2f"),
-        ("relative to the level: sqrt(v̂) / running median received, over the reference's", "relative", ".2f"),
+        (relative, "relative", ".2f"),
         ("changed after step 100, per seed", "changed", ".0%"),
-    ):  # fmt: skip
+    ):
         extra = " same at every scale |" if field == "worst" else ""
-        out += [f"**{title}**", "", f"| setting | {k_cols} |{extra}", rule + ("---|" if extra else "")]
+        head = f"| setting | {k_cols} |{extra}"
+        out += [f"**{title}**", "", head, rule + ("---|" if extra else "")]
         for name, by_scale in results.items():
             cells = " | ".join(per(getattr(by_scale[k], field), fmt) for k in scales)
             verdict = f" {'yes' if same_at_every_scale(by_scale) else 'no'} |" if extra else ""

@@ -110,7 +110,7 @@ def zclip(
         capped = g > limit and limit / (g + div) <= rule
         scale *= weight
         if g > 0:
-            window = (window + [g])[-ceiling_window:]
+            window = [*window, g][-ceiling_window:]
             low = min(low, g)
         log.add(
             g=g,
