@@ -202,6 +202,10 @@ def _as_array(leaf: Any) -> Any:
     # read as a float, like optax's clippers do through their arithmetic.
     if isinstance(leaf, (bool, int, float, complex)):
         return jnp.asarray(float(leaf) if isinstance(leaf, int) else leaf)
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        # A NumPy leaf becomes a jax array quietly, as optax's arithmetic makes it:
+        # float64 is float32 unless jax_enable_x64 is set.
+        return jnp.asarray(leaf)
     return leaf
 
 

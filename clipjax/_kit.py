@@ -106,8 +106,14 @@ def resolve_ceiling(max_grad_norm: Any, feedback: str) -> float | None:
 
 
 def check_name(name: Any) -> None:
+    """``name`` is None or a non-empty str without ``/`` (the separator of metric names)."""
     if name is not None and (not isinstance(name, str) or not name):
         raise ValueError(f"name must be a non-empty str, got {name!r}")
+    if name is not None and "/" in name:
+        raise ValueError(
+            f"name must not contain '/', which separates the parts of a metric name "
+            f"('{{name}}/{{group}}/{{field}}'), got {name!r}; use '_' or '-'"
+        )
 
 
 # --------------------------------------------------------------------------- init

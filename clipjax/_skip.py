@@ -417,8 +417,7 @@ def _checked(
     if max_consecutive_skips is not None:
         _validation.integer("max_consecutive_skips", max_consecutive_skips, 1, static=False)
     _kit.check_feedback(feedback, FEEDBACKS)
-    if name is not None and not (isinstance(name, str) and name):
-        raise ValueError(f"name must be a non-empty str or None, got {name!r}")
+    _kit.check_name(name)
     if axis_name is not None and not isinstance(axis_name, (str, tuple)):
         raise ValueError(f"axis_name must be a str (or a tuple of str), got {axis_name!r}")
     return window_size, min_history

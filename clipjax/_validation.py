@@ -41,7 +41,8 @@ def check(name: str, value: Any, ok: Callable[[float], bool], expected: str) -> 
     try:
         x = _concrete(value)
     except ValueError:
-        raise ValueError(f"{name} must be {expected}, got {value!r}") from None
+        kind = type(value).__name__
+        raise ValueError(f"{name} must be a number {expected}, got {value!r} (a {kind})") from None
     if x is not None and not ok(x):
         raise ValueError(f"{name} must be {expected}, got {value!r}")
 
@@ -71,7 +72,8 @@ def percentile(name: str, value: Any) -> None:
     try:
         x = _concrete(value)
     except ValueError:
-        raise ValueError(f"{name} must be a number in (1, 100], got {value!r}") from None
+        kind = type(value).__name__
+        raise ValueError(f"{name} must be a number in (1, 100], got {value!r} (a {kind})") from None
     if x is None:
         return
     if 0 < x <= 1:

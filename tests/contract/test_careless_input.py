@@ -1,0 +1,91 @@
+"""Careless input a newcomer writes: refused with a message that names it, or accepted quietly.
+
+* ``name="a/b"`` would nest the metrics under ``a``: refused, naming ``/``.
+* A number passed as a string (``alpha="0.9"``) is named as a type mistake,
+  not a range.
+* NumPy float64 gradients (x64 off) are cast quietly, as optax's arithmetic
+  casts them: no "float64 ... truncated" warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import clipjax
+
+FACTORIES = {
+    "zclip": lambda: clipjax.zclip(feedback="clipped"),
+    "zclip_cap": clipjax.zclip,
+    "autoclip": clipjax.autoclip,
+    "zscore_clip": clipjax.zscore_clip,
+    "hist_clip": clipjax.hist_clip,
+    "adagc": clipjax.adagc,
+    "agc": clipjax.agc,
+    "clip_by_global_norm": lambda: clipjax.clip_by_global_norm(1.0),
+    "clip_by_value": lambda: clipjax.clip_by_value(1.0),
+    "clip_by_percentile": lambda: clipjax.clip_by_percentile(90),
+    "normalize_per_param": clipjax.normalize_per_param,
+    "adaclip": clipjax.adaclip,
+    "ada_norm": clipjax.ada_norm,
+    "spam": lambda: clipjax.spam(1e-3),
+    "skip_on_spike": lambda: clipjax.skip_on_spike(clipjax.adam(1e-3)),
+    "chain": lambda: clipjax.chain(clipjax.zclip(feedback="clipped"), clipjax.adamw(1e-3)),
+    "clip_norm_growth": clipjax.clip_norm_growth,
+    "clip_by_historical_norm": clipjax.clip_by_historical_norm,
+}
+
+
+@pytest.mark.parametrize("case", sorted(FACTORIES))
+def test_numpy_float64_gradients_are_cast_quietly(case: str) -> None:
+    tx = FACTORIES[case]()
+    params = {"w": np.zeros((4, 3)), "b": np.zeros(3)}
+    grads = {"w": np.full((4, 3), 2.0), "b": np.ones(3)}
+    extra = {"value": 1.0} if case == "skip_on_spike" else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = tx.init(params)
+        updates, state = tx.update(grads, state, params, **extra)
+    assert all(u.dtype == jnp.float32 for u in updates.values())
+    assert clipjax.metrics(state)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda name: clipjax.zclip(name=name),
+        lambda name: clipjax.clip_by_global_norm(1.0, name=name),
+        lambda name: clipjax.skip_on_spike(optax.identity(), name=name),
+        lambda name: clipjax.autoclip(name=name),
+    ],
+    ids=["zclip", "clip_by_global_norm", "skip_on_spike", "autoclip"],
+)
+def test_a_name_with_a_slash_is_refused(make) -> None:
+    with pytest.raises(ValueError, match=r"name must not contain '/'.*'a/b'"):
+        make("a/b")
+    make("a_b")  # accepted
+
+
+@pytest.mark.parametrize(
+    "make, arg",
+    [
+        (lambda: clipjax.zclip(alpha="0.9"), "alpha"),
+        (lambda: clipjax.zclip(z_thresh="2.5"), "z_thresh"),
+        (lambda: clipjax.autoclip(mode="percentile", percentile="95"), "percentile"),
+        (lambda: clipjax.clip_by_global_norm("1.0"), "max_norm"),
+    ],
+)
+def test_a_number_given_as_a_string_is_named_a_type_mistake(make, arg: str) -> None:
+    with pytest.raises(ValueError, match=rf"{arg} must be a number .*\(a str\)"):
+        make()
+
+
+def test_max_grad_norm_auto_is_accepted_by_every_clipper_with_a_ceiling() -> None:
+    for make in (clipjax.zclip, clipjax.autoclip, clipjax.zscore_clip, clipjax.hist_clip):
+        make(max_grad_norm="auto")
+        with pytest.raises(ValueError, match="max_grad_norm must be a positive number"):
+            make(max_grad_norm="high")
