@@ -5,12 +5,16 @@
 #
 # 1. the language-model table: examples/lm_spikes.py --config gpu --only "$LM_ROWS" --npz
 #    (lm_spikes_gpu.md, .png, .npz);
+# 1b. the same model with the loss times 0.1 and 10 (--loss-scale; SCALE_ROWS, the static
+#    sweep scaled with the loss): lm_spikes_gpu_loss_x0.1.md, lm_spikes_gpu_loss_x10.md;
 # 2. the whole training step: benchmarks/train_step.py at --size gpu (TRAIN_STEP_GPU.md);
 # 3. the optimizer step: benchmarks/run.py --only traffic,steptime (RESULTS_GPU.md; the
 #    smartclip section too when smartclip is importable: carry its wheel in .whl/).
 # Each part runs under its own timeout, and each starts only with the seconds the parts
 # after it need kept back, so a slow part cannot cost the others; all within DEADLINE
-# seconds (480 by default). The pages land in $OUT with one log of the three parts
+# seconds (600 by default). The default PARTS are the two language-model parts (about
+# 270 + 260 s on an H200: 26 s a setting); the whole step and the optimizer step run in
+# a second call, PARTS=train_step,run (about 240 s). The pages land in $OUT with one log of the three parts
 # (device.log): six files. A summary of the parts (exit status, seconds) is printed last.
 #
 # Needs jax with a GPU, optax, flax, numpy, matplotlib and tqdm; clipjax is imported from
@@ -38,10 +42,13 @@ set -uo pipefail
 
 # The recommended setting and the candidates it was chosen among, the static sweep (the
 # reference), adamw alone, every feedback="clipped" clipper, zclip's and adagc's defaults.
-LM_ROWS=${LM_ROWS:-none,static_0.25,static_0.5,static_1,static_2,recommended,skip_recommended,zclip_fb_nocap,zclip}
-PARTS=${PARTS:-lm,train_step,run}
-DEADLINE=${DEADLINE:-480}
-LM_S=270 STEP_S=150 RUN_S=60
+LM_ROWS=${LM_ROWS:-none,static_0.25,static_0.5,static_1,static_2,recommended,skip_recommended,zclip_fb_cap1,zclip_fb_nocap}
+# At loss x 0.1 and x 10: the sweep's best at x 1 (scaled), optax's clip at 1.0 (not scaled),
+# the recommended setting alone and inside skip_on_spike, 0.3's absolute ceiling.
+SCALE_ROWS=${SCALE_ROWS:-static_1,clip_1,recommended,skip_recommended,zclip_fb_cap1}
+PARTS=${PARTS:-lm,lm_scales}
+DEADLINE=${DEADLINE:-600}
+LM_S=280 SCALES_S=280 STEP_S=150 RUN_S=60
 
 if [ ! -f benchmarks/device.sh ] || [ ! -d clipjax ]; then
     echo "device.sh: run it from the repository root (bash benchmarks/device.sh)" >&2
@@ -85,15 +92,26 @@ smaller() { if [ "$1" -lt "$2" ]; then echo "$1"; else echo "$2"; fi; }
 "$PY" -c 'import jax; d = jax.devices()[0]
 print(f"== {d.device_kind} (jax platform {d.platform}, jax {jax.__version__})")'
 
-part lm "$(smaller $LM_S "$(left $((RUN_S + 150)))")" \
+# The time the parts after one keep back: only those that run.
+after() {
+    local total=0 name
+    for name in "$@"; do
+        case ",$PARTS," in *",${name%%:*},"*) total=$((total + ${name##*:})) ;; esac
+    done
+    echo "$total"
+}
+part lm "$(smaller $LM_S "$(left "$(after lm_scales:$SCALES_S train_step:$STEP_S run:$RUN_S)")")" \
     "$PY" examples/lm_spikes.py --config gpu --only "$LM_ROWS" --npz --out "$OUT"
-limit=$(smaller $STEP_S "$(left $RUN_S)")
+part lm_scales "$(smaller $SCALES_S "$(left "$(after train_step:$STEP_S run:$RUN_S)")")" \
+    bash -c 'for k in 0.1 10; do "$0" examples/lm_spikes.py --config gpu --only "$1" \
+        --loss-scale "$k" --out "$2" || exit; done' "$PY" "$SCALE_ROWS" "$OUT"
+limit=$(smaller $STEP_S "$(left "$(after run:$RUN_S)")")
 part train_step "$limit" \
     "$PY" benchmarks/train_step.py --out "$OUT" --budget $((limit > 90 ? limit - 45 : limit / 2))
 part run "$(smaller $RUN_S "$(left 0)")" \
     "$PY" benchmarks/run.py --only "$sections" --quick --out "$OUT/RESULTS_GPU.md"
 
-for name in lm train_step run; do
+for name in lm lm_scales train_step run; do
     if [ -f "$logs/$name.log" ]; then
         { echo "===== $name"; cat "$logs/$name.log"; } >>"$OUT/device.log"
     fi
