@@ -1,10 +1,15 @@
-"""What every benchmark shares: sizes, targets, the configurations, the step and its timing.
+"""What every benchmark shares: sizes, targets, configurations, compiling, timing, pages.
 
 Every constant a benchmark depends on (model shapes, rounds, leaf counts,
 targets) is defined here, once; ``sizes(quick)`` picks the full or the
-``--quick`` set. Nothing here asserts a time: wall-clock figures are
-reported, and a verdict is only ever computed from a measurement and a
-constant of ``TARGETS``.
+``--quick`` set. Every script compiles and times its steps here
+(``compile_jit``: wall and CPU seconds, bytes accessed, full-size copies;
+``best_of``; ``interleave``: wall and CPU seconds a step over rounds in an
+order that rotates or alternates; ``spread``: medians and quartiles) and puts
+its page together here (``header``, ``command``, ``table``, ``page``,
+``write``): a script keeps its own configurations and tables. Nothing here
+asserts a time: wall-clock figures are reported, and a verdict is only ever
+computed from a measurement and a constant of ``TARGETS``.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import os
 import platform
 import re
@@ -294,8 +300,62 @@ def describe(shapes: Any) -> str:
 
 
 # ---------------------------------------------------------------------------
-# The step, compiling and timing
+# Compiling
 # ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Compiled:
+    """A step compiled from abstract arguments, params first, and the seconds that took."""
+
+    run: Any  # the executable
+    params: Any  # the shapes of its params (its first argument)
+    lower_s: float  # trace + lower, wall seconds
+    compile_s: float  # XLA's compile, wall seconds
+    wall_s: float  # trace + lower + compile, wall seconds
+    cpu_s: float  # the same, CPU seconds of the process (all threads)
+    tx: Any = None  # the transform whose step it is (for its ``init``)
+
+    @functools.cached_property
+    def bytes(self) -> int:
+        """XLA's ``cost_analysis()`` "bytes accessed" (repeatable)."""
+        cost = self.run.cost_analysis()
+        return int((cost[0] if isinstance(cost, list) else cost)["bytes accessed"])
+
+    @functools.cached_property
+    def copies(self) -> int:
+        """Its full-size copies (:func:`full_size_copies`)."""
+        return full_size_copies(self.run.as_text(), self.params)
+
+
+def compile_jit(fn: Callable, *args: Any, donate: tuple = (0, 1), tx: Any = None) -> Compiled:
+    """``jax.jit(fn)`` traced, lowered and compiled for ``args`` (arrays or
+    ``jax.ShapeDtypeStruct``, params first), timed; ``donate``: the arguments donated
+    (params and optimizer state); ``tx``: the transform whose step ``fn`` is."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    lowered = jax.jit(fn, donate_argnums=donate).trace(*args).lower()
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    return Compiled(compiled, args[0], t1 - t0, t2 - t1, t2 - t0, time.process_time() - c0, tx)
+
+
+def best_of(
+    compiles: dict[str, Callable[[], Compiled]], reps: int, deadline: float | None = None
+) -> dict[str, Compiled]:
+    """Each of ``compiles`` run ``reps`` times, forward then backward through them, the
+    best of each figure kept (with the first executable); none started after ``deadline``
+    (a ``time.perf_counter()``), and none repeated that did not run the first time."""
+    best: dict[str, Compiled] = {}
+    for r in range(reps):
+        for label in alternated(list(compiles), r):
+            late = deadline is not None and time.perf_counter() > deadline
+            if not (late or (r and label not in best)):
+                got = compiles[label]()
+                kept = best.setdefault(label, got)
+                for field in ("lower_s", "compile_s", "wall_s", "cpu_s"):
+                    setattr(kept, field, min(getattr(kept, field), getattr(got, field)))
+    return best
 
 
 def train_step(tx: optax.GradientTransformation, value: bool) -> Callable:
@@ -309,14 +369,9 @@ def train_step(tx: optax.GradientTransformation, value: bool) -> Callable:
     return step
 
 
-@dataclasses.dataclass
-class Compiled:
-    """A step compiled for a tree of shapes: seconds to trace, lower and compile; bytes accessed."""
-
-    make: Callable[[], optax.GradientTransformation]
-    run: Any
-    compile_s: float
-    bytes: float
+def step_args(tx: optax.GradientTransformation, shapes: Any) -> tuple[Any, ...]:
+    """``(params, state, grads, loss)`` of :func:`train_step`, abstract."""
+    return shapes, jax.eval_shape(tx.init, shapes), shapes, jax.ShapeDtypeStruct((), jnp.float32)
 
 
 _COMPILED: dict[tuple[str, str], Compiled] = {}
@@ -326,16 +381,9 @@ def compile_step(label: str, group: Group, shapes: Any) -> Compiled:
     """The step of ``group.configs[label]`` on ``shapes``, compiled once per process."""
     key = (label, repr(shapes))
     if key not in _COMPILED:
-        make = group.configs[label]
-        tx, params = make(), shapes
-        loss = jax.ShapeDtypeStruct((), jnp.float32)
-        t0 = time.perf_counter()
-        jitted = jax.jit(train_step(tx, group.value), donate_argnums=(0, 1))
-        compiled = jitted.lower(params, jax.eval_shape(tx.init, params), params, loss).compile()
-        seconds = time.perf_counter() - t0
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
-        _COMPILED[key] = Compiled(make, compiled, seconds, float(cost["bytes accessed"]))
+        tx = group.configs[label]()
+        step = train_step(tx, group.value)
+        _COMPILED[key] = compile_jit(step, *step_args(tx, shapes), tx=tx)
     return _COMPILED[key]
 
 
@@ -386,34 +434,78 @@ def copies(label: str, group: Group, shapes: Any) -> int:
     def step(params: Any, state: Any, grads: Any, loss: Any) -> Any:
         return inner(params, state, jax.tree.map(lambda g: g * loss, grads), loss)
 
-    loss = jax.ShapeDtypeStruct((), jnp.float32)
-    jitted = jax.jit(step, donate_argnums=(0, 1))
-    compiled = jitted.lower(shapes, jax.eval_shape(tx.init, shapes), shapes, loss).compile()
-    return full_size_copies(compiled.as_text(), shapes)
+    return compile_jit(step, *step_args(tx, shapes)).copies
+
+
+# ---------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------
 
 
 class Runner:
-    """A compiled step with its own params and optimizer state, ready to be timed."""
+    """A compiled step ``(params, state, *inputs) -> (params, state, ...)`` with params and
+    optimizer state of its own, donated from step to step: ``run(steps)`` is timed."""
 
-    def __init__(self, step: Compiled, params: Any, grads: Any) -> None:
-        self.step, self.grads, self.loss = step.run, grads, jnp.float32(1.0)
-        self.params = jax.tree.map(jnp.copy, params)
+    def __init__(self, step: Any, params: Any, state: Any, *inputs: Any) -> None:
+        self.step, self.inputs = step, inputs
         # init may put one array under two fields; donation needs distinct buffers.
-        self.state = jax.tree.map(jnp.copy, step.make().init(self.params))
+        self.params, self.state = jax.tree.map(jnp.copy, (params, state))
 
     def run(self, steps: int) -> None:
         p, s = self.params, self.state
         for _ in range(steps):
-            p, s = self.step(p, s, self.grads, self.loss)
+            p, s, *_ = self.step(p, s, *self.inputs)
         self.params, self.state = jax.block_until_ready((p, s))
 
 
-def interleave(runs: dict[str, Callable[[int], None]], rounds: int, block_s: float) -> dict:
-    """Per-step seconds of each run, one sample per round, in an order that rotates and reverses.
+def run_steps(label: str, group: Group, shapes: Any, params: Any, grads: Any) -> Callable:
+    """``steps -> None``: that many steps of ``group.configs[label]`` on a copy of
+    ``params``, each given ``grads``."""
+    step = compile_step(label, group, shapes)
+    return Runner(step.run, params, step.tx.init(params), grads, jnp.float32(1.0)).run
 
-    Slow drifts of a shared machine then fall on every configuration alike.
-    """
-    labels = list(runs)
+
+def rotated(labels: list[str], r: int) -> list[str]:
+    """Round ``r``'s order: rotated by ``r`` and reversed every other round, so that slow
+    drifts of a shared machine fall on every configuration alike."""
+    order = labels[r % len(labels) :] + labels[: r % len(labels)]
+    return order[::-1] if r % 2 else order
+
+
+def alternated(labels: list[str], r: int) -> list[str]:
+    """Round ``r``'s order: forward, then backward."""
+    return labels[::-1] if r % 2 else labels
+
+
+Times = dict[str, list[float]]
+
+
+def interleave(
+    runs: dict[str, Callable[[int], None]],
+    rounds: int,
+    steps: int,
+    warm: int = 0,
+    order: Callable[[list[str], int], list[str]] = rotated,
+) -> tuple[Times, Times]:
+    """Wall and CPU seconds a step of each run, one sample a round: after ``warm`` steps of
+    each, every round runs each one ``steps`` steps, in ``order``."""
+    if warm:
+        for fn in runs.values():
+            fn(warm)
+    wall: Times = {label: [] for label in runs}
+    cpu: Times = {label: [] for label in runs}
+    for r in range(rounds):
+        for label in order(list(runs), r):
+            c0, t0 = time.process_time(), time.perf_counter()
+            runs[label](steps)
+            wall[label].append((time.perf_counter() - t0) / steps)
+            cpu[label].append((time.process_time() - c0) / steps)
+    return wall, cpu
+
+
+def block_steps(runs: dict[str, Callable[[int], None]], block_s: float) -> int:
+    """Steps in a timed block of about ``block_s`` seconds of the fastest run, each run
+    warmed up past the clippers' warm-up first."""
     for fn in runs.values():
         fn(2 * WARM + 2)
     probe = []
@@ -421,15 +513,7 @@ def interleave(runs: dict[str, Callable[[int], None]], rounds: int, block_s: flo
         t0 = time.perf_counter()
         fn(1)
         probe.append(time.perf_counter() - t0)
-    steps = max(1, min(256, int(block_s / max(min(probe), 1e-6))))
-    samples: dict[str, list[float]] = {label: [] for label in labels}
-    for r in range(rounds):
-        order = labels[r % len(labels) :] + labels[: r % len(labels)]
-        for label in order[::-1] if r % 2 else order:
-            t0 = time.perf_counter()
-            runs[label](steps)
-            samples[label].append((time.perf_counter() - t0) / steps)
-    return samples
+    return max(1, min(256, int(block_s / max(min(probe), 1e-6))))
 
 
 def spread(xs: Sequence[float], fmt: str = "{:.2f}") -> str:
@@ -451,7 +535,7 @@ def ms(seconds: Sequence[float]) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Report pieces
+# Pages
 # ---------------------------------------------------------------------------
 
 
@@ -481,7 +565,14 @@ def _git() -> str:
     return (rev or "unknown") + (" + uncommitted changes in clipjax/" if dirty else "")
 
 
-def header(command: str) -> list[str]:
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def header(command: str, *, load: bool = True, numpy: bool = False) -> list[str]:
+    """A page's header: command, date, device, machine, the load average at the start
+    (``load``: it qualifies the wall-clock figures of a shared machine) and versions
+    (``numpy``'s too)."""
     dev = jax.devices()[0]
     gpu = dev.platform == "gpu"
     return [
@@ -490,19 +581,55 @@ def header(command: str) -> list[str]:
         f"* **device**: {dev.device_kind} (jax platform `{dev.platform}`, "
         f"{jax.device_count()} device(s))" + ("" if gpu else "; no GPU used"),
         f"* **machine**: {_cpu_model()}, {os.cpu_count()} logical cores, {platform.system()}",
-        # The load qualifies the wall-clock figures (a shared machine).
-        f"* **load average at start**: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        *([f"* **load average at start**: {load_average()}"] if load else []),
         f"* **versions**: python {platform.python_version()}, jax {jax.__version__}, "
         f"jaxlib {version('jaxlib')}, optax {version('optax')}, "
-        f"clipjax {clipjax.__version__} (commit {_git()})",
+        f"clipjax {clipjax.__version__} (commit {_git()})"
+        + (f", numpy {np.__version__}" if numpy else ""),
     ]
+
+
+def command(script: str, argv: Sequence[str], out: bool = False) -> str:
+    """``python benchmarks/<script> <argv>``, as run from the repository root, with no
+    machine path: ``--out`` left out (where the page goes does not change it), or with
+    ``out`` its path relative to the root (its base name outside the root)."""
+    shown, argv = [], list(argv)
+    while argv:
+        arg = argv.pop(0)
+        if arg == "--out" and argv:
+            path = argv.pop(0)
+            if out:
+                rel = os.path.relpath(os.path.abspath(path), ROOT)
+                shown += ["--out", os.path.basename(path) if rel.startswith("..") else rel]
+        elif not arg.startswith("--out=") or out:
+            shown.append(arg)
+    return " ".join([f"python benchmarks/{script}", *shown])
+
+
+def page(*blocks: str | list[str]) -> str:
+    """A page's text: its blocks (each a text, or a list of lines) between blank lines."""
+    return "\n\n".join(b if isinstance(b, str) else "\n".join(b) for b in blocks) + "\n"
+
+
+def page_path(folder: str | None, name: str) -> str:
+    """The path of the page ``name`` in ``folder`` (made if missing), else in benchmarks/."""
+    folder = folder or os.path.join(ROOT, "benchmarks")
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, name)
+
+
+def write(path: str, text: str, note: str = "") -> None:
+    """Writes the page ``text`` to ``path`` and says so on stderr."""
+    with open(path, "w") as f:
+        f.write(text)
+    log(f"wrote {path}{note}")
 
 
 def log(*args: Any) -> None:
     print(*args, file=sys.stderr, flush=True)
 
 
-def main(section: Callable[[bool, bool], tuple[str, list]], doc: str) -> None:
+def main(section: Callable[[bool], tuple[str, list]], doc: str) -> None:
     """A benchmark script's command line: prints its section."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer rounds")

@@ -17,7 +17,6 @@ process.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import subprocess
 import sys
@@ -214,13 +213,13 @@ def constructs(leaves: int, reps: int, missed: list[str]) -> str:
     shapes = tree("identical", leaves)
     common.log(f"  compile: constructs, {leaves} leaves, {reps} repeat(s)")
     best = measure({k: _construct(*v) for k, v in CONSTRUCTS.items()}, shapes, reps)
-    base = best[next(iter(CONSTRUCTS))][2]
+    base = best[next(iter(CONSTRUCTS))].cpu_s
     rows = [
         [
             k,
-            f"{best[k][2]:.2f}",
-            f"{best[k][2] - base:+.2f}",
-            f"{(best[k][2] - base) / leaves * 1e3:.1f}",
+            f"{best[k].cpu_s:.2f}",
+            f"{best[k].cpu_s - base:+.2f}",
+            f"{(best[k].cpu_s - base) / leaves * 1e3:.1f}",
         ]
         for k in CONSTRUCTS
     ]
@@ -268,25 +267,15 @@ class Size(NamedTuple):
     reps: int
 
 
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """Leaf counts, and for each the rows, trees and repeats measured."""
-
-    sizes: tuple[Size, ...]
-
-
-FULL = Plan(
-    sizes=(
-        Size(50, tuple(CLIPJAX), ("identical", "transformer"), 2),
-        Size(500, tuple(CLIPJAX), ("identical", "transformer"), 2),
-        Size(2000, tuple(CLIPJAX), ("identical",), 1),
-    )
+# The plans: the leaf counts measured, each with its rows, trees and repeats.
+FULL = (
+    Size(50, tuple(CLIPJAX), ("identical", "transformer"), 2),
+    Size(500, tuple(CLIPJAX), ("identical", "transformer"), 2),
+    Size(2000, tuple(CLIPJAX), ("identical",), 1),
 )
-QUICK = Plan(
-    sizes=(
-        Size(50, tuple(CLIPJAX), ("identical",), 1),
-        Size(200, ("agc", "zclip"), ("identical",), 1),
-    )
+QUICK = (
+    Size(50, tuple(CLIPJAX), ("identical",), 1),
+    Size(200, ("agc", "zclip"), ("identical",), 1),
 )
 
 
@@ -305,40 +294,18 @@ def tree(kind: str, leaves: int) -> Any:
     return common.transformer_shapes(blocks=max(1, round((leaves - 3) / 12)), d=64, vocab=512)
 
 
-Seconds = tuple[float, float, float]  # (trace + lower, compile, CPU seconds of both)
+def measure(makes: dict[str, Make], shapes: Any, reps: int) -> dict[str, common.Compiled]:
+    """Best of ``reps`` of each figure per configuration, configurations alternated: each
+    measurement a fresh jit of a freshly built step, after ``jax.clear_caches()``."""
 
+    def fresh(label: str) -> common.Compiled:
+        jax.clear_caches()
+        tx = makes[label]()
+        # skip_on_spike's step passes the loss, ``update(..., value=loss)``.
+        step = common.train_step(tx, "skip_on_spike(" in label)
+        return common.compile_jit(step, *common.step_args(tx, shapes))
 
-def measure_once(make: Make, shapes: Any, value: bool) -> Seconds:
-    """Wall seconds to trace + lower and to compile one fresh jit of the step, and CPU seconds.
-
-    ``value``: the step passes the loss, ``update(..., value=loss)`` (skip_on_spike).
-    """
-    jax.clear_caches()
-    tx = make()
-
-    def step(params: Any, state: Any, grads: Any, loss: Any) -> Any:
-        extra = {"value": loss} if value else {}
-        updates, state = tx.update(grads, state, params, **extra)
-        return optax.apply_updates(params, updates), state
-
-    loss = jax.ShapeDtypeStruct((), jnp.float32)
-    state = jax.eval_shape(tx.init, shapes)
-    c0, t0 = time.process_time(), time.perf_counter()
-    lowered = jax.jit(step, donate_argnums=(0, 1)).trace(shapes, state, shapes, loss).lower()
-    t1 = time.perf_counter()
-    lowered.compile()
-    return t1 - t0, time.perf_counter() - t1, time.process_time() - c0
-
-
-def measure(makes: dict[str, Make], shapes: Any, reps: int) -> dict[str, Seconds]:
-    """Best of ``reps`` of each figure per configuration, configurations alternated."""
-    best: dict[str, Seconds] = {}
-    for r in range(reps):
-        for label in list(makes)[:: -1 if r % 2 else 1]:
-            got = measure_once(makes[label], shapes, "skip_on_spike(" in label)
-            old = best.get(label, (float("inf"),) * 3)
-            best[label] = tuple(min(a, b) for a, b in zip(old, got))  # type: ignore[assignment]
-    return best
+    return common.best_of({label: lambda label=label: fresh(label) for label in makes}, reps)
 
 
 _METRICS_SCRIPT = f"""
@@ -365,29 +332,18 @@ def metrics_seconds() -> tuple[int, float, float]:
 
 def select_plan(
     quick: bool, only: str | None = None, rows: str | None = None, trees: str | None = None
-) -> Plan:
+) -> tuple[Size, ...]:
     """The plan of ``--quick`` or of the full page, narrowed to the leaf counts ``only``
     (comma-separated), the clipjax ``rows`` (semicolon-separated) and the ``trees``."""
-    plan = QUICK if quick else FULL
-    if only:
-        keep = {int(n) for n in only.split(",")}
-        plan = Plan(sizes=tuple(p for p in plan.sizes if p.leaves in keep))
-    if rows:
-        names = rows.split(";")
-        plan = Plan(
-            sizes=tuple(p._replace(rows=tuple(r for r in p.rows if r in names)) for p in plan.sizes)
-        )
-    if trees:
-        kinds = trees.split(",")
-        plan = Plan(
-            sizes=tuple(
-                p._replace(trees=tuple(t for t in p.trees if t in kinds)) for p in plan.sizes
-            )
-        )
-    return plan
+    keep = lambda names, given, sep: tuple(n for n in names if not given or n in given.split(sep))
+    return tuple(
+        p._replace(rows=keep(p.rows, rows, ";"), trees=keep(p.trees, trees, ","))
+        for p in (QUICK if quick else FULL)
+        if not only or p.leaves in {int(n) for n in only.split(",")}
+    )
 
 
-def leaf_count_table(plan: Plan) -> tuple[str, tuple[float, str], list[str]]:
+def leaf_count_table(plan: tuple[Size, ...]) -> tuple[str, tuple[float, str], list[str]]:
     """The compile time of every row of ``plan`` and of its optax counterparts.
 
     Returns:
@@ -395,12 +351,12 @@ def leaf_count_table(plan: Plan) -> tuple[str, tuple[float, str], list[str]]:
       CPU-seconds ratio to a counterpart and where it was measured; the rows that
       missed ``TARGET`` somewhere, in the order measured.
     """
-    repeats = ", ".join(f"{p.reps} at {p.leaves} leaves" for p in plan.sizes)
+    repeats = ", ".join(f"{p.reps} at {p.leaves} leaves" for p in plan)
     # The leaf counts measured on fewer trees than the others.
-    most = max((len(p.trees) for p in plan.sizes), default=0)
-    fewer_trees = [p.leaves for p in plan.sizes if len(p.trees) < most]
+    most = max((len(p.trees) for p in plan), default=0)
+    fewer_trees = [p.leaves for p in plan if len(p.trees) < most]
     table_rows, worst, missed = [], (0.0, ""), []
-    for leaves, labels, measured_trees, reps in plan.sizes:
+    for leaves, labels, measured_trees, reps in plan:
         for kind in measured_trees:
             shapes = tree(kind, leaves)
             n = len(jax.tree.leaves(shapes))
@@ -415,8 +371,10 @@ def leaf_count_table(plan: Plan) -> tuple[str, tuple[float, str], list[str]]:
             for label in labels:
                 mine = _row_name(label)
                 for base in CLIPJAX[label][1]:
-                    wall, ref_wall = sum(best[mine][:2]), sum(best[base][:2])
-                    ratio = best[mine][2] / best[base][2]
+                    m, b = best[mine], best[base]
+                    # The best trace + lower plus the best compile (the columns before it).
+                    wall, ref_wall = m.lower_s + m.compile_s, b.lower_s + b.compile_s
+                    ratio = m.cpu_s / b.cpu_s
                     worst = max(worst, (ratio, f"{mine} vs {base}, {kind} tree, {n} leaves"))
                     if ratio > TARGET and label not in missed:
                         missed.append(label)
@@ -425,13 +383,13 @@ def leaf_count_table(plan: Plan) -> tuple[str, tuple[float, str], list[str]]:
                             n,
                             kind,
                             mine,
-                            f"{best[mine][0]:.2f}",
-                            f"{best[mine][1]:.2f}",
+                            f"{m.lower_s:.2f}",
+                            f"{m.compile_s:.2f}",
                             f"{wall:.2f}",
-                            f"{best[mine][2]:.2f}",
+                            f"{m.cpu_s:.2f}",
                             base,
                             f"{ref_wall:.2f}",
-                            f"{best[base][2]:.2f}",
+                            f"{b.cpu_s:.2f}",
                             f"**{ratio:.2f}**" if ratio > TARGET else f"{ratio:.2f}",
                             f"{wall / ref_wall:.2f}",
                         ]
@@ -499,7 +457,7 @@ def section(
     plan = select_plan(quick, only, rows, trees)
     by_leaf_count, worst, missed = leaf_count_table(plan)
     # The constructs at the largest measured size up to 500 leaves.
-    small = [p.leaves for p in plan.sizes if p.leaves <= 500] or [50]
+    small = [p.leaves for p in plan if p.leaves <= 500] or [50]
     where = constructs(max(small), 1 if quick else 2, missed)
     metrics_text, first = first_metrics_call()
     text = [by_leaf_count, "", metrics_text, "", where]
@@ -531,15 +489,11 @@ def main() -> None:
     if args.body:
         print(text)
         return
-    argv = [os.path.relpath(sys.argv[0], common.ROOT), *sys.argv[1:]]
-    head = common.header("python " + " ".join(argv))
+    head = common.header(common.command("compile.py", sys.argv[1:], out=True))
     # The targets live here and in the tests; the page shows the measurements.
     for target, measured, ok in checks:
         common.log(f"{'met' if ok else 'MISSED'}: {target}: {measured}")
-    page = ["# clipjax compile time", "", *head, "", text]
-    with open(args.out, "w") as f:
-        f.write("\n".join(page) + "\n")
-    common.log(f"wrote {args.out}")
+    common.write(args.out, common.page("# clipjax compile time", head, text))
 
 
 if __name__ == "__main__":

@@ -323,24 +323,9 @@ def page(seeds: int) -> str:
     import common
 
     # No wall-clock figure here: the machine's load does not qualify anything.
-    meta = [
-        line
-        for line in common.header(f"python benchmarks/follow.py --seeds {seeds} --update-docs")
-        if "load average" not in line
-    ]
-    doc = __doc__.split("\n\n")
-    return "\n".join(
-        [
-            "# Following a run: the open-loop grid",
-            "",
-            *meta,
-            "",
-            "\n\n".join(doc[1:8]).strip(),
-            "",
-            table(seeds),
-            "",
-        ]
-    )
+    meta = common.header(f"python benchmarks/follow.py --seeds {seeds} --update-docs", load=False)
+    doc = "\n\n".join(__doc__.split("\n\n")[1:8]).strip()
+    return common.page("# Following a run: the open-loop grid", meta, doc, table(seeds))
 
 
 def main() -> None:

@@ -12,7 +12,6 @@ one huge outlier) and percentiles; the exact method's is shown next to it.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import common
@@ -48,15 +47,15 @@ def bound(update: Any, init: Any, x: np.ndarray) -> float:
 
 
 def seconds(update: Any, init: Any, n: int, reps: int) -> list[float]:
+    """Wall seconds of ``reps`` calls, each timed alone, after one."""
     tree = {"w": jnp.asarray(data("normal", n, np.random.default_rng(0)))}
     state = init(tree)
-    jax.block_until_ready(update(tree, state))
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(update(tree, state))
-        out.append(time.perf_counter() - t0)
-    return out
+
+    def calls(count: int) -> None:
+        for _ in range(count):
+            jax.block_until_ready(update(tree, state))
+
+    return common.interleave({"update": calls}, reps, 1, warm=1)[0]["update"]
 
 
 def section(quick: bool) -> tuple[str, list[tuple[str, str, bool]]]:

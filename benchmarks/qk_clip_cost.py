@@ -23,20 +23,16 @@ no gradient), with and without it. Writes ``benchmarks/QK_CLIP_COST.md``.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import math
-import os
+import itertools
 import sys
-import time
-from typing import Any
+from collections.abc import Callable
 
 import common
 import jax
 import jax.numpy as jnp
 import optax
 import train_step
-from train_step import SIZES, Measured, Size, init_params
+from train_step import SIZES, Size
 
 import clipjax
 
@@ -44,48 +40,9 @@ TARGET = 1.02  # the transform's whole step over the optimizer's, both given the
 OPTIMIZERS = {"adamw": "optax.adamw(1e-3)", "muon": "optax.contrib.muon(1e-3)"}
 
 
-def loss_fn(
-    params: dict[str, Any], tokens: jax.Array, size: Size, layout: str, logits: bool
-) -> tuple[jax.Array, jax.Array | None]:
-    """train_step.loss_fn, with ``clipjax.max_attention_logits`` of each layer where ``logits``."""
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    b, t = inputs.shape
-    h, dh = size.heads, size.d // size.heads
-    mm = size.matmul
-
-    def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-        return jnp.matmul(x.astype(mm), w.astype(mm), preferred_element_type=jnp.float32)
-
-    dense = lambda x, p: matmul(x, p["kernel"]) + p["bias"]
-    causal = jnp.tril(jnp.ones((t, t), bool))
-
-    def block(x: jax.Array, p: dict[str, Any]) -> tuple[jax.Array, jax.Array | None]:
-        q, k, v = jnp.split(dense(train_step._norm(x, p["ln1"]), p["attn"]["qkv"]), 3, axis=-1)
-        q, k, v = (a.reshape(b, t, h, dh).astype(mm) for a in (q, k, v))
-        s = clipjax.max_attention_logits(q, k, causal=True) if logits else None
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        att = jax.nn.softmax(jnp.where(causal, scores / math.sqrt(dh), -1e30), axis=-1)
-        mixed = jnp.einsum("bhqk,bkhd->bqhd", att.astype(mm), v, preferred_element_type=jnp.float32)
-        x = x + dense(mixed.reshape(b, t, -1), p["attn"]["out"])
-        y = jax.nn.gelu(dense(train_step._norm(x, p["ln2"]), p["mlp"]["fc1"]))
-        return x + dense(y, p["mlp"]["fc2"]), s
-
-    x = params["embed"][inputs] + params["pos"][:t]
-    if layout == "scanned":
-        x, maxima = jax.lax.scan(block, x, params["layers"])
-    else:
-        found = []
-        for p in params["layers"]:
-            x, s = block(x, p)
-            found.append(s)
-        maxima = jnp.stack(found) if logits else None
-    out = matmul(train_step._norm(x, params["ln_f"]), params["embed"].T)
-    return optax.softmax_cross_entropy_with_integer_labels(out, targets).mean(), maxima
-
-
-def configurations(size: Size, layout: str) -> dict[str, tuple[Any, bool, bool]]:
-    """label -> (transform, whether the loss computes the max logits, whether the
-    transform takes them)."""
+def configurations(size: Size, layout: str) -> dict[str, tuple[Callable, bool, bool]]:
+    """label -> (make of the transform, whether the loss computes the max logits, whether
+    the transform takes them)."""
     d = size.d
     scope = clipjax.stacked(layers="layers") if layout == "scanned" else None
     qk_clip = lambda: clipjax.qk_clip(
@@ -94,114 +51,72 @@ def configurations(size: Size, layout: str) -> dict[str, tuple[Any, bool, bool]]
         key=clipjax.QKHeads("attn/qkv", axis=-1, span=(d, 2 * d)),
         scope=scope,
     )
-    out: dict[str, tuple[Any, bool, bool]] = {}
+    out: dict[str, tuple[Callable, bool, bool]] = {}
     for name, code in OPTIMIZERS.items():
         make = lambda code=code: eval(code, {"optax": optax})
-        out[name] = (make(), False, False)
-        out[f"{name} + logits"] = (make(), True, False)
-        out[f"{name} + qk_clip"] = (optax.chain(make(), qk_clip()), True, True)
+        out[name] = (make, False, False)
+        out[f"{name} + logits"] = (make, True, False)
+        out[f"{name} + qk_clip"] = (lambda make=make: optax.chain(make(), qk_clip()), True, True)
     return out
-
-
-def compile_one(tx: Any, logits: bool, clip: bool, size: Size, layout: str) -> Measured:
-    jax.clear_caches()
-    params, tokens = train_step.model_shapes(size, layout)
-
-    def step(params: Any, state: Any, tokens: jax.Array) -> Any:
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss, maxima), grads = grad_fn(params, tokens, size, layout, logits)
-        extra = {"max_logits": maxima} if clip else {}
-        updates, state = tx.update(grads, state, params, **extra)
-        # The max logits are an output (a user logs them): computed in every `+ logits` step.
-        return optax.apply_updates(params, updates), state, (loss, maxima)
-
-    state = jax.eval_shape(tx.init, params)
-    c0, t0 = time.process_time(), time.perf_counter()
-    compiled = jax.jit(step, donate_argnums=(0, 1)).trace(params, state, tokens).lower().compile()
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    return Measured(compiled, tx, wall, cpu, int(cost["bytes accessed"]), 0)
 
 
 def forward_times(size: Size, layout: str, rounds: int) -> dict[str, list[float]]:
     """CPU (wall on a GPU) seconds a forward pass, with and without the helper, interleaved."""
-    key = jax.random.key(0)
-    tokens = jax.random.randint(jax.random.fold_in(key, 1), (size.batch, size.context + 1), 0, 256)
-    params = init_params(key, size, layout)
-    runs = {
-        label: jax.jit(lambda p, x, logits=logits: loss_fn(p, x, size, layout, logits))
-        for label, logits in (("forward", False), ("forward + logits", True))
-    }
-    for run in runs.values():
-        jax.block_until_ready(run(params, tokens))
-    clock = time.perf_counter if train_step.on_gpu() else time.process_time
-    times: dict[str, list[float]] = {label: [] for label in runs}
-    for r in range(rounds):
-        for label in list(runs)[:: -1 if r % 2 else 1]:
-            t0 = clock()
-            for _ in range(size.steps):
-                out = runs[label](params, tokens)
+    params, tokens = train_step.inputs(size, layout)
+
+    def forward(logits: bool) -> Callable[[int], None]:
+        loss = jax.jit(lambda p, x: train_step.loss_fn(p, x, size, layout, logits))
+
+        def run(steps: int) -> None:
+            for _ in range(steps):
+                out = loss(params, tokens)
             jax.block_until_ready(out)
-            times[label].append((clock() - t0) / size.steps)
-    return times
 
+        return run
 
-def pair_ratios(
-    reference: Measured, other: Measured, size: Size, layout: str, rounds: int, seconds: Any
-) -> list[float]:
-    """Per round, ``other``'s step seconds over ``reference``'s, the two timed alone."""
-    pair = {
-        "reference": dataclasses.replace(reference, step_s=[], step_cpu_s=[]),
-        "other": dataclasses.replace(other, step_s=[], step_cpu_s=[]),
-    }
-    train_step.time_steps(pair, size, layout, rounds)
-    reference.step_s += pair["reference"].step_s
-    reference.step_cpu_s += pair["reference"].step_cpu_s
-    other.step_s += pair["other"].step_s
-    other.step_cpu_s += pair["other"].step_cpu_s
-    return common.ratios(seconds(pair["other"]), seconds(pair["reference"]))
+    runs = {"forward": forward(False), "forward + logits": forward(True)}
+    return train_step.seconds(
+        *common.interleave(runs, rounds, size.steps, warm=1, order=common.alternated)
+    )
 
 
 def section(layout: str, size: Size, rounds: int) -> tuple[str, dict[str, float]]:
     measured = {
-        label: compile_one(tx, logits, clip, size, layout)
-        for label, (tx, logits, clip) in configurations(size, layout).items()
+        label: train_step.compile_step(make, size, layout, logits=logits, clip=clip)
+        for label, (make, logits, clip) in configurations(size, layout).items()
     }
     for label, m in measured.items():
         common.log(f"  {layout} {label}: compile {m.wall_s:.1f} s")
-    seconds = lambda m: m.step_s if train_step.on_gpu() else m.step_cpu_s
+    # Step seconds on train_step.basis(), of every pair a configuration was timed in.
+    times: dict[str, list[float]] = {label: [] for label in measured}
     figures: dict[str, float] = {}
     rows = []
     for name in OPTIMIZERS:
-        base, with_logits, with_clip = (
-            measured[name],
-            measured[f"{name} + logits"],
-            measured[f"{name} + qk_clip"],
-        )
-        # Each ratio is timed on its pair alone, interleaved: a shared machine's drift
-        # within a round then falls on the two configurations it compares.
-        helper = pair_ratios(base, with_logits, size, layout, rounds, seconds)
-        transform = pair_ratios(with_logits, with_clip, size, layout, rounds, seconds)
-        reference_bytes = {f"{name} + logits": base.bytes, f"{name} + qk_clip": with_logits.bytes}
-        figures[f"{layout} {name} helper"] = common.median(helper)
-        figures[f"{layout} {name} transform"] = common.median(transform)
-        for label, m, ratio, of in (
-            (name, base, None, ""),
-            (f"{name} + logits", with_logits, helper, f"`{name}`"),
-            (f"{name} + qk_clip", with_clip, transform, f"`{name} + logits`"),
-        ):
-            verdict = ""
+        # The optimizer, + logits (the helper's cost) and + qk_clip (the transform's), each
+        # over the one before it: each ratio is timed on its pair alone, interleaved, so that
+        # a shared machine's drift within a round falls on the two configurations it compares.
+        labels = [name, f"{name} + logits", f"{name} + qk_clip"]
+        ratios: list[list[float] | None] = [None]
+        for reference, other in itertools.pairwise(labels):
+            pair = {"reference": measured[reference], "other": measured[other]}
+            got = train_step.seconds(*train_step.time_steps(pair, size, layout, rounds))
+            times[reference] += got["reference"]
+            times[other] += got["other"]
+            ratios.append(common.ratios(got["other"], got["reference"]))
+        figures[f"{layout} {name} helper"] = common.median(ratios[1])
+        figures[f"{layout} {name} transform"] = common.median(ratios[2])
+        for label, reference, ratio in zip(labels, [None, *labels], ratios):
+            m, verdict = measured[label], ""
             if label.endswith("qk_clip"):
                 ok = common.median(ratio) <= TARGET
                 verdict = f"≤ {TARGET:.2f}: {'met' if ok else '**missed**'}"
             rows.append(
                 [
                     f"`{label}`",
-                    f"{common.median(seconds(m)) * 1e3:.3g}",
+                    f"{common.median(times[label]) * 1e3:.3g}",
                     "" if ratio is None else common.spread(ratio, "{:.3f}"),
-                    of,
-                    "" if ratio is None else f"{m.bytes / reference_bytes[label]:.4f}",
+                    f"`{reference}`" if reference else "",
+                    "" if ratio is None else f"{m.bytes / measured[reference].bytes:.4f}",
                     verdict,
                     f"{m.cpu_s:.2f}",
                     f"{m.bytes:d}",
@@ -222,38 +137,19 @@ def section(layout: str, size: Size, rounds: int) -> tuple[str, dict[str, float]
             "",
         ]
     )
-    basis = "wall" if train_step.on_gpu() else "CPU"
+    basis = train_step.basis()
     header = ["configuration", f"step ms ({basis})", f"× reference ({basis})", "reference",
               "bytes × reference", "target", "compile s (CPU)", "bytes accessed"]  # fmt: skip
     text = f"## {layout.capitalize()} layers\n\n" + common.table(header, rows)
     return text, figures
 
 
-def without_out(argv: list[str]) -> list[str]:
-    """The arguments without ``--out DIR`` / ``--out=DIR`` (a path of the machine that ran it)."""
-    shown, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--out":
-            skip = True
-        elif not arg.startswith("--out="):
-            shown.append(arg)
-    return shown
-
-
 def main(argv: list[str] | None = None) -> dict[str, float]:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", choices=list(SIZES), default="cpu")
-    parser.add_argument("--layouts", default=",".join(train_step.LAYOUTS))
-    parser.add_argument("--rounds", type=int, help="interleaved rounds (default: the size's)")
-    parser.add_argument("--out", help="folder of the page (default benchmarks/)")
-    args = parser.parse_args(argv)
+    args = train_step.options(__doc__, size="cpu").parse_args(argv)
     size = SIZES[args.size]
     rounds = args.rounds or size.rounds
-    shown = " ".join(["python benchmarks/qk_clip_cost.py", *without_out(argv)])
-    head = train_step.header(shown)
+    head = common.header(common.command("qk_clip_cost.py", argv), numpy=True)
     size_text = (
         f"`--size {args.size}`: {size.layers} layers, d_model {size.d}, {size.heads} heads, "
         f"batch {size.batch} x {size.context} bytes, {jnp.dtype(size.matmul).name} matmul inputs"
@@ -275,17 +171,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "`clipjax.qk_clip` chained after the optimizer. `forward + logits`: the loss alone "
         "(no gradient), with the helper over without it.",
     ]
-    folder = args.out or os.path.join(common.ROOT, "benchmarks")
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, "QK_CLIP_COST.md")
+    path = common.page_path(args.out, "QK_CLIP_COST.md")
     sections, figures = [], {}
     for layout in args.layouts.split(","):
         text, found = section(layout, size, rounds)
         sections.append(text)
         figures.update(found)
-        with open(path, "w") as f:
-            f.write("\n\n".join(["\n".join(intro), *sections]) + "\n")
-        common.log(f"wrote {path}")
+        common.write(path, common.page(intro, *sections))
     for key, value in figures.items():
         common.log(f"  {key}: {value:.3f}x")
     return figures

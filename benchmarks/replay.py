@@ -229,16 +229,18 @@ def markdown(results: dict[str, dict[float, Result]]) -> str:
     rec = recommended()
     label = lambda name: name.replace("recommended", f"recommended: {rec}")
     scales = list(next(iter(results.values())))
-    k_cols = " | ".join(f"k = {k:g}" for k in scales)
     rule = "|---|" + "---:|" * len(scales)
     out = []
     relative = "relative to the level: sqrt(v̂) / running median received, over the reference's"
-    for title, field, fmt in (
-        ("sqrt(v̂) / reference from step 100, worst, per seed", "worst", ".2f"),
-        (relative, "relative", ".2f"),
-        ("changed after step 100, per seed", "changed", ".0%"),
+    # Each table's columns carry its measure, so that a figure quoted from the page
+    # names one cell: "k = 1", "k = 1, relative", "k = 1, changed".
+    for title, field, fmt, suffix in (
+        ("sqrt(v̂) / reference from step 100, worst, per seed", "worst", ".2f", ""),
+        (relative, "relative", ".2f", ", relative"),
+        ("changed after step 100, per seed", "changed", ".0%", ", changed"),
     ):
         extra = " same at every scale |" if field == "worst" else ""
+        k_cols = " | ".join(f"k = {k:g}{suffix}" for k in scales)
         head = f"| setting | {k_cols} |{extra}"
         out += [f"**{title}**", "", head, rule + ("---|" if extra else "")]
         for name, by_scale in results.items():
@@ -253,23 +255,10 @@ def page(results: dict[str, dict[float, Result]]) -> str:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import common
 
-    meta = [
-        line
-        for line in common.header("python benchmarks/replay.py --update-docs")
-        if "load average" not in line
-    ]
-    doc = __doc__.split("\n\n")
-    return "\n".join(
-        [
-            "# The start of a run at any gradient scale: recorded norms replayed",
-            "",
-            *meta,
-            "",
-            "\n\n".join(doc[1:6]).strip(),
-            "",
-            markdown(results),
-        ]
-    )
+    meta = common.header("python benchmarks/replay.py --update-docs", load=False)
+    doc = "\n\n".join(__doc__.split("\n\n")[1:6]).strip()
+    title = "# The start of a run at any gradient scale: recorded norms replayed"
+    return common.page(title, meta, doc, markdown(results).rstrip("\n"))
 
 
 def main() -> None:

@@ -65,14 +65,7 @@ def main() -> None:
     unknown = set(names) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
-    # The command as run from the repository root, with no machine path in it.
-    argv = [os.path.relpath(sys.argv[0], common.ROOT), *sys.argv[1:]]
-    if "--out" in argv[:-1]:
-        i = argv.index("--out") + 1
-        rel = os.path.relpath(os.path.abspath(argv[i]), common.ROOT)
-        argv[i] = rel if not rel.startswith("..") else os.path.basename(argv[i])
-    command = "python " + " ".join(argv)
-    head = common.header(command)
+    head = common.header(common.command("run.py", sys.argv[1:], out=True))
     texts, checks, took = [], [], []
     for name in names:
         common.log(f"== {name}")
@@ -81,21 +74,13 @@ def main() -> None:
         texts.append(text)
         checks += found
         took.append(f"{name} {time.perf_counter() - t0:.0f} s")
-    head.append(f"* **load average at end**: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    report = [
-        "# clipjax benchmarks",
-        "",
+    head.append(f"* **load average at end**: {common.load_average()}")
+    intro = (
         "Wall-clock figures come from interleaved runs on the machine below; memory traffic "
-        "from XLA's cost analysis (repeatable).",
-        "",
-        *head,
-        *(f"\n{text}" for text in texts),
-        "",
-        gpu_section(),
-    ]
-    with open(args.out, "w") as f:
-        f.write("\n".join(report) + "\n")
-    common.log(f"wrote {args.out} ({'quick' if args.quick else 'full'}: {', '.join(took)})")
+        "from XLA's cost analysis (repeatable)."
+    )
+    report = common.page("# clipjax benchmarks", intro, head, *texts, gpu_section())
+    common.write(args.out, report, f" ({'quick' if args.quick else 'full'}: {', '.join(took)})")
     # The targets are the benchmark's own (common.TARGETS), not the page's.
     common.log("== targets")
     for target, measured, ok in checks:

@@ -41,13 +41,13 @@ def section(quick: bool) -> tuple[str, list[tuple[str, str, bool]]]:
         leaves = len(jax.tree.leaves(shapes))
         for label, s in samples.items():
             step = common.compile_step(label, group, shapes)
-            state = common.tree_bytes(jax.eval_shape(step.make().init, shapes)) - adam_state
-            compile_s[label] = step.compile_s
+            state = common.tree_bytes(jax.eval_shape(step.tx.init, shapes)) - adam_state
+            compile_s[label] = step.wall_s
             rows.append(
                 [
                     leaves,
                     label,
-                    f"{step.compile_s:.2f}",
+                    f"{step.wall_s:.2f}",
                     common.ms(s),
                     common.spread(common.ratios(s, samples[group.base])),
                     f"{(step.bytes - floor) / common.tree_bytes(shapes):.2f}",

@@ -81,9 +81,9 @@ def time_pair(key: str, shapes: Any, size: common.Sizes) -> list[Any]:
             box["p"], box["s"] = adam(box["p"], box["s"], clipped, 1.0)
         jax.block_until_ready(box["p"])
 
-    cj_step = common.Runner(common.compile_step(key, group, shapes), params, grads).run
+    cj_step = common.run_steps(key, group, shapes, params, grads)
     runs = {"sc clip": sc_clip, "cj clip": cj_clip, "sc step": sc_step, "cj step": cj_step}
-    t = common.interleave(runs, size.rounds, size.block_s)
+    t = common.interleave(runs, size.rounds, common.block_steps(runs, size.block_s))[0]
     row = [common.describe(shapes), key]
     for what in ("clip", "step"):
         speedup = common.ratios(t[f"sc {what}"], t[f"cj {what}"])

@@ -21,11 +21,8 @@ def measure(group: common.Group, shapes: object, size: common.Sizes) -> dict[str
     """Per-step seconds, one sample per round, for every configuration of ``group``."""
     common.log(f"  steptime: {group.title}")
     params, grads = common.params_and_grads(shapes)
-    runners = {
-        label: common.Runner(common.compile_step(label, group, shapes), params, grads)
-        for label in group.configs
-    }
-    return common.interleave({k: r.run for k, r in runners.items()}, size.rounds, size.block_s)
+    runs = {label: common.run_steps(label, group, shapes, params, grads) for label in group.configs}
+    return common.interleave(runs, size.rounds, common.block_steps(runs, size.block_s))[0]
 
 
 def section(quick: bool) -> tuple[str, list[tuple[str, str, bool]]]:
@@ -50,7 +47,7 @@ def section(quick: bool) -> tuple[str, list[tuple[str, str, bool]]]:
                     common.ms(s),
                     "" if label == group.base else common.spread(base),
                     common.spread(scope) if scope else "",
-                    f"{common.compile_step(label, group, shapes).compile_s:.1f}",
+                    f"{common.compile_step(label, group, shapes).wall_s:.1f}",
                 ]
             )
     header = ["group", "configuration", "step ms", "× base", "× global scope", "compile s"]

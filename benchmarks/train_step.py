@@ -39,10 +39,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import common
@@ -53,9 +52,6 @@ import numpy as np
 import optax
 
 import clipjax
-
-sys.path.insert(0, os.path.join(common.ROOT, "examples"))
-import lm_spikes
 
 LAYOUTS = ("unscanned", "scanned")
 # The step-time targets over the counterpart (issue 38), and the compile target.
@@ -134,8 +130,11 @@ def _norm(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
 
 
-def loss_fn(params: dict[str, Any], tokens: jax.Array, size: Size, layout: str) -> jax.Array:
-    """Mean next-byte cross-entropy of ``tokens`` [batch, context + 1]."""
+def loss_fn(
+    params: dict[str, Any], tokens: jax.Array, size: Size, layout: str, logits: bool = False
+) -> tuple[jax.Array, jax.Array | None]:
+    """Mean next-byte cross-entropy of ``tokens`` [batch, context + 1]; and where ``logits``,
+    ``clipjax.max_attention_logits`` of each layer (``[layers, heads]``), else None."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     b, t = inputs.shape
     h, dh = size.heads, size.d // size.heads
@@ -147,24 +146,28 @@ def loss_fn(params: dict[str, Any], tokens: jax.Array, size: Size, layout: str) 
     dense = lambda x, p: matmul(x, p["kernel"]) + p["bias"]
     causal = jnp.tril(jnp.ones((t, t), bool))
 
-    def block(x: jax.Array, p: dict[str, Any]) -> tuple[jax.Array, None]:
+    def block(x: jax.Array, p: dict[str, Any]) -> tuple[jax.Array, jax.Array | None]:
         q, k, v = jnp.split(dense(_norm(x, p["ln1"]), p["attn"]["qkv"]), 3, axis=-1)
         q, k, v = (a.reshape(b, t, h, dh).astype(mm) for a in (q, k, v))
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        att = jax.nn.softmax(jnp.where(causal, logits / math.sqrt(dh), -1e30), axis=-1)
+        s = clipjax.max_attention_logits(q, k, causal=True) if logits else None
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        att = jax.nn.softmax(jnp.where(causal, scores / math.sqrt(dh), -1e30), axis=-1)
         mixed = jnp.einsum("bhqk,bkhd->bqhd", att.astype(mm), v, preferred_element_type=jnp.float32)
         x = x + dense(mixed.reshape(b, t, -1), p["attn"]["out"])
         y = jax.nn.gelu(dense(_norm(x, p["ln2"]), p["mlp"]["fc1"]))
-        return x + dense(y, p["mlp"]["fc2"]), None
+        return x + dense(y, p["mlp"]["fc2"]), s
 
     x = params["embed"][inputs] + params["pos"][:t]
     if layout == "scanned":
-        x, _ = jax.lax.scan(block, x, params["layers"])
+        x, maxima = jax.lax.scan(block, x, params["layers"])
     else:
+        found = []
         for p in params["layers"]:
-            x, _ = block(x, p)
-    logits = matmul(_norm(x, params["ln_f"]), params["embed"].T)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+            x, s = block(x, p)
+            found.append(s)
+        maxima = jnp.stack(found) if logits else None
+    out = matmul(_norm(x, params["ln_f"]), params["embed"].T)
+    return optax.softmax_cross_entropy_with_integer_labels(out, targets).mean(), maxima
 
 
 # ----------------------------------------------------------------------------- rows
@@ -395,66 +398,58 @@ def selected(names: Sequence[str], table: dict[str, Row]) -> list[str]:
 # ----------------------------------------------------------------------------- measuring
 
 
-@dataclasses.dataclass
-class Measured:
-    """One configuration in one layout: compiled step and its repeatable figures."""
-
-    run: Any
-    tx: optax.GradientTransformation
-    wall_s: float  # trace + lower + compile, wall seconds
-    cpu_s: float  # the same, CPU seconds of the process (all threads)
-    bytes: int  # cost_analysis "bytes accessed"
-    copies: int  # full-size copy ops (common.full_size_copies)
-    step_s: list[float] = dataclasses.field(default_factory=list)  # wall, one a round
-    step_cpu_s: list[float] = dataclasses.field(default_factory=list)  # CPU, one a round
-
-
 def model_shapes(size: Size, layout: str) -> tuple[Any, Any]:
     params = jax.eval_shape(lambda: init_params(jax.random.key(0), size, layout))
     tokens = jax.ShapeDtypeStruct((size.batch, size.context + 1), jnp.int32)
     return params, tokens
 
 
-def compile_step(row: Row, layout: str, size: Size) -> Measured:
-    """The whole step of ``row`` in ``layout``, compiled anew after ``jax.clear_caches()``."""
+def compile_step(
+    make: Callable[[], optax.GradientTransformation],
+    size: Size,
+    layout: str,
+    *,
+    value: bool = False,
+    logits: bool = False,
+    clip: bool = False,
+) -> common.Compiled:
+    """The whole step of ``make()`` in ``layout``, compiled anew after ``jax.clear_caches()``.
+
+    ``value``: the step passes the loss, ``update(..., value=loss)``; ``logits``: the
+    loss computes the max attention logits of each layer (an output of the step, as a user
+    logs them); ``clip``: the step passes them, ``update(..., max_logits=...)``.
+    """
     jax.clear_caches()
-    tx = build(row, layout)
+    tx = make()
     params, tokens = model_shapes(size, layout)
 
     def step(params: Any, state: Any, tokens: jax.Array) -> Any:
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, size, layout)
-        extra = {"value": loss} if row.value else {}
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (loss, maxima), grads = grad_fn(params, tokens, size, layout, logits)
+        extra = {"value": loss} if value else {}
+        if clip:
+            extra["max_logits"] = maxima
         updates, state = tx.update(grads, state, params, **extra)
-        return optax.apply_updates(params, updates), state, loss
+        return optax.apply_updates(params, updates), state, (loss, maxima)
 
-    state = jax.eval_shape(tx.init, params)
-    c0, t0 = time.process_time(), time.perf_counter()
-    lowered = jax.jit(step, donate_argnums=(0, 1)).trace(params, state, tokens).lower()
-    compiled = lowered.compile()
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    copies = common.full_size_copies(compiled.as_text(), params)
-    return Measured(compiled, tx, wall, cpu, int(cost["bytes accessed"]), copies)
+    return common.compile_jit(step, params, jax.eval_shape(tx.init, params), tokens, tx=tx)
 
 
 def compile_all(
     chosen: list[str], table: dict[str, Row], layout: str, size: Size, deadline: float | None
-) -> tuple[dict[str, Measured], list[str]]:
+) -> tuple[dict[str, common.Compiled], list[str]]:
     """Each configuration compiled ``size.compiles`` times, forward then backward through
     ``chosen``, its best wall and CPU seconds kept; and those left out by the ``deadline``
     (a ``time.perf_counter()`` after which nothing more is compiled)."""
-    measured: dict[str, Measured] = {}
-    for rep in range(size.compiles):
-        for label in chosen[:: -1 if rep % 2 else 1]:
-            if (deadline is not None and time.perf_counter() > deadline) or (
-                rep and label not in measured
-            ):
-                continue
-            m = compile_step(table[label], layout, size)
-            common.log(f"  {label}: compile {m.wall_s:.1f} s, {m.bytes} bytes, {m.copies} copies")
-            best = measured.setdefault(label, m)
-            best.wall_s, best.cpu_s = min(best.wall_s, m.wall_s), min(best.cpu_s, m.cpu_s)
+
+    def compile_row(label: str) -> common.Compiled:
+        row = table[label]
+        m = compile_step(lambda: build(row, layout), size, layout, value=row.value)
+        common.log(f"  {label}: compile {m.wall_s:.1f} s, {m.bytes} bytes, {m.copies} copies")
+        return m
+
+    compiles = {label: lambda label=label: compile_row(label) for label in chosen}
+    measured = common.best_of(compiles, size.compiles, deadline)
     return measured, [label for label in chosen if label not in measured]
 
 
@@ -465,46 +460,30 @@ def compile_model(size: Size, layout: str) -> tuple[float, float]:
     matmuls, whose results the configurations' compiles then reuse alike.
     """
     jax.clear_caches()
-    params, tokens = model_shapes(size, layout)
-    grad = jax.value_and_grad(lambda p, x: loss_fn(p, x, size, layout))
-    c0, t0 = time.process_time(), time.perf_counter()
-    jax.jit(grad).trace(params, tokens).lower().compile()
-    return time.perf_counter() - t0, time.process_time() - c0
+    grad = jax.value_and_grad(lambda p, x: loss_fn(p, x, size, layout)[0])
+    m = common.compile_jit(grad, *model_shapes(size, layout), donate=())
+    return m.wall_s, m.cpu_s
 
 
-def time_steps(measured: dict[str, Measured], size: Size, layout: str, rounds: int) -> None:
-    """Appends each round's wall and CPU seconds a step to each configuration's
-    ``step_s`` and ``step_cpu_s``."""
+def inputs(size: Size, layout: str) -> tuple[dict[str, Any], jax.Array]:
+    """The params and a batch of tokens the steps are timed on."""
     key = jax.random.key(0)
     tokens = jax.random.randint(jax.random.fold_in(key, 1), (size.batch, size.context + 1), 0, 256)
-    params = init_params(key, size, layout)
-    # Each configuration its own buffers (they are donated); init may put one
-    # array under two fields, so its state is copied leaf by leaf too.
-    live = {
-        label: [jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, m.tx.init(params))]
+    return init_params(key, size, layout), tokens
+
+
+def time_steps(
+    measured: dict[str, common.Compiled], size: Size, layout: str, rounds: int
+) -> tuple[common.Times, common.Times]:
+    """Wall and CPU seconds a step of each configuration, one a round: ``rounds``
+    interleaved rounds of ``size.steps`` steps (after 2 of each)."""
+    params, tokens = inputs(size, layout)
+    # Each configuration its own buffers (they are donated).
+    runs = {
+        label: common.Runner(m.run, params, m.tx.init(params), tokens).run
         for label, m in measured.items()
     }
-
-    def run(label: str, steps: int) -> tuple[float, float]:
-        p, s = live[label]
-        c0, t0 = time.process_time(), time.perf_counter()
-        for _ in range(steps):
-            p, s, loss = measured[label].run(p, s, tokens)
-        jax.block_until_ready((p, s, loss))
-        live[label] = [p, s]
-        return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
-
-    labels = list(measured)
-    for label in labels:
-        run(label, 2)
-    for r in range(rounds):
-        # Rotated and reversed from round to round: a slow drift of a shared
-        # machine falls on every configuration alike.
-        order = labels[r % len(labels) :] + labels[: r % len(labels)]
-        for label in order[::-1] if r % 2 else order:
-            wall, cpu = run(label, size.steps)
-            measured[label].step_s.append(wall)
-            measured[label].step_cpu_s.append(cpu)
+    return common.interleave(runs, rounds, size.steps, warm=2)
 
 
 # ----------------------------------------------------------------------------- the page
@@ -518,7 +497,9 @@ class Layout:
     leaves: int
     parameters: int
     model_s: tuple[float, float]
-    measured: dict[str, Measured]
+    measured: dict[str, common.Compiled]
+    wall: common.Times  # step seconds, one a round
+    cpu: common.Times
     left_out: list[str]
 
 
@@ -532,15 +513,15 @@ def basis() -> str:
     return "wall" if on_gpu() else "CPU"
 
 
-def compile_seconds(m: Measured) -> float:
-    return m.wall_s if on_gpu() else m.cpu_s
+def seconds(wall: Any, cpu: Any) -> Any:
+    """Of the two, the figure on ``basis()``."""
+    return wall if on_gpu() else cpu
 
 
-def step_ratios(m: Measured, base: Measured) -> list[float]:
-    """Per round, ``m``'s step seconds over ``base``'s (on ``basis()``)."""
-    if on_gpu():
-        return common.ratios(m.step_s, base.step_s)
-    return common.ratios(m.step_cpu_s, base.step_cpu_s)
+def step_ratios(layout: Layout, name: str, base: str) -> list[float]:
+    """Per round, ``name``'s step seconds over ``base``'s (on ``basis()``)."""
+    times = seconds(layout.wall, layout.cpu)
+    return common.ratios(times[name], times[base])
 
 
 def verdicts(layout: Layout, table: dict[str, Row]) -> dict[str, tuple[float, float, bool, bool]]:
@@ -551,8 +532,8 @@ def verdicts(layout: Layout, table: dict[str, Row]) -> dict[str, tuple[float, fl
         if base is None or base not in layout.measured:
             continue
         b = layout.measured[base]
-        step = common.median(step_ratios(m, b))
-        comp = compile_seconds(m) / compile_seconds(b)
+        step = common.median(step_ratios(layout, name, base))
+        comp = seconds(m.wall_s, m.cpu_s) / seconds(b.wall_s, b.cpu_s)
         out[name] = (step, comp, step <= table[name].target, comp <= COMPILE)
     return out
 
@@ -569,13 +550,11 @@ def layout_section(layout: Layout, table: dict[str, Row]) -> str:
                 f"`{name}`",
                 f"`{code(row, layout.name)}`",
                 f"`{row.base}`" if row.base else "",
-                f"{common.median(m.step_s) * 1e3:.3g}",
-                *([] if on_gpu() else [f"{common.median(m.step_cpu_s) * 1e3:.3g}"]),
+                f"{common.median(layout.wall[name]) * 1e3:.3g}",
+                *([] if on_gpu() else [f"{common.median(layout.cpu[name]) * 1e3:.3g}"]),
                 ""
                 if step is None
-                else bold(
-                    common.spread(step_ratios(m, layout.measured[row.base]), "{:.3f}"), step_ok
-                ),
+                else bold(common.spread(step_ratios(layout, name, row.base), "{:.3f}"), step_ok),
                 "" if row.base is None else f"≤ {row.target:.2f}",
                 f"{m.wall_s:.2f}",
                 f"{m.cpu_s:.2f}",
@@ -616,21 +595,11 @@ def layout_section(layout: Layout, table: dict[str, Row]) -> str:
     return "\n".join(text)
 
 
-def header(command: str) -> list[str]:
-    """benchmarks/common.py's page header (command, date, device, machine, load, versions),
-    with numpy's version."""
-    return [
-        line + f", numpy {np.__version__}" if line.startswith("* **versions**") else line
-        for line in common.header(command)
-    ]
-
-
 def page(
     head: list[str], size_name: str, layouts: list[Layout], table: dict[str, Row], rounds: int
 ) -> str:
     size = SIZES[size_name]
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    head = [*head, f"* **load average at end**: {load}"]
+    head = [*head, f"* **load average at end**: {common.load_average()}"]
     mm = jnp.dtype(size.matmul).name
     intro = [
         "# What a user pays per training step",
@@ -688,28 +657,29 @@ def page(
             "`bash benchmarks/device.sh` runs this benchmark at `--size gpu` on a GPU "
             "(`TRAIN_STEP_GPU.md`)."
         )
-    return "\n\n".join(["\n".join(intro), *body]) + "\n"
+    return common.page(intro, *body)
 
 
-def shown_command(argv: list[str]) -> str:
-    """The command as run from the repository root, without ``--out`` (examples/lm_spikes.py's
-    rule)."""
-    shown = lm_spikes.command(argv, "train_step.py")
-    return shown.replace("python examples/", "python benchmarks/", 1)
+def options(doc: str, size: str | None = None) -> argparse.ArgumentParser:
+    """The command line of this script and of qk_clip_cost.py: the model's ``--size``
+    (default ``size``, else the machine's), ``--layouts``, ``--rounds`` and ``--out``."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    default = size or "gpu on a GPU, else cpu"
+    parser.add_argument("--size", choices=list(SIZES), default=size, help=f"default: {default}")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="in the order measured")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default: the size's)")
+    parser.add_argument("--out", help="folder of the page (default benchmarks/)")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> list[Layout]:
     argv = sys.argv[1:] if argv is None else argv
     table = rows()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", choices=list(SIZES), help="default: gpu on a GPU, else cpu")
+    parser = options(__doc__)
     parser.add_argument(
         "--rows",
         help=f"comma-separated rows, or all (default: the size's); from {', '.join(table)}",
     )
-    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="in the order measured")
-    parser.add_argument("--rounds", type=int, help="interleaved rounds (default: the size's)")
-    parser.add_argument("--out", help="folder of the page (default benchmarks/)")
     parser.add_argument(
         "--budget",
         type=float,
@@ -722,10 +692,8 @@ def main(argv: list[str] | None = None) -> list[Layout]:
     names = args.layouts.split(",")
     if set(names) - set(LAYOUTS):
         parser.error(f"unknown layouts {names}; choose from {', '.join(LAYOUTS)}")
-    folder = args.out or os.path.join(common.ROOT, "benchmarks")
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, "TRAIN_STEP_GPU.md" if on_gpu() else "TRAIN_STEP.md")
-    head = header(shown_command(argv))
+    path = common.page_path(args.out, "TRAIN_STEP_GPU.md" if on_gpu() else "TRAIN_STEP.md")
+    head = common.header(common.command("train_step.py", argv), numpy=True)
     start, done = time.perf_counter(), []
     for name in names:
         chosen = selected(args.rows.split(",") if args.rows else size.rows[name], table)
@@ -742,14 +710,13 @@ def main(argv: list[str] | None = None) -> list[Layout]:
             if base is not None and base not in measured:
                 left_out.append(label)
                 del measured[label]
-        time_steps(measured, size, name, rounds)
-        for label, m in measured.items():
-            common.log(f"  {label}: {common.median(m.step_s) * 1e3:.3g} ms")
+        wall, cpu = time_steps(measured, size, name, rounds)
+        for label, times in wall.items():
+            common.log(f"  {label}: {common.median(times) * 1e3:.3g} ms")
         parameters = sum(int(np.prod(x.shape)) for x in leaves)
-        done.append(Layout(name, len(leaves), parameters, model_s, measured, left_out))
-        with open(path, "w") as f:
-            f.write(page(head, size_name, done, table, rounds))
-        common.log(f"wrote {path} ({time.perf_counter() - start:.0f} s)")
+        done.append(Layout(name, len(leaves), parameters, model_s, measured, wall, cpu, left_out))
+        text = page(head, size_name, done, table, rounds)
+        common.write(path, text, f" ({time.perf_counter() - start:.0f} s)")
         for label, (step, comp, step_ok, comp_ok) in verdicts(done[-1], table).items():
             common.log(
                 f"  {'met   ' if step_ok and comp_ok else 'MISSED'} {name} {label}: step "
