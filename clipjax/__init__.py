@@ -7,17 +7,16 @@ jit-compatible pytree carrying its per-step metrics; read them with
 
 from clipjax import _serialization
 from clipjax._adagc import AdaGCState, adagc
-from clipjax._adamw_clip import AdamWClipState
 from clipjax._agc import AGCState, agc
 from clipjax._attention_logits import max_attention_logits
 from clipjax._autoclip import AutoClipState, autoclip
+from clipjax._conditional import SkippableTransform
 from clipjax._elementwise import (
     ClipByPercentileState,
     ClipByValueState,
     clip_by_percentile,
     clip_by_value,
 )
-from clipjax._fold import SkippableTransform, UpdateClippingState, adam, adamw, chain
 from clipjax._grouping import path_name, stacked
 from clipjax._growth_clip import (
     ClipNormByEMAState,
@@ -38,6 +37,7 @@ from clipjax._hist_clip import (
 from clipjax._historical_clip import HistoricalNormClipState, clip_by_historical_norm
 from clipjax._kit import ClipTransform
 from clipjax._metrics import GroupInfo, metrics
+from clipjax._optimizers import AdamWClipState, UpdateClippingState, adam, adamw, chain
 from clipjax._percentile import approx_percentile, approx_relative_error, exact_percentile
 from clipjax._qk_clip import QKClipState, QKHeads, qk_clip
 from clipjax._skip import (
@@ -69,7 +69,7 @@ from clipjax._zscore_clip import ZScoreClipState, zscore_clip
 # With flax installed, its serialization knows clipjax's states from here on.
 _serialization.register()
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "AGCState",

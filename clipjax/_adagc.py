@@ -7,23 +7,19 @@ from typing import Any, NamedTuple, get_args
 import jax
 import jax.numpy as jnp
 
-from clipjax import _grouping, _kit, _validation
+from clipjax import _checks, _kit
 from clipjax._grouping import Scope
-from clipjax._kit import ClipTransform
+from clipjax._kit import ClipTransform, SpikeFeedback
 from clipjax._metrics import GroupInfo
-from clipjax._types import SpikeFeedback
 
 
 class AdaGCState(NamedTuple):
-    """State of :func:`adagc`: ``gamma`` per group, then the shared fields.
+    """State of :func:`adagc`: ``gamma`` per group, then the fields every clipper
+    state ends with (:class:`~clipjax.ClipTransform`).
 
     Attributes:
       gamma: ``[groups]`` EMA of the clipped norms (the minimum of the clipped
         norms during warm-up; +inf before the first observation).
-      metrics: this step's metrics and the counters (``clipjax._kit``).
-      info: static names (algorithm, prefix, groups, leaves).
-      leaf_index: each leaf's group index, int32 scalars (empty for one group).
-      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -43,6 +39,7 @@ class AdaGCState(NamedTuple):
         return {"mean": self.gamma}
 
 
+@_kit.configurable
 def adagc(
     relative_threshold: float = 1.05,
     beta: float = 0.98,
@@ -75,22 +72,15 @@ def adagc(
     group's ``count``) unchanged on a clipped step, which can hold the
     threshold at an old level after a lasting rise of the norm.
 
-    AdaGC is a smoothing clip rather than a spike detector, and it follows a
-    rise of the norm slowly: ``gamma`` grows by at most
-    ``(1 - beta) * (relative_threshold - 1)`` per step (0.1% with the
-    defaults), so a lasting x2 rise takes about 700 steps to learn. On the
-    open-loop grid of ``python benchmarks/follow.py`` (one group) it clips
-    about half the steps of a stationary stream with 5% noise (over 90% with 20%
-    noise), and 99-100% of the steps from 120 to 400 steps after a lasting
-    rise of x2 to x10, while every x10 spike leaves at about the level (at most 1.12x).
+    AdaGC is a smoothing clip rather than a spike detector, and it learns a
+    rise of the norm slowly (:doc:`/reference_adagc`).
 
     A non-finite group norm passes that group through unchanged (scale 1),
     never enters ``gamma`` and increments ``nonfinite_count``; chain
     ``optax.apply_if_finite`` to drop such steps.
 
-    Static arguments: none; every number may be injected or scheduled with
-    ``optax.inject_hyperparams``, with no ``static_args``; a callable ``scope``
-    goes in ``static_args`` (inject_hyperparams would call it as a schedule).
+    Static arguments: none; every number may be injected with
+    ``optax.inject_hyperparams``, and a callable ``scope`` goes in ``static_args``.
 
     Args:
       relative_threshold: ``T_i / gamma_i`` (``> 0``; the paper uses 1.05).
@@ -98,11 +88,10 @@ def adagc(
       warmup_steps: finite norms of global clipping per group (``>= 0``).
       absolute_threshold: the global-norm bound during warm-up (``> 0``).
       eps: added to the norms in the denominators (``>= 0``).
-      scope: ``"per_param"`` (the paper's per-tensor rule), ``"per_layer"``,
-        ``"global"`` or a callable ``(path, leaf) -> str``.
+      scope: the groups (:class:`~clipjax.ClipTransform`); ``"per_param"`` is
+        the paper's per-tensor rule.
       feedback: ``"clipped"`` (default), ``"raw"`` or ``"skip"``.
-      axis_name: average the group norms over this mapped axis first, so
-        every replica applies the same scale.
+      axis_name: average the group norms over this mapped axis first.
       leaf_norms: also record each leaf's L2 norm before clipping.
       name: metrics prefix (default ``adagc``).
 
@@ -129,36 +118,27 @@ def adagc(
       Wang et al., `Adaptive Gradient Clipping for Robust Large Language Model
       Pre-training <https://arxiv.org/abs/2502.11034>`_, 2025.
     """
-    settings = dict(locals())
-    _validation.positive("relative_threshold", relative_threshold)
-    _validation.open_unit("beta", beta)
-    _validation.integer("warmup_steps", warmup_steps, static=False)
-    _validation.positive("absolute_threshold", absolute_threshold)
-    _validation.non_negative("eps", eps)
-    _kit.check_feedback(feedback, get_args(SpikeFeedback))
-    _grouping.validate_scope(scope)
-    _kit.check_name(name)
+    _checks.positive("relative_threshold", relative_threshold)
+    _checks.open_unit("beta", beta)
+    _checks.integer("warmup_steps", warmup_steps, static=False)
+    _checks.positive("absolute_threshold", absolute_threshold)
+    _checks.non_negative("eps", eps)
+    _checks.feedback(feedback, get_args(SpikeFeedback))
 
     def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-        return {
-            "gamma": jnp.full((num_groups,), jnp.inf, dtype),
-            "metrics": _kit.metric_arrays(num_groups, dtype, ()),
-        }
+        gamma = jnp.full((num_groups,), jnp.inf, dtype)
+        return {"gamma": gamma, "metrics": _kit.norm_metrics(num_groups, dtype)}
 
-    layout = _kit.layout_of(arrays)
-
-    def init_fn(params: Any) -> Any:
-        start = _kit.start(params, scope, "adagc", name, leaf_norms)
-        return _kit.new_state(AdaGCState, start, arrays(start.num_groups, start.dtype))
+    kit = _kit.Clipper(
+        "adagc", AdaGCState, arrays,
+        scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms,
+    )  # fmt: skip
 
     def update_fn(
         updates: Any, state: AdaGCState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, AdaGCState]:
         del params, extra_args
-        grads = _kit.group_norms(
-            updates, state, AdaGCState, layout, who=name or "adagc", scope=scope,
-            axis_name=axis_name, leaf_norms=leaf_norms,
-        )  # fmt: skip
+        grads = kit.norms(updates, state)
         g, gamma, count = grads.norm, state.gamma, state.metrics["count"]
         finite = jnp.isfinite(g)
         warming = count < warmup_steps
@@ -190,14 +170,11 @@ def adagc(
         metrics = _kit.step_metrics(
             state.metrics,
             norm=g,
+            observed=observed,
             threshold=jnp.where(warming, jnp.asarray(absolute_threshold, g.dtype), threshold),
             scale=scale,
-            observed=observed,
         )
-        new_state = state._replace(gamma=gamma, **_kit.shared_fields(state, grads, metrics))
-        return _kit.scaled(grads, scale, state), new_state
+        return kit.finish(grads, state, metrics, scale=scale, gamma=gamma)
 
     # optax types a state as OptState (an array tree), not as AdaGCState.
-    tx = ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
-    tx.configure = lambda **overrides: adagc(**{**settings, **overrides})
-    return tx
+    return ClipTransform(kit.init, update_fn)  # pyright: ignore[reportArgumentType]

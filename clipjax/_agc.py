@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clipjax import _grouping, _kit, _validation
+from clipjax import _checks, _grouping, _kit, _xla
 from clipjax._grouping import AGCScope, Scope
-from clipjax._kit import ClipTransform, check_tree, counted, counters
+from clipjax._kit import ClipTransform
 from clipjax._metrics import GroupInfo
 
 # optax's guard in unitwise_clip, "distinct from the normal eps".
@@ -21,14 +21,8 @@ Axis = int | tuple[int, ...] | None
 
 
 class AGCState(NamedTuple):
-    """State of :func:`agc`: no statistics, only the shared fields (per group, per
-    leaf when unitwise).
-
-    Attributes:
-      metrics: this step's metrics and the counters (``clipjax._kit``).
-      info: static names (algorithm, prefix, groups, leaves).
-      leaf_index: each leaf's group index, int32 scalars (empty for one group).
-      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+    """State of :func:`agc`: no statistics, only the fields every clipper state
+    has (:class:`~clipjax.ClipTransform`), per group (per leaf when unitwise).
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -164,9 +158,8 @@ def agc(
             target = max(eps, clipping * (w + eps))
             scale = min(1, target / (g + eps))
 
-    Unitwise is exactly ``optax.adaptive_grad_clip``; its scale is formed on
-    the unit-norm array and broadcast-multiplied, instead of optax's
-    full-size select between two full-size arrays.
+    Unitwise equals ``optax.adaptive_grad_clip``; grouped, smartclip's AGC
+    (:doc:`/reference_smartclip`).
 
     ``exclude_bias_bn=True`` leaves parameters with ``ndim <= 1`` (biases,
     norm scales) unclipped; grouped norms leave them out and they report
@@ -214,31 +207,24 @@ def agc(
       Brock et al., `High-Performance Large-Scale Image Recognition Without
       Normalization <https://arxiv.org/abs/2102.06171>`_, 2021.
     """
-    _validation.positive("clipping", clipping)
-    _validation.non_negative("eps", eps)
+    _checks.positive("clipping", clipping)
+    _checks.non_negative("eps", eps)
     if scope == "unitwise":
-        return _unitwise(clipping, eps, exclude_bias_bn, axis, name, axis_name, leaf_norms)
+        return _unitwise(
+            clipping, eps, exclude_bias_bn, axis, name, leaf_norms, unit_axis_name=axis_name
+        )
     if axis is not None:
         raise ValueError(f'axis applies to scope="unitwise" only, got scope={scope!r}')
-    return _grouped(clipping, eps, exclude_bias_bn, name, scope, axis_name, leaf_norms)
-
-
-_COUNTERS = ("count", "step", "clipped_count", "nonfinite_count")
+    return _grouped(clipping, eps, exclude_bias_bn, name, leaf_norms, scope, axis_name)
 
 
 def _arrays(num_groups: int, dtype: Any = jnp.float32, *, unitwise: bool) -> dict[str, Any]:
     """A new state's metrics: per group (per leaf when unitwise) ``grad_norm``,
-    ``weight_norm``, ``target``, ``scale`` (ones), ``clipped``, unitwise
+    ``weight_norm``, ``target``, ``scale``, ``clipped``, unitwise
     ``clipped_fraction``, and the counters."""
     fields = ("grad_norm", "weight_norm", "target", "scale", "clipped")
     fields += ("clipped_fraction",) if unitwise else ()
-    metrics = {
-        f: (jnp.ones if f == "scale" else jnp.zeros)(
-            (num_groups,), jnp.bool_ if f == "clipped" else dtype
-        )
-        for f in fields
-    }
-    return {"metrics": {**metrics, **counters(num_groups, _COUNTERS)}}
+    return {"metrics": _kit.new_metrics(num_groups, dtype, fields)}
 
 
 def _param_leaves(params: Any, scope: Scope, info: GroupInfo, who: str) -> list[Any]:
@@ -252,36 +238,30 @@ def _param_leaves(params: Any, scope: Scope, info: GroupInfo, who: str) -> list[
     return leaves
 
 
+@_kit.configurable
 def _grouped(
     clipping: Any,
     eps: Any,
     exclude_bias_bn: bool,
     name: str | None,
+    leaf_norms: bool,
     scope: Scope,
     axis_name: str | None,
-    leaf_norms: bool,
 ) -> ClipTransform:
     """Grouped AGC, one scale per group of ``scope``."""
-    _kit.check_name(name)
-    _grouping.validate_scope(scope)
-    who = name or "agc"
-
-    arrays = functools.partial(_arrays, unitwise=False)
-    layout = _kit.layout_of(arrays)
-
-    def init_fn(params: Any) -> Any:
-        start = _kit.start(params, scope, "agc", name, leaf_norms)
-        return _kit.new_state(AGCState, start, arrays(start.num_groups, start.dtype))
+    kit = _kit.Clipper(
+        "agc", AGCState, functools.partial(_arrays, unitwise=False),
+        scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms,
+    )  # fmt: skip
 
     def update_fn(
         updates: Any, state: AGCState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, AGCState]:
         del extra_args
-        leaves, paths, treedef, grouping = check_tree(
-            updates, state, AGCState, layout, who=who, scope=scope, dtypes=False
-        )
-        p_leaves = _param_leaves(params, scope, state.info, who)
-        _grouping.check_inexact(leaves, grouping, who)
+        grads = kit.leaves(updates, state, dtypes=False)
+        leaves, paths, grouping = grads.leaves, grads.paths, grads.grouping
+        p_leaves = _param_leaves(params, scope, state.info, kit.who)
+        _grouping.check_inexact(leaves, grouping, kit.who)
         # The norms of the kept leaves; a stacked leaf is judged by one layer's
         # slice (what the unstacked model has).
         keep = None
@@ -307,73 +287,64 @@ def _grouped(
         scale = jnp.minimum(1.0, target / (g + eps))
         finite = jnp.isfinite(g)
         scale = jnp.where(finite, scale, 1.0).astype(g.dtype)
-        clipped = scale < 1
-
-        metrics = counted(
-            state.metrics, finite, clipped, grad_norm=g, target=target, scale=scale,
-            clipped=clipped, weight_norm=weight_norm,
+        metrics = _kit.step_metrics(
+            state.metrics, norm=g, observed=finite, scale=scale, target=target,
+            weight_norm=weight_norm,
         )  # fmt: skip
-        grads = _kit.Norms(g, leaves, treedef, grouping, per_leaf)
-        new_state = state._replace(**_kit.shared_fields(state, grads, metrics))
         scaled = _grouping.apply_scales(
-            leaves, grouping, _grouping.computed_once(scale), state.leaf_index
+            leaves, grouping, _xla.computed_once(scale), state.leaf_index
         )
         if keep is not None:
             scaled = [s if k else x for x, s, k in zip(leaves, scaled, keep)]
-        return jax.tree_util.tree_unflatten(treedef, scaled), new_state
+        grads = grads._replace(norm=g, leaf_norms=per_leaf)
+        return kit.finish(grads, state, metrics, leaves=scaled)
 
     # optax types a state as OptState (an array tree), not as AGCState.
-    tx = ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
-    settings = dict(scope=scope, axis_name=axis_name)
-    tx.configure = lambda **overrides: _grouped(
-        clipping, eps, exclude_bias_bn, name, **{**settings, **overrides}, leaf_norms=leaf_norms
-    )
-    return tx
+    return ClipTransform(kit.init, update_fn)  # pyright: ignore[reportArgumentType]
 
 
+@_kit.configurable
 def _unitwise(
     clipping: Any,
     eps: Any,
     exclude_bias_bn: bool,
     axis: Axis,
     name: str | None,
-    axis_name: str | None,
     leaf_norms: bool,
+    *,
+    unit_axis_name: str | None,
     scope: Scope = "per_param",
+    axis_name: str | None = None,
 ) -> ClipTransform:
     """Unitwise AGC: each leaf scaled unit by unit, its metrics per group of
-    ``scope`` (a leaf each: ``configure`` may change ``scope``, not ``axis_name``)."""
-    _kit.check_name(name)
-    if isinstance(scope, _grouping.Stacked):
-        raise ValueError(
-            "agc: clipjax.stacked scopes apply to the norm-based clippers; "
-            "agc changes elements, use scope='per_param' or 'per_layer'"
-        )
-    who = name or "agc"
-    arrays = functools.partial(_arrays, unitwise=True)
-    layout = _kit.layout_of(arrays)
+    ``scope`` (a leaf each). The unit norms are averaged over ``unit_axis_name``,
+    agc's own ``axis_name``: ``configure`` may change the scope, not that
+    (``axis_name`` has no effect)."""
+    del axis_name
+    kit = _kit.Clipper(
+        "agc", AGCState, functools.partial(_arrays, unitwise=True), scope=scope, name=name,
+        leaf_norms=leaf_norms, stacked=False,
+    )  # fmt: skip
 
     def init_fn(params: Any) -> Any:
-        start = _kit.start(params, scope, "agc", name, leaf_norms)
         for x in _grouping.leaves_with_names(params)[0]:
             unit_axes(x, axis)
-        return _kit.new_state(AGCState, start, arrays(start.num_groups, start.dtype))
+        return kit.init(params)
 
     def update_fn(
         updates: Any, state: AGCState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, AGCState]:
         del extra_args
-        leaves, _, treedef, grouping = check_tree(
-            updates, state, AGCState, layout, who=who, scope=scope, dtypes=False
-        )
-        p_leaves = _param_leaves(params, scope, state.info, who)
-        _grouping.check_inexact(leaves, grouping, who)
+        grads = kit.leaves(updates, state, dtypes=False)
+        leaves = grads.leaves
+        p_leaves = _param_leaves(params, scope, state.info, kit.who)
+        _grouping.check_inexact(leaves, grads.grouping, kit.who)
         unit_norm = _grouping.per_leaf(_unit_norm, _grouping.norm_dtype(leaves), axis)
         g_units = [unit_norm(x) for x in leaves]
         w_units = [unit_norm(p) for p in p_leaves]
-        if axis_name is not None:
+        if unit_axis_name is not None:
             # Every replica decides from the same (averaged) unit norms.
-            g_units = jax.lax.pmean(g_units, axis_name)
+            g_units = jax.lax.pmean(g_units, unit_axis_name)
         # Each leaf is scaled from its own unit norms: the same few operations for every
         # leaf of a shape, which XLA compiles once. The metrics run on one [leaves, units]
         # stack per unit count: a few operations for the whole tree instead of a dozen
@@ -388,18 +359,12 @@ def _unitwise(
         if leaves:
             step = _leaf_metrics(g_units, w_units, excluded, clipping, eps)
         else:
-            step = {f: v for f, v in state.metrics.items() if f not in _COUNTERS}  # no leaves
-        finite = jnp.isfinite(step["grad_norm"])
-        metrics = counted(state.metrics, finite, step["clipped"], **step)
-        per_leaf = step["grad_norm"] if leaf_norms else None
-        grads = _kit.Norms(step["grad_norm"], leaves, treedef, grouping, per_leaf)
-        new_state = state._replace(**_kit.shared_fields(state, grads, metrics))
-        return jax.tree_util.tree_unflatten(treedef, out), new_state
+            step = {f: v for f, v in state.metrics.items() if f not in _kit.COUNTERS}
+        norm = step.pop("grad_norm")
+        del step["clipped"]  # the smallest unit scale below 1, as step_metrics finds it
+        metrics = _kit.step_metrics(state.metrics, norm=norm, observed=jnp.isfinite(norm), **step)
+        grads = grads._replace(norm=norm, leaf_norms=norm if leaf_norms else None)
+        return kit.finish(grads, state, metrics, leaves=out)
 
     # optax types a state as OptState (an array tree), not as AGCState.
-    tx = ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
-    tx.configure = lambda **overrides: _unitwise(
-        clipping, eps, exclude_bias_bn, axis, name, axis_name, leaf_norms,
-        overrides.get("scope", scope),
-    )  # fmt: skip
-    return tx
+    return ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]

@@ -2,9 +2,19 @@
 
 :func:`run_if` is the one way clipjax runs a transform on the steps a
 predicate selects: ``skip_on_spike``'s inner optimizer, hist_clip's warm-up
-clip, the optimizers that fold a skip into their own arithmetic
-(:mod:`clipjax._fold`). On a step a transform did not run, its clipjax state
+clip, a chain's members. A :class:`SkippableTransform` (:func:`clipjax.adam`,
+:func:`clipjax.adamw`, :func:`clipjax.chain`, built in
+:mod:`clipjax._optimizers`) folds the predicate into its own arithmetic; a
+clipjax clipper runs and has its small state selected; any other transform
+runs under ``lax.cond``. On a step a transform did not run, its clipjax state
 reports :func:`idle_metrics`.
+
+The fold's gain over the conditional, from the compiled HLO of one donated
+step (``skip_on_spike`` around AdamW on 25 layers of [256, 256] float32
+weights and biases, jax 0.10 on CPU): 72.4 MB accessed and no full-size copy
+around ``clipjax.adamw`` (AdamW alone: 65.8 MB), 105.3 MB and 50 full-size
+copies around ``optax.adamw`` under ``lax.cond``; ``benchmarks/RESULTS.md``
+has the step times.
 """
 
 from __future__ import annotations
@@ -16,11 +26,112 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from clipjax._kit import ClipTransform
 from clipjax._metrics import IDLE_VALUES
 
 Array = jax.Array
+
+
+class SkippableTransform(optax.GradientTransformationExtraArgs):
+    """An optax transform that can also skip a step: ``update_if``.
+
+    A ``SkippableTransform`` is an ``optax.GradientTransformationExtraArgs``
+    and goes wherever optax takes a transform. It adds one attribute,
+    ``update_if(pred, updates, state, params=None, **extra_args)``, where
+    ``pred`` is a scalar bool: where True it computes what ``update``
+    computes, in the same order (XLA may fuse a multiply and an add
+    differently in the two programs, so the last bit of a value can differ);
+    where False it returns zero updates (each leaf in its dtype) and the state
+    as it was, bit for bit, even for NaN or infinite updates. The choice is
+    made element-wise inside the update's own arithmetic, so
+    :func:`clipjax.skip_on_spike` around one compiles to one fused loop per
+    leaf: no conditional, no extra pass over the updates.
+    :func:`clipjax.adam`, :func:`clipjax.adamw` and :func:`clipjax.chain`
+    return one. Inside a wrapper with no ``update_if`` of its own
+    (``optax.inject_hyperparams(clipjax.adamw)(...)``), ``update`` computes
+    ``update_if`` with skip_on_spike's decision while skip_on_spike runs the
+    wrapper, and is optax's anywhere else.
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> tx = clipjax.adam(0.1)
+      >>> state = tx.init({"w": jnp.zeros(2)})
+      >>> updates, new = tx.update_if(False, {"w": jnp.array([jnp.nan, 1.0])}, state)
+      >>> updates["w"].tolist(), int(new[0].count)
+      ([0.0, 0.0], 0)
+    """
+
+    update_if: Callable[..., tuple[Any, Any]] | None = None
+
+
+def skippable_step(init: Callable[..., Any], step: Callable[..., Any]) -> SkippableTransform:
+    """:func:`skippable` from one ``step(pred, updates, state, params)``: ``update``
+    passes ``pred=None``, ``keep_state_if`` the boolean ``pred``."""
+
+    def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        del extra_args
+        return step(None, updates, state, params)
+
+    def keep_state_if(
+        pred: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, Any]:
+        del extra_args
+        return step(jnp.asarray(pred, bool), updates, state, params)
+
+    return skippable(init, update, keep_state_if=keep_state_if)
+
+
+def skippable(
+    init: Callable[..., Any],
+    update: Callable[..., Any],
+    *,
+    keep_state_if: Callable[..., tuple[Any, Any]] | None = None,
+    update_if: Callable[..., tuple[Any, Any]] | None = None,
+) -> SkippableTransform:
+    """A ``SkippableTransform`` from its ``update_if``, or from ``keep_state_if``:
+    ``update_if`` without zeroing the updates where ``pred`` is False.
+
+    :func:`clipjax.chain` runs its members through ``keep_state_if`` where they
+    have one and zeroes the updates once, after the last member: a select per
+    member would be compiled into every leaf's fused loop.
+    """
+    if update_if is None:
+        assert keep_state_if is not None
+        update_if = _zeroing(keep_state_if)
+
+    def update_or_fold(
+        updates: Any, state: Any, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, Any]:
+        # Inside a wrapper (inject_hyperparams, MultiSteps) that skip_on_spike
+        # runs, fold its decision in (see FoldClaim); otherwise update.
+        return fold_or_update(update, update_if, updates, state, params, **extra_args)
+
+    tx = SkippableTransform(init, update_or_fold)
+    tx.update_if = update_if
+    if keep_state_if is not None:
+        tx.keep_state_if = keep_state_if  # pyright: ignore[reportAttributeAccessIssue]
+    return tx
+
+
+def _zeroing(keep_state_if: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[Any, Any]]:
+    """``update_if`` from ``keep_state_if``: the same, with zero updates where ``pred`` is False."""
+
+    def update_if(
+        pred: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, Any]:
+        pred = jnp.asarray(pred, bool)
+        out, new_state = keep_state_if(pred, updates, state, params, **extra_args)
+        return zero_unless(pred, out), new_state
+
+    return update_if
+
+
+def zero_unless(pred: Array, tree: Any) -> Any:
+    # zeros_like keeps a weakly typed leaf weak, so that the moments it feeds
+    # promote as they do in optax's own update.
+    return jax.tree.map(lambda x: jnp.where(pred, x, jnp.zeros_like(x)), tree)
 
 
 class FoldClaim:
@@ -75,46 +186,24 @@ def run_if(
 ) -> tuple[Any, Any]:
     """``tx.update`` on the steps where ``pred`` holds; elsewhere its state stays as it was.
 
-    The one way clipjax runs a transform on some steps only (skip_on_spike's
-    inner optimizer, hist_clip's warm-up clip). Where ``pred`` is False the
-    returned updates are not ``tx``'s: the caller masks them.
+    Where ``pred`` is False the returned updates are not ``tx``'s: the caller
+    masks them. Each route is free of full-size copies in the compiled step:
 
-    Three routes, all free of full-size copies in the compiled step:
-
-    * a transform with its own ``update_if`` (a
-      :class:`clipjax.SkippableTransform`: :func:`clipjax.adam`,
-      :func:`clipjax.adamw`, :func:`clipjax.chain`) folds ``pred`` into its
-      arithmetic: each moment is selected element-wise in the loop that
-      computes the update from it, and the updates come back zero where
-      ``pred`` is False. No conditional: the whole step fuses with
-      ``apply_updates`` and costs no pass over the updates beyond the
-      optimizer's own;
-    * a transform that calls a ``SkippableTransform``'s ``update`` inside it
-      (``optax.inject_hyperparams(clipjax.adamw)(...)``,
-      ``optax.MultiSteps(clipjax.adamw(...), k)``) runs every step under a
-      :class:`FoldClaim`: the optimizer inside folds ``pred`` in, and the
-      rest of the wrapper's state is selected. This is found by tracing its
-      update once (the same trace then runs it);
-    * a clipjax transform holds only small ``[groups]`` arrays: it runs on
-      every step and its state is selected. Its norms are the ones the caller
-      computes anyway (XLA merges the identical reductions) and its scaling
-      fuses with the caller's, so it costs no extra pass over the gradients;
-    * any other transform (an optimizer with full-size moments) runs under
-      ``lax.cond`` whose pass-through branch is branch 0 (the false branch)
-      and returns its operands as they are: XLA elides the buffer copies of
-      such a branch only then. Skipping in branch 0, or returning fresh zeros,
-      copies the optimizer state or the updates every step; computing the
-      update unconditionally and selecting the moments afterwards copies them
-      too, because the parameter update then recomputes the new moments from
-      the old ones after they were overwritten in place. The conditional
-      still writes the updates out and reads them back (it cannot fuse with
-      ``apply_updates``): about two passes over the updates. The branches
-      return the inner update's own output types (from the one trace of
-      it, ``jax.make_jaxpr``, which the taken branch then runs): where
-      it changes a dtype (``optax.adam(mu_dtype=jnp.float32)`` on bfloat16
-      gradients returns float32 updates), the pass-through branch casts its
-      operands to them; where the dtypes agree it casts nothing and stays
-      copy-free.
+    * ``"fold"``: a :class:`SkippableTransform` folds ``pred`` into its
+      arithmetic (its ``update_if``); a transform that calls one's ``update``
+      (``optax.inject_hyperparams(clipjax.adamw)(...)``, ``optax.MultiSteps``)
+      runs every step under a :class:`FoldClaim`, found by tracing its update
+      once (the same trace then runs), and the rest of its state is selected;
+    * ``"select"``: a clipjax clipper holds small ``[groups]`` arrays: it runs
+      every step and its state is selected (its norms are the ones the caller
+      computes anyway, and XLA merges the identical reductions);
+    * ``"cond"``: any other transform runs under ``lax.cond``. Its
+      pass-through branch must be branch 0 (the false branch) and return its
+      operands as they are: only then does XLA elide the buffer copies. Zeros,
+      or the update computed unconditionally with the moments selected after,
+      copy the state or the updates every step. The branches return the inner
+      update's own output types (from ``jax.make_jaxpr``): where it changes a
+      dtype, the pass-through branch casts its operands to them.
     """
     _, out, new_state = run_if_routed(pred, tx, updates, state, params, **extra_args)
     return out, new_state
@@ -124,9 +213,10 @@ def run_if_routed(
     pred: Array, tx: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
 ) -> tuple[str, Any, Any]:
     """:func:`run_if`, also saying which route it took: ``fold``, ``select`` or ``cond``."""
-    update_if = getattr(tx, "update_if", None)
-    if update_if is not None:
-        return ("fold", *update_if(pred, updates, state, params, **extra_args))
+    if isinstance(tx, SkippableTransform):
+        # Folded into its own arithmetic (clipjax.adam: _optimizers.adam_arithmetic).
+        assert tx.update_if is not None
+        return ("fold", *tx.update_if(pred, updates, state, params, **extra_args))
     if isinstance(tx, ClipTransform):
         return ("select", *run_and_select(pred, tx, updates, state, params, **extra_args))
 

@@ -14,33 +14,29 @@ such steps altogether.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clipjax import _grouping, _kit, _percentile, _validation
+from clipjax import _checks, _grouping, _kit, _percentile
 from clipjax._grouping import Grouping, Scope
 from clipjax._kit import ClipTransform
 from clipjax._metrics import GroupInfo
-from clipjax._types import PercentileMethod
 
 Array = jax.Array
 
+PercentileMethod = Literal["auto", "exact", "approx"]
 PERCENTILE_METHODS = ("auto", "exact", "approx")
 PERCENTILE_SCOPES = ("per_param", "per_layer", "global")
 
 
 class ClipByValueState(NamedTuple):
-    """State of :func:`clip_by_value`: no statistics, only the shared fields.
-
-    Attributes:
-      metrics: this step's metrics and the counters (``clipjax._kit``).
-      info: static names (algorithm, prefix, groups, leaves).
-      leaf_index: each leaf's group index, int32 scalars (empty for one group).
-      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+    """State of :func:`clip_by_value`: no statistics, only the fields every
+    clipper state has (:class:`~clipjax.ClipTransform`).
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -56,13 +52,8 @@ class ClipByValueState(NamedTuple):
 
 
 class ClipByPercentileState(NamedTuple):
-    """State of :func:`clip_by_percentile`: no statistics, only the shared fields.
-
-    Attributes:
-      metrics: this step's metrics and the counters (``clipjax._kit``).
-      info: static names (algorithm, prefix, groups, leaves).
-      leaf_index: each leaf's group index, int32 scalars (empty for one group).
-      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+    """State of :func:`clip_by_percentile`: no statistics, only the fields every
+    clipper state has (:class:`~clipjax.ClipTransform`).
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -147,10 +138,6 @@ def _fraction(counts: Array, grouping: Grouping, dtype: Any) -> Array:
     return counts / jnp.asarray(sizes, dtype)
 
 
-Clamped = tuple[list[Array], dict[str, Array], Array, Array]
-_COUNTERS = ("count", "step", "clipped_count", "nonfinite_count")
-
-
 def clip_by_value(
     max_abs: float,
     *,
@@ -206,24 +193,45 @@ def clip_by_value(
       <https://www.fit.vut.cz/study/phd-thesis-file/283/283.pdf>`_, 2012
       (section 3.2.2: clipping gradient values).
     """
-    _validation.nonzero_bound("max_abs", max_abs)
-    _grouping.validate_scope(scope)
-    _kit.check_name(name)
+    _checks.nonzero_bound("max_abs", max_abs)
+    return _clip_by_value(max_abs, scope=scope, leaf_norms=leaf_norms, name=name)
 
-    def clamp(leaves: list[Array], grouping: Grouping, dtype: Any, index: Any) -> Clamped:
-        del index  # the bound is the same for every group
+
+def _arrays(num_groups: int, dtype: Any = jnp.float32, *, fields: tuple[str, ...]) -> dict:
+    return {"metrics": _kit.new_metrics(num_groups, dtype, ("grad_norm", *fields))}
+
+
+@_kit.configurable
+def _clip_by_value(
+    max_abs: Any, *, scope: Scope, leaf_norms: bool, name: str | None, axis_name: Any = None
+) -> ClipTransform:
+    """:func:`clip_by_value`; ``axis_name`` (``configure``'s) has no effect: each
+    replica clamps its own elements."""
+    del axis_name
+    arrays = functools.partial(_arrays, fields=("clipped_fraction", "clipped"))
+    kit = _kit.Clipper(
+        "clip_by_value", ClipByValueState, arrays, scope=scope, name=name,
+        leaf_norms=leaf_norms, stacked=False,
+    )  # fmt: skip
+
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        del params, extra_args
+        grads = kit.leaves(updates, state)
+        leaves, grouping = grads.leaves, grads.grouping
+        dtype = _grouping.norm_dtype(leaves)
         limit = jnp.abs(jnp.asarray(max_abs, dtype))
-        bound = jnp.broadcast_to(limit, (grouping.num_groups,))
+        bound = jnp.broadcast_to(limit, (grouping.num_groups,))  # the same for every group
         norm, counts, leaf_norm = _norms_and_clipped(leaves, grouping, bound, dtype)
         fraction = _fraction(counts, grouping, dtype)
-        metrics = {"grad_norm": norm, "clipped_fraction": fraction, "clipped": fraction > 0}
-        return _clamp(leaves, grouping, bound), metrics, jnp.isfinite(norm), leaf_norm
+        out = _clamp(leaves, grouping, bound)
+        metrics = _kit.step_metrics(
+            state.metrics, norm=norm, observed=jnp.isfinite(norm), clipped=fraction > 0,
+            clipped_fraction=fraction,
+        )  # fmt: skip
+        grads = grads._replace(norm=norm, leaf_norms=leaf_norm if leaf_norms else None)
+        return kit.finish(grads, state, metrics, leaves=out)
 
-    fields = {"grad_norm": None, "clipped_fraction": None, "clipped": jnp.bool_}
-    return _kit.element_transform(
-        "clip_by_value", ClipByValueState, clamp, fields, _COUNTERS,
-        name=name, scope=scope, leaf_norms=leaf_norms,
-    )  # fmt: skip
+    return ClipTransform(kit.init, update_fn)
 
 
 def clip_by_percentile(
@@ -293,12 +301,35 @@ def clip_by_percentile(
       with adaptive clipping <https://arxiv.org/abs/1905.03871>`_, 2021
       (quantile-based clipping bounds).
     """
-    _validation.percentile("percentile", percentile)
-    _validation.choice("method", method, PERCENTILE_METHODS)
-    _grouping.validate_scope(scope, PERCENTILE_SCOPES)
-    _kit.check_name(name)
+    _checks.percentile("percentile", percentile)
+    _checks.choice("method", method, PERCENTILE_METHODS)
+    return _clip_by_percentile(percentile, method, scope=scope, leaf_norms=leaf_norms, name=name)
 
-    def clamp(leaves: list[Array], grouping: Grouping, dtype: Any, index: Any) -> Clamped:
+
+@_kit.configurable
+def _clip_by_percentile(
+    percentile: Any,
+    method: str,
+    *,
+    scope: Scope,
+    leaf_norms: bool,
+    name: str | None,
+    axis_name: Any = None,
+) -> ClipTransform:
+    """:func:`clip_by_percentile`; ``axis_name`` (``configure``'s) has no effect:
+    each replica clamps its own elements."""
+    del axis_name
+    arrays = functools.partial(_arrays, fields=("bound", "clipped_fraction", "clipped"))
+    kit = _kit.Clipper(
+        "clip_by_percentile", ClipByPercentileState, arrays, scope=scope, name=name,
+        leaf_norms=leaf_norms, scopes=PERCENTILE_SCOPES, stacked=False,
+    )  # fmt: skip
+
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        del params, extra_args
+        grads = kit.leaves(updates, state)
+        leaves, grouping, index = grads.leaves, grads.grouping, state.leaf_index
+        dtype = _grouping.norm_dtype(leaves)
         select = _grouping.per_leaf(_percentile._select, percentile, method)
         bounds = [select([leaves[i] for i in members])[0] for members in grouping.members]
         bound = jnp.stack(bounds).astype(dtype) if bounds else jnp.zeros((0,), dtype)
@@ -307,16 +338,12 @@ def clip_by_percentile(
         # Selects on [groups] only: a non-finite group's leaves pass unchanged.
         bound = jnp.where(finite, bound, jnp.inf)
         fraction = _fraction(jnp.where(finite, counts, jnp.zeros_like(counts)), grouping, dtype)
-        metrics = {
-            "grad_norm": norm,
-            "bound": bound,
-            "clipped_fraction": fraction,
-            "clipped": fraction > 0,
-        }
-        return _clamp(leaves, grouping, bound, index), metrics, finite, leaf_norm
+        out = _clamp(leaves, grouping, bound, index)
+        metrics = _kit.step_metrics(
+            state.metrics, norm=norm, observed=finite, clipped=fraction > 0, bound=bound,
+            clipped_fraction=fraction,
+        )  # fmt: skip
+        grads = grads._replace(norm=norm, leaf_norms=leaf_norm if leaf_norms else None)
+        return kit.finish(grads, state, metrics, leaves=out)
 
-    fields = {"grad_norm": None, "bound": None, "clipped_fraction": None, "clipped": jnp.bool_}
-    return _kit.element_transform(
-        "clip_by_percentile", ClipByPercentileState, clamp, fields, _COUNTERS,
-        name=name, scope=scope, leaf_norms=leaf_norms,
-    )  # fmt: skip
+    return ClipTransform(kit.init, update_fn)

@@ -364,13 +364,13 @@ def leaf_power_sums(
     leaf gives one value per slice (``[layers]``), from the same one read.
     """
     dtype = norm_dtype(leaves)
-    stacks = _stacks(grouping, len(leaves))
+    stacks = stacks_of(grouping, len(leaves))
     return [
         _power_sum(x, ord, dtype, None if st is None else st[0]) for x, st in zip(leaves, stacks)
     ]
 
 
-def _stacks(grouping: Grouping | None, n: int) -> Sequence[tuple[int, tuple[int, ...]] | None]:
+def stacks_of(grouping: Grouping | None, n: int) -> Sequence[tuple[int, tuple[int, ...]] | None]:
     if grouping is None or not grouping.leaf_stacks:
         return (None,) * n
     return grouping.leaf_stacks
@@ -378,7 +378,7 @@ def _stacks(grouping: Grouping | None, n: int) -> Sequence[tuple[int, tuple[int,
 
 def layer_views(leaves: Sequence[Any], grouping: Grouping) -> list[Any]:
     """The leaves, a stacked one as the shape and dtype of one layer's slice."""
-    stacks = _stacks(grouping, len(leaves))
+    stacks = stacks_of(grouping, len(leaves))
     return [
         x
         if st is None
@@ -457,35 +457,6 @@ def group_norms(
     return sums ** (1.0 / ord)
 
 
-def leaf_index(grouping: Grouping, placeholder: bool = False) -> Any:
-    """Each leaf's group index as its own int32 scalar; empty for a single group.
-
-    Carried in the state so that :func:`apply_scales` indexes the scale vector
-    with *runtime* values (see there). On optax's params placeholder
-    (``placeholder=True``, ``tree_map_params``) one scalar stands for the
-    tuple, so that the placeholder's state is a prefix of the real one.
-    """
-    if placeholder:
-        return jnp.zeros((), jnp.int32)
-    if grouping.num_groups == 1:
-        return ()
-    stacks = _stacks(grouping, len(grouping.leaf_groups))
-    # A stacked leaf's entry is the [layers] vector of its slices' groups.
-    return tuple(
-        jnp.asarray(g if st is None else st[1], jnp.int32)
-        for g, st in zip(grouping.leaf_groups, stacks)
-    )
-
-
-def returned_index(index: Any) -> Any:
-    """The state's leaf index for the new state: copies, not the inputs passed through.
-
-    An output that passes its input through cannot reuse that input's donated
-    buffer (and JAX warns about it).
-    """
-    return jax.tree.map(jnp.copy, index)
-
-
 def apply_scales(
     leaves: Sequence[jax.Array],
     grouping: Grouping,
@@ -528,7 +499,7 @@ def leaf_scales(
     """
     if grouping.num_groups == 1:
         return [scale[0]] * len(grouping.leaf_groups)
-    stacks = _stacks(grouping, len(grouping.leaf_groups))
+    stacks = stacks_of(grouping, len(grouping.leaf_groups))
     if index:
         return [
             jax.lax.dynamic_index_in_dim(scale, i, keepdims=False)
@@ -654,17 +625,3 @@ def stacked(
     scope_ = Stacked(scope, layers, int(axis))
     validate_scope(scope_)
     return scope_
-
-
-def computed_once(x: jax.Array) -> jax.Array:
-    """``x`` itself, computed once where XLA would copy its computation into every consumer.
-
-    XLA fuses a chain of cheap operations (compares, selects) into each
-    fusion that reads its result: a group's scale or a skip decision is then
-    recomputed in every leaf's fusions and compiled once per leaf. XLA:CPU
-    drops ``lax.optimization_barrier``; a sort is never fused into its
-    consumers. Sorting two copies of ``x`` along a new axis returns ``x``'s
-    own bits (the elements it permutes are equal), for a small ``[groups]``
-    array or a scalar.
-    """
-    return jnp.sort(jnp.stack([x, x]), axis=0)[0]

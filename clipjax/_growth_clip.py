@@ -13,24 +13,20 @@ from typing import Any, NamedTuple, get_args
 import jax
 import jax.numpy as jnp
 
-from clipjax import _grouping, _kit, _validation
+from clipjax import _checks, _grouping, _kit
 from clipjax._grouping import Scope
-from clipjax._kit import ClipTransform
+from clipjax._kit import ClipTransform, SpikeFeedback
 from clipjax._metrics import GroupInfo
-from clipjax._types import SpikeFeedback
 
 
 class ClipNormGrowthState(NamedTuple):
-    """State of :func:`clip_norm_growth`: the previous norm per group, then the shared fields.
+    """State of :func:`clip_norm_growth`: the previous norm per group, then the
+    fields every clipper state ends with (:class:`~clipjax.ClipTransform`).
 
     Attributes:
       prev_norm: ``[groups]`` the norm the next step may grow from (the last
         step's norm after clipping, decayed and floored; torchzero's
         ``prev_norm``), 0 before the group's first finite norm.
-      metrics: this step's metrics and the counters (``clipjax._kit``).
-      info: static names (algorithm, prefix, groups, leaves).
-      leaf_index: each leaf's group index, int32 scalars (empty for one group).
-      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -50,6 +46,7 @@ class ClipNormGrowthState(NamedTuple):
         return {"prev_norm": self.prev_norm}
 
 
+@_kit.configurable
 def clip_norm_growth(
     add: float | None = None,
     mul: float | None = 1.5,
@@ -79,10 +76,8 @@ def clip_norm_growth(
     keeps ``p`` on a clipped step (a lasting rise is then clipped to ``p * mul``
     at every step). A non-finite norm passes unchanged and leaves ``p`` as it is.
 
-    Unlike torchzero: the first norm is floored at ``min_value`` too (torchzero
-    keeps it as it is, so a zero first gradient zeroes the second step), its
-    ``denom = max(denom, min_value)`` (a no-op for ``min_value <= 1``, a division
-    of every step otherwise) is left out, and a NaN norm does not enter ``p``.
+    Where it differs from torchzero (the first norm, a NaN norm):
+    :doc:`/defences_2025`.
 
     Static arguments: none; every number may be injected or scheduled with
     ``optax.inject_hyperparams`` (whether ``add``, ``mul``, ``min_value`` or
@@ -121,42 +116,32 @@ def clip_norm_growth(
       torchzero ``ClipNormGrowth`` (inikishev/torchzero,
       ``torchzero/modules/clipping/growth_clipping.py``, commit 2b6a228).
     """
-    settings = dict(locals())
     if add is None and mul is None:
         raise ValueError("add and mul are both None: give at least one growth bound (mul=1.5)")
     if add is not None:
-        _validation.non_negative("add", add)
+        _checks.non_negative("add", add)
     if mul is not None:
-        _validation.positive("mul", mul)
+        _checks.positive("mul", mul)
     if min_value is not None:
-        _validation.positive("min_value", min_value)
+        _checks.positive("min_value", min_value)
     if max_decay is not None:
-        _validation.check("max_decay", max_decay, lambda x: x >= 1, ">= 1")
-    _kit.check_feedback(feedback, get_args(SpikeFeedback))
-    _grouping.validate_scope(scope)
-    _kit.check_name(name)
-    who = name or "clip_norm_growth"
+        _checks.check("max_decay", max_decay, lambda x: x >= 1, ">= 1")
+    _checks.feedback(feedback, get_args(SpikeFeedback))
 
     def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-        return {
-            "prev_norm": jnp.zeros((num_groups,), dtype),
-            "metrics": _kit.metric_arrays(num_groups, dtype, ()),
-        }
+        prev_norm = jnp.zeros((num_groups,), dtype)
+        return {"prev_norm": prev_norm, "metrics": _kit.norm_metrics(num_groups, dtype)}
 
-    layout = _kit.layout_of(arrays)
-
-    def init_fn(params: Any) -> Any:
-        start = _kit.start(params, scope, "clip_norm_growth", name, leaf_norms)
-        return _kit.new_state(ClipNormGrowthState, start, arrays(start.num_groups, start.dtype))
+    kit = _kit.Clipper(
+        "clip_norm_growth", ClipNormGrowthState, arrays,
+        scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms,
+    )  # fmt: skip
 
     def update_fn(
         updates: Any, state: ClipNormGrowthState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, ClipNormGrowthState]:
         del params, extra_args
-        grads = _kit.group_norms(
-            updates, state, ClipNormGrowthState, layout, who=who, scope=scope,
-            axis_name=axis_name, leaf_norms=leaf_norms,
-        )  # fmt: skip
+        grads = kit.norms(updates, state)
         g, prev = grads.norm, state.prev_norm
         finite = jnp.isfinite(g)
         first = state.metrics["count"] == 0
@@ -182,29 +167,23 @@ def clip_norm_growth(
         prev = jnp.where(observed, x, prev).astype(prev.dtype)
 
         metrics = _kit.step_metrics(
-            state.metrics, norm=g, threshold=threshold, scale=scale, observed=observed
+            state.metrics, norm=g, observed=observed, threshold=threshold, scale=scale
         )
-        new_state = state._replace(prev_norm=prev, **_kit.shared_fields(state, grads, metrics))
-        return _kit.scaled(grads, scale, state), new_state
+        return kit.finish(grads, state, metrics, scale=scale, prev_norm=prev)
 
     # optax types a state as OptState (an array tree), not as ClipNormGrowthState.
-    tx = ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
-    tx.configure = lambda **overrides: clip_norm_growth(**{**settings, **overrides})
-    return tx
+    return ClipTransform(kit.init, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 class ClipNormByEMAState(NamedTuple):
-    """State of :func:`clip_norm_by_ema`: the EMA of the updates, then the shared fields.
+    """State of :func:`clip_norm_by_ema`: the EMA of the updates, then the fields
+    every clipper state ends with (:class:`~clipjax.ClipTransform`).
 
     Attributes:
       exp_avg: the EMA of the updates themselves, a tree like the params
         (float32, float64 or complex; torchzero's ``exp_avg``).
       ema_norm: ``[groups]`` the norm of ``exp_avg`` after the step's growth
         cap (torchzero's ``prev_ema_norm``), 0 before the first finite norm.
-      metrics: this step's metrics and the counters (``clipjax._kit``).
-      info: static names (algorithm, prefix, groups, leaves).
-      leaf_index: each leaf's group index, int32 scalars (empty for one group).
-      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -230,6 +209,7 @@ def _ema_dtype(leaf: Any) -> Any:
     return jnp.promote_types(jnp.result_type(leaf), jnp.float32)
 
 
+@_kit.configurable
 def clip_norm_by_ema(
     beta: float = 0.99,
     max_ema_growth: float | None = 1.5,
@@ -260,8 +240,8 @@ def clip_norm_by_ema(
     their mean, about ``sqrt((1 - beta) / (1 + beta))`` of theirs for
     independent directions. The state holds a float32 copy of the updates.
 
-    Unlike torchzero, a non-finite norm passes its group unchanged and leaves
-    its EMA as it was (torchzero's EMA turns NaN for good).
+    A non-finite norm passes its group unchanged and leaves its EMA as it was,
+    unlike torchzero's (:doc:`/defences_2025`).
 
     Static arguments: none; every number may be injected or scheduled with
     ``optax.inject_hyperparams`` (whether ``max_ema_growth`` is None is fixed
@@ -298,38 +278,30 @@ def clip_norm_by_ema(
       torchzero ``ClipNormByEMA`` (inikishev/torchzero,
       ``torchzero/modules/clipping/ema_clipping.py``, commit 2b6a228).
     """
-    settings = dict(locals())
-    _validation.open_unit("beta", beta)
+    _checks.open_unit("beta", beta)
     if max_ema_growth is not None:
-        _validation.positive("max_ema_growth", max_ema_growth)
-    _validation.check("init", init, lambda x: x == x, "a number")
-    _validation.non_negative("min_norm", min_norm)
-    _grouping.validate_scope(scope)
-    _kit.check_name(name)
-    who = name or "clip_norm_by_ema"
+        _checks.positive("max_ema_growth", max_ema_growth)
+    _checks.check("init", init, lambda x: x == x, "a number")
+    _checks.non_negative("min_norm", min_norm)
 
     def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-        return {
-            "ema_norm": jnp.zeros((num_groups,), dtype),
-            "metrics": _kit.metric_arrays(num_groups, dtype, ()),
-        }
+        ema_norm = jnp.zeros((num_groups,), dtype)
+        return {"ema_norm": ema_norm, "metrics": _kit.norm_metrics(num_groups, dtype)}
 
-    layout = _kit.layout_of(arrays)
+    kit = _kit.Clipper(
+        "clip_norm_by_ema", ClipNormByEMAState, arrays,
+        scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms,
+    )  # fmt: skip
 
     def init_fn(params: Any) -> Any:
-        start = _kit.start(params, scope, "clip_norm_by_ema", name, leaf_norms)
         exp_avg = jax.tree.map(lambda p: jnp.full(jnp.shape(p), init, _ema_dtype(p)), params)
-        own = {"exp_avg": exp_avg, **arrays(start.num_groups, start.dtype)}
-        return _kit.new_state(ClipNormByEMAState, start, own)
+        return kit.init(params, exp_avg=exp_avg)
 
     def update_fn(
         updates: Any, state: ClipNormByEMAState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, ClipNormByEMAState]:
         del params, extra_args
-        grads = _kit.group_norms(
-            updates, state, ClipNormByEMAState, layout, who=who, scope=scope,
-            axis_name=axis_name, leaf_norms=leaf_norms,
-        )  # fmt: skip
+        grads = kit.norms(updates, state)
         g, grouping = grads.norm, grads.grouping
         finite = jnp.isfinite(g)
         first = state.metrics["count"] == 0
@@ -361,16 +333,12 @@ def clip_norm_by_ema(
         scale = jnp.where(fires, threshold / jnp.where(fires, g, 1.0), 1.0).astype(g.dtype)
 
         metrics = _kit.step_metrics(
-            state.metrics, norm=g, threshold=threshold, scale=scale, observed=finite
+            state.metrics, norm=g, observed=finite, threshold=threshold, scale=scale
         )
-        new_state = state._replace(
-            exp_avg=jax.tree.unflatten(ema_tree, exp_avg),
+        return kit.finish(
+            grads, state, metrics, scale=scale, exp_avg=jax.tree.unflatten(ema_tree, exp_avg),
             ema_norm=jnp.where(finite, e, state.ema_norm),
-            **_kit.shared_fields(state, grads, metrics),
-        )
-        return _kit.scaled(grads, scale, state), new_state
+        )  # fmt: skip
 
     # optax types a state as OptState (an array tree), not as ClipNormByEMAState.
-    tx = ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
-    tx.configure = lambda **overrides: clip_norm_by_ema(**{**settings, **overrides})
-    return tx
+    return ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]

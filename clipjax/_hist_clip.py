@@ -10,17 +10,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _conditional, _grouping, _kit, _metrics, _stats, _validation
+from clipjax import _checks, _conditional, _grouping, _kit, _metrics, _stats, _xla
 from clipjax._grouping import Grouping, Scope
-from clipjax._kit import ClipTransform
+from clipjax._kit import ClipTransform, TargetFeedback
 from clipjax._metrics import GroupInfo
 from clipjax._static import clip_by_global_norm
-from clipjax._types import TargetFeedback
 
 
 class HistClipState(NamedTuple):
-    """State of :func:`hist_clip`: its statistics per group, the shared fields,
-    and the warm-up clip's state.
+    """State of :func:`hist_clip`: its statistics per group, the fields every
+    clipper state has (:class:`~clipjax.ClipTransform`), and the warm-up clip's state.
 
     Attributes:
       mean: ``[groups]`` the criterion's running mean of the norms.
@@ -28,10 +27,6 @@ class HistClipState(NamedTuple):
         unused with the ema criterion).
       sample: the warm-up sample's running sums (count, total, squared
         deviations), ``[groups]`` each, whatever ``warmup_steps``.
-      metrics: this step's metrics and the counters (``clipjax._kit``).
-      info: static names (algorithm, prefix, groups, leaves).
-      leaf_index: each leaf's group index, int32 scalars (empty for one group).
-      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
       nested: the ``warmup_clip`` state (None without one); its metrics are
         reported under ``hist_clip/...``.
 
@@ -187,8 +182,8 @@ def zstat_criterion(
       >>> import clipjax
       >>> tx = clipjax.hist_clip(clipjax.zstat_criterion(alpha=0.9, z_thresh=3.0))
     """
-    _validation.open_unit("alpha", alpha)
-    _validation.positive("z_thresh", z_thresh)
+    _checks.open_unit("alpha", alpha)
+    _checks.positive("z_thresh", z_thresh)
     _check_clip_fn(clip_fn)
     return Criterion(
         "zstat",
@@ -216,8 +211,8 @@ def ema_criterion(
       >>> import clipjax
       >>> tx = clipjax.hist_clip(clipjax.ema_criterion(r_thresh=1.1, clip_fn=clipjax.mean_clipping))
     """
-    _validation.open_unit("alpha", alpha)
-    _validation.positive("r_thresh", r_thresh)
+    _checks.open_unit("alpha", alpha)
+    _checks.positive("r_thresh", r_thresh)
     _check_clip_fn(clip_fn)
     # mean_factor 1: clip to the running mean (drytorch's 0 zeroes the gradient).
     return Criterion(
@@ -234,6 +229,7 @@ def ema_criterion(
     )
 
 
+@_kit.configurable
 def hist_clip(
     criterion: Criterion | None = None,
     warmup_steps: int = 20,
@@ -248,85 +244,50 @@ def hist_clip(
 ) -> ClipTransform:
     """Clip by a criterion on the history of gradient norms (drytorch HistClipper).
 
-    Warm-up: the first ``warmup_steps`` finite norms of a group are collected
-    while ``warmup_clip`` is applied (default ``clip_by_global_norm(1.0)``,
-    None for none). On the next step the criterion starts from their mean and
-    ddof=1 variance (kept at 1.0 unless positive), and that step is already
-    judged by the criterion. Then, with statistics from *before* the step
-    (clip, then observe): when the criterion fires the gradient is scaled by
-    ``min(1, clip / (g + 1e-6))``; the statistics absorb the raw norm. No
-    clipping while ``mu == 0``.
+    Per group, the first ``warmup_steps`` finite norms are collected while
+    ``warmup_clip`` is applied (default ``clip_by_global_norm(1.0)``, None for
+    none); the criterion then starts from their mean and ddof=1 variance
+    (kept at 1.0 unless positive) and judges the next step. Afterwards, with
+    the statistics from *before* the step (clip, then observe): where the
+    criterion fires the gradient is scaled by ``min(1, clip / (g + 1e-6))``,
+    then the statistics observe the step. No clipping while ``mu == 0``.
 
     ``feedback`` says what a step teaches the statistics, with ``B`` the
-    spike boundary before the step (``mu + z_thresh * sqrt(v)`` for zstat,
-    ``mu * r_thresh`` for ema):
+    spike boundary (``mu + z_thresh * sqrt(v)`` for zstat, ``mu * r_thresh``
+    for ema): the norm (``"raw"``, drytorch's), ``min(g, B)`` (``"clipped"``:
+    a lasting rise is learnt), the clip value on a high-side fire
+    (``"clip_target"``) or nothing then (``"skip"``). ``scope="per_param"`` is
+    drytorch's ParamHistClipper. A clipjax ``warmup_clip`` is rebuilt on
+    hist_clip's groups; another transform applies to the whole tree. A
+    NaN/Inf norm passes unchanged and never enters the statistics. The
+    feedbacks, the warm-up clip and the differences from drytorch:
+    :doc:`/reference_drytorch`.
 
-    * ``"raw"`` (default, drytorch's rule): the norm itself; a spike inflates
-      the statistics.
-    * ``"clipped"``: ``min(g, B)`` on every step: a spike teaches no more
-      than a norm at the boundary would, and a lasting rise of the norm is
-      learnt (each step at the boundary widens it).
-    * ``"clip_target"``: on a high-side fire, the criterion's clip value.
-      With :func:`reciprocal_clipping` or :func:`mean_clipping` that value
-      lies below ``B`` and tends to ``mu`` as the spike grows, so the
-      statistics cannot rise past a lasting upward shift: the std collapses
-      and **every later step is clipped to the old mean**.
-    * ``"skip"``: nothing on a high-side fire (the group's ``count`` does not
-      advance); a lasting upward shift of the norm can hold the statistics at
-      the old level.
+    Metrics per group: ``grad_norm``, ``threshold`` (``B``; in the warm-up
+    the warm-up clip's, else +inf), ``clip_to`` (the norm the step leaves with), ``scale``,
+    ``clipped``, ``spike``, ``mean``, ``std`` and ``z`` (zstat), the
+    counters; ``capped`` and ``headroom`` with a ceiling. The warm-up clip
+    reports under ``hist_clip/<its name>/...``.
 
-    Warm-up norms are always collected as they are.
-
-    ``scope="per_param"`` is drytorch's ParamHistClipper: statistics, warm-up
-    and the warm-up clip per leaf. A clipjax ``warmup_clip`` is rebuilt for
-    hist_clip's groups (and ``axis_name``), so it clips each warming group by
-    its own norm; any other optax transform is applied to the whole tree.
-    Either runs only while some group warms up (under ``lax.cond``); a
-    ``warmup_clip`` given with ``warmup_steps=0`` (no warm-up) raises a
-    ``ValueError``. Once a
-    group's warm-up is over, the warm-up clip's nested metrics for it read
-    idle (``grad_norm`` 0, ``scale`` 1, ``clipped`` False) and its counters
-    keep their totals: they never report a stale decision.
-
-    Unlike drytorch, the EMA criterion with ``mean_clipping`` clips to the
-    running mean (drytorch zeroes the gradient), and a NaN/Inf norm is kept
-    out of the statistics (and out of the warm-up clip's state) and its
-    gradient passes unchanged (it poisons drytorch's statistics).
-
-    Static arguments: none; every number may be injected or scheduled with
-    ``optax.inject_hyperparams``, with no ``static_args`` (``warmup_steps`` too:
-    the warm-up sample is kept as running sums; the criterion's numbers through
-    a factory that builds it); a callable ``scope`` goes in ``static_args``
-    (inject_hyperparams would call it as a schedule).
+    Static arguments: none; every number may be injected with
+    ``optax.inject_hyperparams`` (the criterion's through a factory that
+    builds it), and a callable ``scope`` goes in ``static_args``.
 
     Args:
       criterion: :func:`zstat_criterion` (default) or :func:`ema_criterion`.
       warmup_steps: number of finite norms collected before the criterion.
       warmup_clip: transform applied during warm-up, or None; ``"default"``
         (default) means ``clip_by_global_norm(1.0)``.
-      scope: ``"global"``, ``"per_param"``, ``"per_layer"`` or a callable.
-      feedback: ``"raw"`` (default), ``"clipped"``, ``"clip_target"`` or
-        ``"skip"``, see above.
-      max_grad_norm: the ceiling: an absolute bound on every step's norm,
-        applied from the first step (also while the gate is closed); None for
-        none. ``"auto"`` (default): 1.0 under ``feedback="clipped"`` (a
-        spike defence bounds the first steps of a run, whose norms no
-        statistic has seen yet), none otherwise (the reference has none). It
-        assumes a healthy step's norm is below 1; where ``capped`` shows most
-        steps capped after the first few hundred, raise it.
-      axis_name: average the group norms over this mapped axis first, so every
-        replica keeps identical statistics and applies the same scale.
+      scope: the groups (:class:`~clipjax.ClipTransform`), each with its statistics.
+      feedback: ``"raw"`` (default), ``"clipped"``, ``"clip_target"`` or ``"skip"``.
+      max_grad_norm: the ceiling (:class:`~clipjax.ClipTransform`), or None;
+        ``"auto"`` (default): 1.0 under ``feedback="clipped"``, none otherwise.
+      axis_name: average the group norms over this mapped axis first.
       leaf_norms: also record each leaf's L2 norm before clipping.
       name: metrics prefix (default ``hist_clip``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform`. Metrics per group:
-      ``grad_norm``, ``threshold`` (the boundary ``B`` above which the step is
-      clipped; +inf during warm-up and while ``mu == 0``), ``clip_to`` (the
-      norm the step leaves with: the clip value on a clipped step, the norm
-      itself otherwise), ``scale`` (1 during warm-up; the warm-up clip reports
-      its own metrics under ``hist_clip/<its name>/...``), ``clipped``,
-      ``mean``, ``std`` and ``z`` (zstat), and the counters.
+      A :class:`~clipjax.ClipTransform` whose state is a :class:`HistClipState`.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -342,9 +303,8 @@ def hist_clip(
       drytorch ``drytorch.lib.gradient_ops.HistClipper``; Kumar et al.,
       `ZClip <https://arxiv.org/abs/2504.02507>`_ (reciprocal clipping), 2025.
     """
-    settings = dict(locals())
     criterion, warm, ceiling = _checked(
-        criterion, warmup_steps, warmup_clip, scope, feedback, max_grad_norm, axis_name, name
+        criterion, warmup_steps, warmup_clip, feedback, max_grad_norm
     )
     alpha, thresh = criterion.alpha, criterion.thresh
     # drytorch's StatsCollector: mean and ddof=1 variance of the warm-up
@@ -358,25 +318,29 @@ def hist_clip(
 
     def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
         mean, var, sample = statistic.init(num_groups, dtype)
-        metrics = _kit.metric_arrays(num_groups, dtype, fields, ceiling is not None)
+        metrics = _kit.norm_metrics(
+            num_groups, dtype, fields, spike=True, ceiling=ceiling is not None
+        )
         return {"mean": mean, "var": var, "sample": sample, "metrics": metrics}
 
-    layout = _kit.layout_of(arrays)
+    kit = _kit.Clipper(
+        "hist_clip", HistClipState, arrays,
+        scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms,
+    )  # fmt: skip
+    # A clipjax warm-up clip is rebuilt for these groups: it clips each warming
+    # group by its own norm.
+    configure = getattr(warm, "configure", None)
+    if configure is not None:
+        warm = configure(scope=scope, axis_name=axis_name)
 
     def init_fn(params: Any) -> Any:
-        start = _kit.start(params, scope, "hist_clip", name, leaf_norms)
-        nested = None if warm is None else warm.init(params)
-        own = arrays(start.num_groups, start.dtype)
-        return _kit.new_state(HistClipState, start, own, nested=nested)
+        return kit.init(params, nested=None if warm is None else warm.init(params))
 
     def update_fn(
         updates: Any, state: HistClipState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, HistClipState]:
         del extra_args
-        grads = _kit.group_norms(
-            updates, state, HistClipState, layout, who=name or "hist_clip", scope=scope,
-            axis_name=axis_name, leaf_norms=leaf_norms,
-        )  # fmt: skip
+        grads = kit.norms(updates, state)
         g, mu, v, count = grads.norm, state.mean, state.var, state.metrics["count"]
         finite = jnp.isfinite(g)
         warming = count < warmup_steps
@@ -410,6 +374,28 @@ def hist_clip(
         stats = _stats.WarmupEmaState(mu, v, state.sample)
         stats = _kit.select_groups(observed, statistic.observe(stats, x, count), stats)
 
+        leaves = _grouping.apply_scales(
+            grads.leaves, grads.grouping, _xla.computed_once(scale), state.leaf_index
+        )
+        nested = state.nested
+        if warm is not None:
+            # The warm-up clip runs on the groups that warm up, only while one
+            # does; with a ceiling it sees the capped gradient. hist_clip's own
+            # metrics then say what the step did: the warm-up clip's scale and
+            # threshold on those groups.
+            warm_in = updates if ceiling is None else grads.treedef.unflatten(leaves)
+            warming_now = warming & finite
+            leaves, nested = _run_warmup(
+                warm, warm_in, state.nested, params, leaves, grads.grouping,
+                warming_now, state.leaf_index,
+            )  # fmt: skip
+            warm_scale, warm_threshold = _warmup_decision(
+                nested, leaves, g * scale, grads.grouping, warming_now
+            )
+            scale = scale * warm_scale
+            clip_to = jnp.where(warming_now & (scale < 1), g * scale, clip_to)
+            threshold = jnp.where(warming_now, jnp.minimum(threshold, warm_threshold), threshold)
+
         scores = {} if score_name is None else {score_name: jnp.where(warming, 0.0, score)}
         if ceiling is not None:
             level = jnp.where(warming, _stats.sample_mean(stats.warmup), stats.mean)
@@ -417,59 +403,36 @@ def hist_clip(
         metrics = _kit.step_metrics(
             state.metrics,
             norm=g,
+            observed=observed,
             threshold=threshold,
             scale=scale,
-            observed=observed,
+            spike=high & finite,
             capped=capped,
             clip_to=clip_to,
             **scores,
         )
-        new_state = state._replace(
-            mean=stats.mean, var=stats.var, sample=stats.warmup,
-            **_kit.shared_fields(state, grads, metrics),
+        return kit.finish(
+            grads, state, metrics, leaves=leaves, mean=stats.mean, var=stats.var,
+            sample=stats.warmup, nested=nested,
         )  # fmt: skip
-        leaves = _grouping.apply_scales(
-            grads.leaves, grads.grouping, _grouping.computed_once(scale), state.leaf_index
-        )
-        if warm is not None:
-            # The warm-up clip runs on the groups that warm up, only while one
-            # does; with a ceiling it sees the capped gradient.
-            warm_in = updates if ceiling is None else grads.treedef.unflatten(leaves)
-            leaves, nested = _run_warmup(
-                warm, warm_in, state.nested, params, leaves, grads.grouping,
-                warming & finite, state.leaf_index,
-            )  # fmt: skip
-            new_state = new_state._replace(nested=nested)
-        return grads.treedef.unflatten(leaves), new_state
 
     # optax types a state as OptState (an array tree), not as HistClipState.
-    tx = ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
-    tx.configure = lambda **overrides: hist_clip(**{**settings, **overrides})
-    return tx
+    return ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 def _checked(
-    criterion: Any,
-    warmup_steps: Any,
-    warmup_clip: Any,
-    scope: Any,
-    feedback: Any,
-    max_grad_norm: Any,
-    axis_name: Any,
-    name: Any,
+    criterion: Any, warmup_steps: Any, warmup_clip: Any, feedback: Any, max_grad_norm: Any
 ) -> tuple[Criterion, Any, float | None]:
     """Validates hist_clip's arguments; returns the criterion, the warm-up clip
-    (``"default"`` made ``clip_by_global_norm(1.0)``; a clipjax one rebuilt for
-    hist_clip's groups and ``axis_name``, so it clips each warming group by its
-    own norm) and the ceiling."""
+    (``"default"`` made ``clip_by_global_norm(1.0)``) and the ceiling."""
     criterion = zstat_criterion() if criterion is None else criterion
     if not isinstance(criterion, Criterion):
         raise ValueError(
             "criterion must come from clipjax.zstat_criterion() or clipjax.ema_criterion(), "
             f"got {criterion!r}"
         )
-    _validation.integer("warmup_steps", warmup_steps, minimum=0, static=False)
-    if _validation.concrete(warmup_steps) == 0 and not (
+    _checks.integer("warmup_steps", warmup_steps, minimum=0, static=False)
+    if _checks.concrete(warmup_steps) == 0 and not (
         warmup_clip is None or isinstance(warmup_clip, str)
     ):
         raise ValueError(
@@ -486,14 +449,27 @@ def _checked(
         raise ValueError(
             f"warmup_clip must be a GradientTransformation or None, got {warmup_clip!r}"
         )
-    _kit.check_feedback(feedback, get_args(TargetFeedback))
+    _checks.feedback(feedback, get_args(TargetFeedback))
     ceiling = _kit.resolve_ceiling(max_grad_norm, feedback)
-    _grouping.validate_scope(scope)
-    _kit.check_name(name)
-    configure = getattr(warmup_clip, "configure", None)
-    if configure is not None:
-        warmup_clip = configure(scope=scope, axis_name=axis_name)
     return criterion, warmup_clip, ceiling
+
+
+def _warmup_decision(
+    nested: Any, leaves: list[jax.Array], seen: jax.Array, grouping: Grouping, warming: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """``(scale, threshold)`` per group of what the warm-up clip did to the norm ``seen``
+    on the warming groups (1 and +inf elsewhere): from a clipjax warm-up clip's own
+    metrics on hist_clip's groups, else measured on its output (one more pass)."""
+    metrics = nested.metrics if _metrics.is_clipjax_state(nested) else {}
+    if "scale" in metrics and metrics["scale"].shape == warming.shape:
+        scale = metrics["scale"].astype(seen.dtype)
+        threshold = metrics.get("threshold", jnp.full_like(seen, jnp.inf)).astype(seen.dtype)
+    else:
+        out = _grouping.group_norms(leaves, grouping, 2.0)
+        positive = seen > 0
+        scale = jnp.where(positive, out / jnp.where(positive, seen, 1.0), 1.0)
+        threshold = jnp.full_like(seen, jnp.inf)
+    return jnp.where(warming, scale, 1.0), jnp.where(warming, threshold, jnp.inf)
 
 
 def _run_warmup(

@@ -13,11 +13,10 @@ from typing import Any, NamedTuple, get_args
 import jax
 import jax.numpy as jnp
 
-from clipjax import _grouping, _kit, _stats, _validation
+from clipjax import _checks, _kit, _stats
 from clipjax._grouping import Scope
-from clipjax._kit import ClipTransform
+from clipjax._kit import ClipTransform, SpikeFeedback
 from clipjax._metrics import GroupInfo
-from clipjax._types import SpikeFeedback
 
 # Levanter's floors: the std in the threshold, the norm in the scale's denominator.
 STD_FLOOR = 1e-6
@@ -25,16 +24,13 @@ NORM_FLOOR = 1e-6
 
 
 class HistoricalNormClipState(NamedTuple):
-    """State of :func:`clip_by_historical_norm`: a window of norms per group, then shared fields.
+    """State of :func:`clip_by_historical_norm`: a window of norms per group, then
+    the fields every clipper state ends with (:class:`~clipjax.ClipTransform`).
 
     Attributes:
       window: ``[groups, rolling_interval_length]`` ring buffer of the observed
         norms (Levanter's ``update_norms``; slot ``seen % length`` is next).
       seen: ``int32[groups]`` norms ever written to the window.
-      metrics: this step's metrics and the counters (``clipjax._kit``).
-      info: static names (algorithm, prefix, groups, leaves).
-      leaf_index: each leaf's group index, int32 scalars (empty for one group).
-      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -51,6 +47,7 @@ class HistoricalNormClipState(NamedTuple):
     leaf_metrics: dict[str, jax.Array]
 
 
+@_kit.configurable
 def clip_by_historical_norm(
     rolling_interval_length: int | None = None,
     sigma_factor: float = 3.0,
@@ -79,9 +76,8 @@ def clip_by_historical_norm(
     threshold) or ``"skip"`` (nothing on a clipped step; a lasting rise can
     then be clipped for good).
 
-    Unlike Levanter, a NaN or infinite norm passes unchanged and never enters
-    the window (Levanter's enters it: the threshold is NaN, and nothing is
-    clipped, until it leaves the window 128 steps later).
+    A NaN or infinite norm passes unchanged and never enters the window, unlike
+    Levanter's (:doc:`/defences_2025`).
 
     Static arguments: ``rolling_interval_length`` (it sizes the window: name it
     in static_args); ``sigma_factor`` and ``min_history`` may be injected or
@@ -119,46 +115,38 @@ def clip_by_historical_norm(
       Levanter ``clip_update_by_historical_norm`` (stanford-crfm/levanter,
       ``src/levanter/optim/clip_update_norm.py``, commit 9263f81).
     """
-    settings = dict(locals())
     if rolling_interval_length is None:
         rolling_interval_length = 128
-    _validation.integer("rolling_interval_length", rolling_interval_length, 1)
-    _validation.positive("sigma_factor", sigma_factor)
+    _checks.integer("rolling_interval_length", rolling_interval_length, 1)
+    _checks.positive("sigma_factor", sigma_factor)
     if min_history is None:
         min_history = min(max(2, rolling_interval_length // 2), rolling_interval_length)
-    _validation.integer("min_history", min_history, 1, static=False)
-    concrete = _validation.concrete(min_history)
+    _checks.integer("min_history", min_history, 1, static=False)
+    concrete = _checks.concrete(min_history)
     if concrete is not None and concrete > rolling_interval_length:
         raise ValueError(
             f"min_history must be <= rolling_interval_length ({rolling_interval_length}), "
             f"got {min_history!r}"
         )
-    _kit.check_feedback(feedback, get_args(SpikeFeedback))
-    _grouping.validate_scope(scope)
-    _kit.check_name(name)
-    who = name or "clip_by_historical_norm"
+    _checks.feedback(feedback, get_args(SpikeFeedback))
 
     def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
         return {
             "window": jnp.zeros((num_groups, rolling_interval_length), dtype),
             "seen": jnp.zeros((num_groups,), jnp.int32),
-            "metrics": _kit.metric_arrays(num_groups, dtype, ("mean", "std")),
+            "metrics": _kit.norm_metrics(num_groups, dtype, ("mean", "std")),
         }
 
-    layout = _kit.layout_of(arrays)
-
-    def init_fn(params: Any) -> Any:
-        start = _kit.start(params, scope, "clip_by_historical_norm", name, leaf_norms)
-        return _kit.new_state(HistoricalNormClipState, start, arrays(start.num_groups, start.dtype))
+    kit = _kit.Clipper(
+        "clip_by_historical_norm", HistoricalNormClipState, arrays,
+        scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms,
+    )  # fmt: skip
 
     def update_fn(
         updates: Any, state: HistoricalNormClipState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, HistoricalNormClipState]:
         del params, extra_args
-        grads = _kit.group_norms(
-            updates, state, HistoricalNormClipState, layout, who=who, scope=scope,
-            axis_name=axis_name, leaf_norms=leaf_norms,
-        )  # fmt: skip
+        grads = kit.norms(updates, state)
         g, window, seen = grads.norm, state.window, state.seen
         finite = jnp.isfinite(g)
 
@@ -179,15 +167,10 @@ def clip_by_historical_norm(
         after_mean, after_std, _ = _stats.ring_mean_std(window, seen, ddof=0)
 
         metrics = _kit.step_metrics(
-            state.metrics, norm=g, threshold=threshold, scale=scale, observed=observed,
+            state.metrics, norm=g, observed=observed, threshold=threshold, scale=scale,
             mean=after_mean, std=after_std,
         )  # fmt: skip
-        new_state = state._replace(
-            window=window, seen=seen, **_kit.shared_fields(state, grads, metrics)
-        )
-        return _kit.scaled(grads, scale, state), new_state
+        return kit.finish(grads, state, metrics, scale=scale, window=window, seen=seen)
 
     # optax types a state as OptState (an array tree), not as HistoricalNormClipState.
-    tx = ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
-    tx.configure = lambda **overrides: clip_by_historical_norm(**{**settings, **overrides})
-    return tx
+    return ClipTransform(kit.init, update_fn)  # pyright: ignore[reportArgumentType]

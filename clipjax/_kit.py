@@ -1,48 +1,49 @@
-"""The small steps a norm clipper's ``init`` and ``update`` are written with.
+"""What a clipper's factory and step are written with.
 
-A clipper calls these from its own ``init_fn`` / ``update_fn``, top to bottom,
-the way optax's ``scale_by_adam`` reads: the norms of the groups, its own rule
-(threshold, scale), what its statistics observe this step, the metrics, the
-scaled leaves. Nothing here calls back into a clipper.
-
-Every clipper state ends with the same four fields (its own variables come
-first, typed and named after the algorithm's):
-
-* ``metrics``: ``{field: [groups] array}`` of this step (``grad_norm``,
-  ``threshold``, ``scale``, ``clipped``, ...) and the counters ``count``
-  (finite observations), ``step``, ``clipped_count``, ``nonfinite_count``
-  (``capped``/``capped_count`` with a ceiling), read by
-  :func:`clipjax.metrics`, which also reads the statistics a state reports
-  from its own variables (its ``statistics()`` method);
-* ``info``: the static :class:`~clipjax.GroupInfo` (algorithm, prefix, group
-  and leaf names), a pytree node with no leaves;
-* ``leaf_index``: each leaf's group index as a runtime int32 scalar (empty for
-  one group), so that leaves of one shape compile to the same fusions;
-* ``leaf_metrics``: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+A factory checks its own arguments, then binds its plumbing once in a
+:class:`Clipper`. Its ``update`` reads top to bottom, as optax's
+``scale_by_adam`` does: :meth:`Clipper.norms`, its own rule (threshold,
+scale), what its statistics observe (:func:`observation`), the metrics
+(:func:`step_metrics`), :meth:`Clipper.finish`. Nothing here calls back into
+a clipper.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
-from typing import Any, NamedTuple, get_args
+from typing import Any, Literal, NamedTuple, ParamSpec, cast
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _grouping, _metrics, _state_check, _validation
-from clipjax._grouping import Grouping, Scope
-from clipjax._types import Feedback, TargetFeedback
+from clipjax import _checks, _grouping, _metrics, _xla
+from clipjax._grouping import Grouping, KeyPath, Scope
 
 Array = jax.Array
 
-# What a step may teach a clipper's statistics (``feedback``); each clipper
-# accepts a subset.
-FEEDBACKS: tuple[str, ...] = tuple(dict.fromkeys(get_args(Feedback) + get_args(TargetFeedback)))
-COUNTERS = ("count", "step", "clipped_count", "nonfinite_count", "capped_count")
+# What a clipper's statistics learn from a step (see :func:`observation`): the norm
+# before judging it (observe_first), the raw norm, the norm capped at the spike
+# boundary (clipped), or nothing on a spike (skip). Each clipper takes a subset.
+Feedback = Literal["observe_first", "raw", "clipped", "skip"]
+# The clippers that always judge a step before observing it.
+SpikeFeedback = Literal["raw", "clipped", "skip"]
+# zclip and hist_clip also offer the value their rule clips to (clip_target).
+TargetFeedback = Literal["raw", "clipped", "clip_target", "skip"]
+
+COUNTERS = ("count", "step", "clipped_count", "nonfinite_count")
+FLAGS = ("clipped", "spike", "capped")  # boolean metrics
+# The ceiling of the spike-defence setting (feedback="clipped") where the
+# reference has none: the field's standard clip, ZClip's default.
+DEFAULT_CEILING = 1.0
 # The guard in a ceiling's multiplier, max_grad_norm / (g + 1e-6) (zclip's and torch's).
 CEILING_EPS = 1e-6
+# autoclip's and zscore_clip's gate when each step is judged before it is observed:
+# its threshold then comes from few norms, but a spike feeds back its clipped value,
+# so a short gate costs little and keeps early training's large norms out.
+JUDGE_FIRST_GATE = 10
 
 
 class ClipTransform(optax.GradientTransformationExtraArgs):
@@ -51,16 +52,17 @@ class ClipTransform(optax.GradientTransformationExtraArgs):
     A ``ClipTransform`` is an ``optax.GradientTransformationExtraArgs`` (a
     named tuple of ``init`` and ``update``), so it goes wherever optax takes
     a transform: ``optax.chain``, ``MultiSteps``, ``inject_hyperparams``, flax
-    optimizers. ``init(params)`` returns the clipper's state, a pytree whose
-    metrics :func:`clipjax.metrics` reads; ``update(updates, state,
-    params=None, **extra_args)`` returns the clipped updates and the new
-    state (the clippers that need ``params``, such as :func:`clipjax.agc`, say
-    so).
+    optimizers. ``init(params)`` returns the clipper's state; ``update(updates,
+    state, params=None, **extra_args)`` returns the clipped updates and the
+    new state (the clippers that need ``params``, such as :func:`clipjax.agc`,
+    say so). It adds one attribute, ``configure``: ``configure(scope=...,
+    axis_name=...)`` returns the same clipper with other grouping settings
+    (:func:`clipjax.hist_clip` runs a clipjax ``warmup_clip`` on its groups).
 
-    It adds one attribute, ``configure``: ``configure(scope=...,
-    axis_name=...)`` returns the same clipper with other grouping settings.
-    :func:`clipjax.hist_clip` uses it to run a clipjax ``warmup_clip`` on its
-    own groups.
+    Every clipper's state ends with the fields ``metrics``, ``info``,
+    ``leaf_index`` and ``leaf_metrics``, and every clipper takes ``scope``,
+    ``axis_name``, ``leaf_norms`` and ``name``; both are documented once, in
+    :doc:`/clipper_fields`, with the ceiling ``max_grad_norm``.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -75,25 +77,28 @@ class ClipTransform(optax.GradientTransformationExtraArgs):
     configure: Callable[..., ClipTransform] | None = None
 
 
-def check_feedback(feedback: Any, allowed: tuple[str, ...]) -> None:
-    if feedback not in allowed:
-        raise ValueError(f"feedback must be one of {allowed}, got {feedback!r}")
+P = ParamSpec("P")
 
 
-# The ceiling of the spike-defence setting (feedback="clipped") where the
-# reference has none: the field's standard clip, ZClip's default.
-DEFAULT_CEILING = 1.0
-# autoclip's and zscore_clip's gate under judge-first feedback: the threshold of
-# the first steps comes from few norms, but each is judged before it is observed
-# and a spike feeds back its clipped value, so a short gate costs little and keeps
-# the large norms of early training out of the statistics.
-JUDGE_FIRST_GATE = 10
+def configurable(build: Callable[P, ClipTransform]) -> Callable[P, ClipTransform]:
+    """``build`` whose transforms carry ``configure(**overrides)``: ``build`` called
+    again with the same arguments and ``overrides``."""
+    signature = inspect.signature(build)
+
+    @functools.wraps(build)
+    def built(*args: P.args, **kwargs: P.kwargs) -> ClipTransform:
+        tx = build(*args, **kwargs)
+        arguments = signature.bind(*args, **kwargs).arguments
+        again = cast(Callable[..., ClipTransform], built)
+        tx.configure = lambda **overrides: again(**{**arguments, **overrides})
+        return tx
+
+    return built
 
 
 def resolve_ceiling(max_grad_norm: Any, feedback: str) -> float | None:
-    """``max_grad_norm="auto"``: :data:`DEFAULT_CEILING` under ``feedback="clipped"``
-    (a spike defence bounds every step from the first), None otherwise (the
-    reference's behaviour); a number must be positive."""
+    """``max_grad_norm="auto"``: :data:`DEFAULT_CEILING` under ``feedback="clipped"``,
+    else None (the reference's behaviour); a number must be positive."""
     if isinstance(max_grad_norm, str):
         if max_grad_norm != "auto":
             raise ValueError(
@@ -101,42 +106,23 @@ def resolve_ceiling(max_grad_norm: Any, feedback: str) -> float | None:
             )
         return DEFAULT_CEILING if feedback == "clipped" else None
     if max_grad_norm is not None:
-        _validation.positive("max_grad_norm", max_grad_norm)
+        _checks.positive("max_grad_norm", max_grad_norm)
     return max_grad_norm
 
 
-def check_name(name: Any) -> None:
-    """``name`` is None or a non-empty str without ``/`` (the separator of metric names)."""
-    if name is not None and (not isinstance(name, str) or not name):
-        raise ValueError(f"name must be a non-empty str, got {name!r}")
-    if name is not None and "/" in name:
-        raise ValueError(
-            f"name must not contain '/', which separates the parts of a metric name "
-            f"('{{name}}/{{group}}/{{field}}'), got {name!r}; use '_' or '-'"
-        )
+def gate_defaults(feedback: str, warmup_steps: Any, min_history: Any) -> tuple[int, int]:
+    """autoclip's and zscore_clip's gate, where ``warmup_steps`` / ``min_history`` are
+    None: smartclip's 100 / 50 under ``"observe_first"``, :data:`JUDGE_FIRST_GATE`
+    each when a step is judged before it is observed."""
+    first = feedback == "observe_first"
+    if warmup_steps is None:
+        warmup_steps = 100 if first else JUDGE_FIRST_GATE
+    if min_history is None:
+        min_history = 50 if first else JUDGE_FIRST_GATE
+    return warmup_steps, min_history
 
 
-# --------------------------------------------------------------------------- init
-
-
-class Start(NamedTuple):
-    """What ``init`` needs besides the clipper's own variables.
-
-    Attributes:
-      num_groups: the number of groups of the tree.
-      dtype: the statistics' dtype (float32, float64 for float64 leaves).
-      info: the state's ``info`` field.
-      leaf_index: the state's ``leaf_index`` field.
-      leaf_metrics: the state's ``leaf_metrics`` field.
-      placeholder: ``init`` got optax's params placeholder (``tree_map_params``).
-    """
-
-    num_groups: int
-    dtype: Any
-    info: _metrics.GroupInfo
-    leaf_index: Any
-    leaf_metrics: dict[str, Array]
-    placeholder: bool
+# --------------------------------------------------------------------------- the plumbing
 
 
 def is_placeholder(params: Any) -> bool:
@@ -146,159 +132,160 @@ def is_placeholder(params: Any) -> bool:
     return type(params).__name__ == "_ParamsPlaceholder"
 
 
-def start(params: Any, scope: Scope, algo: str, name: str | None, leaf_norms: bool) -> Start:
-    """The groups of ``params`` under ``scope`` and the shared fields of a new state."""
-    placeholder = is_placeholder(params)
-    leaves, _, _ = _grouping.leaves_with_names(params)
-    grouping = _grouping.make_grouping(params, scope)
-    info_class = _metrics.PlaceholderInfo if placeholder else _metrics.GroupInfo
-    info = info_class(algo, name, grouping.names, grouping.leaf_names, grouping.leaf_shapes)
-    dtype = _grouping.norm_dtype(leaves)
-    leaf_metrics = {"grad_norm": jnp.zeros((len(leaves),), dtype)} if leaf_norms else {}
-    index = _grouping.leaf_index(grouping, placeholder)
-    return Start(grouping.num_groups, dtype, info, index, leaf_metrics, placeholder)
+def group_info(
+    params: Any, scope: Scope, algo: str, name: str | None, grouping: Grouping | None = None
+) -> _metrics.GroupInfo:
+    """The ``info`` of a new state for ``params`` grouped by ``scope`` (into ``grouping``)."""
+    grouping = _grouping.make_grouping(params, scope) if grouping is None else grouping
+    info_class = _metrics.PlaceholderInfo if is_placeholder(params) else _metrics.GroupInfo
+    return info_class(algo, name, grouping.names, grouping.leaf_names, grouping.leaf_shapes)
 
 
-def metric_arrays(
-    num_groups: int, dtype: Any, fields: tuple[str, ...], ceiling: bool = False
-) -> dict[str, Array]:
-    """The ``metrics`` of a new state: ``grad_norm``, ``threshold`` and ``fields``
-    (zeros of ``dtype``), ``scale`` (ones), ``clipped`` (False), and the
-    counters; ``capped`` and ``capped_count`` with a ceiling."""
-    zeros = jnp.zeros((num_groups,), dtype)
-    metrics = {"grad_norm": zeros, "threshold": zeros}
-    metrics["scale"] = jnp.ones((num_groups,), dtype)
-    metrics["clipped"] = jnp.zeros((num_groups,), bool)
-    if ceiling:
-        metrics["capped"] = jnp.zeros((num_groups,), bool)
-    for field in fields:
-        metrics[field] = zeros
-    for counter in COUNTERS:
-        if counter != "capped_count" or ceiling:
-            metrics[counter] = jnp.zeros((num_groups,), jnp.int32)
-    return metrics
-
-
-def new_state(state_class: type, start: Start, own: dict[str, Any], **more: Any) -> Any:
-    """A clipper's new state: its own arrays ``own``, the shared fields from
-    ``start``, and ``more`` (hist_clip's ``nested``); each leaf its own buffer
-    (a donated state), except on optax's params placeholder."""
-    shared = {"info": start.info, "leaf_index": start.leaf_index}
-    if "leaf_metrics" in state_class._fields:  # not in adaclip's and ada_norm's
-        shared["leaf_metrics"] = start.leaf_metrics
-    state = state_class(**own, **shared, **more)
-    return state if start.placeholder else own_buffers(state)
-
-
-def own_buffers(state: Any) -> Any:
-    """Gives every state leaf its own buffer.
-
-    ``init`` builds several fields from one ``zeros``; a jitted step that
-    donates the state would then donate one buffer twice and fail.
-    """
-    return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
-
-
-# --------------------------------------------------------------------------- norms
-
-
-class Norms(NamedTuple):
-    """The gradient of one step, grouped.
+class Grads(NamedTuple):
+    """A step's gradient: its leaves and groups, and their norms once taken.
 
     Attributes:
-      norm: ``[groups]`` norms (averaged over ``axis_name`` when given).
       leaves: the gradient's leaves.
+      paths: their key paths.
       treedef: their tree structure.
       grouping: the groups of the leaves.
-      leaf_norms: ``[leaves]`` L2 norms, or None without ``leaf_norms``.
+      norm: ``[groups]`` norms (averaged over ``axis_name``), or None.
+      leaf_norms: ``[leaves]`` L2 norms with ``leaf_norms=True``, else None.
     """
 
-    norm: Array
     leaves: list[Array]
+    paths: list[KeyPath]
     treedef: Any
     grouping: Grouping
-    leaf_norms: Array | None
-
-
-def check_tree(
-    updates: Any, state: Any, state_class: type, layout: Callable[[int], Any], *, who: str,
-    scope: Scope, dtypes: bool = True,
-) -> tuple[list[Any], list[Any], Any, Grouping]:  # fmt: skip
-    """The state checks of :func:`group_norms`, without the norms.
-
-    ``state`` must be a ``state_class`` built by ``init`` for a tree like
-    ``updates`` (``layout(num_groups)`` gives its arrays' shapes): otherwise a
-    ``TypeError`` or ``ValueError`` says what was expected. With ``dtypes``
-    every leaf must be inexact (``_grouping.check_inexact``); a clipper that
-    needs ``params`` passes False and checks them after its params. Returns
-    the leaves of ``updates``, their paths, the tree structure and the groups.
-    """
-    _state_check.check_state(state, state_class, who)
-    info: _metrics.GroupInfo = state.info
-    leaves, paths, treedef = _grouping.leaves_with_names(updates)
-    grouping = _grouping.make_grouping(updates, scope)
-    grouping.check_matches(info.leaves, info.shapes, who)
-    for field, value in state.metrics.items():
-        if jnp.shape(_metrics.unwrap(value))[:1] != (grouping.num_groups,):
-            groups = ", ".join(grouping.names[:4]) + (", ..." * (grouping.num_groups > 4))
-            raise ValueError(
-                f"{who}: the state does not fit the tree passed to update: its metric "
-                f"{field!r} has shape {jnp.shape(value)}, expected [{grouping.num_groups}] "
-                f"for the groups of this tree ({groups}); was the state restored from "
-                "another model?"
-            )
-    for field, value in layout(grouping.num_groups).items():
-        _state_check.check_layout(who, field, getattr(state, field), value)
-    if dtypes:
-        _grouping.check_inexact(leaves, grouping, who)
-    return leaves, paths, treedef, grouping
-
-
-def group_norms(
-    updates: Any,
-    state: Any,
-    state_class: type,
-    layout: Callable[[int], Any],
-    *,
-    who: str,
-    scope: Scope,
-    axis_name: str | None = None,
-    leaf_norms: bool = False,
-) -> Norms:
-    """Checks ``state`` against ``updates`` and returns the group norms of ``updates``.
-
-    ``state`` must be a ``state_class`` built by ``init`` for a tree like
-    ``updates`` (``layout(num_groups)`` gives the shapes and dtypes of its
-    arrays, from ``jax.eval_shape``): otherwise a ``TypeError`` or
-    ``ValueError`` says what was expected and how to restore a checkpoint.
-    The norms take one pass over the gradient (squares summed in float32, or
-    float64 for float64 leaves); with ``axis_name`` they are averaged over
-    that mapped axis, so every replica applies the same scale.
-    """
-    leaves, _, treedef, grouping = check_tree(
-        updates, state, state_class, layout, who=who, scope=scope
-    )
-    partial = _grouping.leaf_power_sums(leaves, 2.0, grouping)
-    norm = _grouping.group_norms(leaves, grouping, 2.0, partial)
-    per_leaf = None
-    if leaf_norms:
-        # A stacked leaf's per-slice sums add up to the whole leaf's.
-        squares = [jnp.sum(s) if jnp.ndim(s) else s for s in partial]
-        per_leaf = jnp.sqrt(jnp.stack(squares)) if squares else state.leaf_metrics["grad_norm"]
-    if axis_name is not None:
-        norm, per_leaf = jax.lax.pmean((norm, per_leaf), axis_name)
-    return Norms(norm, leaves, treedef, grouping, per_leaf)
+    norm: Any = None
+    leaf_norms: Any = None
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_layout(build: Callable[[int], Any], num_groups: int) -> Any:
-    return jax.eval_shape(lambda: build(num_groups))
+def _layout(arrays: Callable[..., Any], num_groups: int) -> Any:
+    return jax.eval_shape(lambda: arrays(num_groups))
 
 
-def layout_of(build: Callable[[int], Any]) -> Callable[[int], Any]:
-    """``num_groups -> shapes and dtypes`` of the arrays ``build(num_groups)`` makes
-    (its fields other than ``info``, ``leaf_index`` and ``leaf_metrics``), cached."""
-    return functools.partial(_cached_layout, build)
+class Clipper:
+    """A clipper's plumbing, bound once by its factory, and the steps that use it.
+
+    ``algo`` is the factory's name, ``arrays(num_groups, dtype)`` the state's
+    own fields and ``metrics`` for a new state; ``scope`` (checked against
+    ``scopes``; no :func:`clipjax.stacked` with ``stacked=False``), ``name``,
+    ``axis_name`` and ``leaf_norms`` are the clipper's arguments; ``p`` is the
+    order of the group norms (a leaf's own norm stays L2).
+    """
+
+    def __init__(
+        self,
+        algo: str,
+        state_class: type,
+        arrays: Callable[..., dict[str, Any]],
+        *,
+        scope: Scope,
+        name: str | None,
+        axis_name: str | None = None,
+        leaf_norms: bool = False,
+        p: float = 2.0,
+        scopes: tuple[str, ...] = _grouping.SCOPES,
+        stacked: bool = True,
+    ) -> None:
+        _grouping.validate_scope(scope, scopes)
+        _checks.name(name)
+        if not stacked and isinstance(scope, _grouping.Stacked):
+            raise ValueError(
+                f"{algo}: clipjax.stacked scopes apply to the norm-based clippers; "
+                f"{algo} changes elements, use scope='per_param' or 'per_layer'"
+            )
+        self.algo, self.state_class, self.arrays = algo, state_class, arrays
+        self.scope: Scope = scope
+        self.name, self.axis_name, self.leaf_norms, self.p = name, axis_name, leaf_norms, p
+        self.who = name or algo
+
+    def init(self, params: Any, **more: Any) -> Any:
+        """A new state for ``params``: its arrays, the shared fields its class has,
+        and ``more``."""
+        placeholder = is_placeholder(params)
+        leaves, _, _ = _grouping.leaves_with_names(params)
+        grouping = _grouping.make_grouping(params, self.scope)
+        dtype = _grouping.norm_dtype(leaves)
+        shared = {
+            "info": group_info(params, self.scope, self.algo, self.name, grouping),
+            "leaf_index": _xla.leaf_index(grouping, placeholder),
+            "leaf_metrics": (
+                {"grad_norm": jnp.zeros((len(leaves),), dtype)} if self.leaf_norms else {}
+            ),
+        }
+        shared = {k: v for k, v in shared.items() if k in self.state_class._fields}
+        state = self.state_class(**self.arrays(grouping.num_groups, dtype), **shared, **more)
+        return state if placeholder else _xla.own_buffers(state)
+
+    def leaves(self, updates: Any, state: Any, *, dtypes: bool = True) -> Grads:
+        """``updates`` flattened and grouped, once ``state`` is checked against them
+        (an error says what was expected and how to restore a checkpoint). With
+        ``dtypes`` every leaf must be a float (a clipper that needs ``params``
+        checks them first and passes False)."""
+        who = self.who
+        _checks.check_state(state, self.state_class, who)
+        info: _metrics.GroupInfo = state.info
+        leaves, paths, treedef = _grouping.leaves_with_names(updates)
+        grouping = _grouping.make_grouping(updates, self.scope)
+        grouping.check_matches(info.leaves, info.shapes, who)
+        for field, value in state.metrics.items():
+            if jnp.shape(_metrics.unwrap(value))[:1] != (grouping.num_groups,):
+                groups = ", ".join(grouping.names[:4]) + (", ..." * (grouping.num_groups > 4))
+                raise ValueError(
+                    f"{who}: the state does not fit the tree passed to update: its metric "
+                    f"{field!r} has shape {jnp.shape(value)}, expected [{grouping.num_groups}] "
+                    f"for the groups of this tree ({groups}); was the state restored from "
+                    "another model?"
+                )
+        for field, value in _layout(self.arrays, grouping.num_groups).items():
+            _checks.check_layout(who, field, getattr(state, field), value)
+        if dtypes:
+            _grouping.check_inexact(leaves, grouping, who)
+        return Grads(leaves, paths, treedef, grouping)
+
+    def norms(self, updates: Any, state: Any) -> Grads:
+        """:meth:`leaves` with each group's ``p``-norm (one read of each leaf, summed
+        in float32 or float64) and each leaf's L2 norm; averaged over ``axis_name``."""
+        grads = self.leaves(updates, state)
+        leaves, grouping = grads.leaves, grads.grouping
+        partial = _grouping.leaf_power_sums(leaves, self.p, grouping)
+        norm = _grouping.group_norms(leaves, grouping, self.p, partial)
+        per_leaf = None
+        if self.leaf_norms:
+            squares = partial if self.p == 2.0 else _grouping.leaf_power_sums(leaves)
+            # A stacked leaf's per-slice sums add up to the whole leaf's.
+            squares = [jnp.sum(s) if jnp.ndim(s) else s for s in squares]
+            per_leaf = jnp.sqrt(jnp.stack(squares)) if squares else state.leaf_metrics["grad_norm"]
+        if self.axis_name is not None:
+            norm, per_leaf = jax.lax.pmean((norm, per_leaf), self.axis_name)
+        return grads._replace(norm=norm, leaf_norms=per_leaf)
+
+    def finish(
+        self,
+        grads: Grads,
+        state: Any,
+        metrics: dict[str, Array],
+        *,
+        scale: Array | None = None,
+        leaves: list[Array] | None = None,
+        **own: Any,
+    ) -> tuple[Any, Any]:
+        """The updates (each group times its ``scale``, or the new ``leaves``) and the
+        new state: its fields ``own``, ``metrics`` and the shared fields."""
+        # A copy of the index, not the input passed through: see _xla.returned.
+        shared = {"metrics": metrics, "leaf_index": _xla.returned(state.leaf_index)}
+        if grads.leaf_norms is not None:
+            dtype = state.leaf_metrics["grad_norm"].dtype
+            shared["leaf_metrics"] = {"grad_norm": grads.leaf_norms.astype(dtype)}
+        new_state = state._replace(**own, **shared)
+        if leaves is None:
+            assert scale is not None
+            scales = _xla.computed_once(scale)
+            leaves = _grouping.apply_scales(grads.leaves, grads.grouping, scales, state.leaf_index)
+        return jax.tree_util.tree_unflatten(grads.treedef, leaves), new_state
 
 
 # --------------------------------------------------------------------------- a step
@@ -366,18 +353,6 @@ def observation(
     return value, observed
 
 
-def gate_defaults(feedback: str, warmup_steps: Any, min_history: Any) -> tuple[int, int]:
-    """autoclip's and zscore_clip's gate, where ``warmup_steps`` / ``min_history`` are
-    None: smartclip's 100 / 50 under ``"observe_first"``, :data:`JUDGE_FIRST_GATE` each
-    under the judge-first feedbacks."""
-    first = feedback == "observe_first"
-    if warmup_steps is None:
-        warmup_steps = 100 if first else JUDGE_FIRST_GATE
-    if min_history is None:
-        min_history = 50 if first else JUDGE_FIRST_GATE
-    return warmup_steps, min_history
-
-
 def select_groups(mask: Array, new: Any, old: Any) -> Any:
     """Per group, ``new`` where ``mask`` holds, else ``old`` (stacked ``[groups, ...]``
     arrays, never full tensors)."""
@@ -389,154 +364,78 @@ def select_groups(mask: Array, new: Any, old: Any) -> Any:
     return jax.tree.map(pick, new, old)
 
 
+def new_metrics(
+    num_groups: int, dtype: Any, fields: tuple[str, ...], counters: tuple[str, ...] = COUNTERS
+) -> dict[str, Array]:
+    """A new state's ``metrics``: each of ``fields`` zeros of ``dtype`` (``scale``
+    ones, a flag False), each of ``counters`` int32 zeros."""
+    metrics = {}
+    for field in fields:
+        if field in FLAGS:
+            metrics[field] = jnp.zeros((num_groups,), bool)
+        else:
+            fill = jnp.ones if field == "scale" else jnp.zeros
+            metrics[field] = fill((num_groups,), dtype)
+    for counter in counters:
+        metrics[counter] = jnp.zeros((num_groups,), jnp.int32)
+    return metrics
+
+
+def norm_metrics(
+    num_groups: int,
+    dtype: Any,
+    fields: tuple[str, ...] = (),
+    *,
+    spike: bool = False,
+    ceiling: bool = False,
+) -> dict[str, Array]:
+    """A norm clipper's new ``metrics``: ``grad_norm``, ``threshold``, ``scale``,
+    ``clipped``, ``spike`` for a spike rule, ``capped`` with a ceiling, then
+    ``fields`` and the counters (``capped_count`` with a ceiling)."""
+    flags = ("spike",) * spike + ("capped",) * ceiling
+    return new_metrics(
+        num_groups,
+        dtype,
+        ("grad_norm", "threshold", "scale", "clipped", *flags, *fields),
+        COUNTERS + ("capped_count",) * ceiling,
+    )
+
+
 def step_metrics(
     old: dict[str, Array],
     *,
     norm: Array,
-    threshold: Array,
-    scale: Array,
     observed: Array,
+    threshold: Array | None = None,
+    scale: Array | None = None,
+    clipped: Array | None = None,
+    spike: Array | None = None,
     capped: Array | None = None,
+    finite: Array | None = None,
     **fields: Array,
 ) -> dict[str, Array]:
-    """This step's ``metrics``: the per-step fields, and the counters advanced.
+    """This step's ``metrics``: ``grad_norm`` (``norm``), the fields given, and the
+    counters of ``old`` advanced, each value in its dtype in ``old``.
 
-    ``clipped`` is ``scale < 1``; ``nonfinite_count`` counts non-finite norms,
-    ``count`` the observations. Every value is cast to the dtype it has in
-    ``old`` (the state's structure never changes).
+    ``clipped`` defaults to ``scale < 1`` (where the state records it);
+    ``spike`` says the spike rule fired, whatever bound the step. ``count``
+    counts the ``observed`` groups, ``nonfinite_count`` those ``finite`` does
+    not mark (default: a non-finite norm), ``clipped_count`` and
+    ``capped_count`` the clipped and capped ones.
     """
-    clipped = scale < 1
-    new = {"grad_norm": norm, "threshold": threshold, "scale": scale, "clipped": clipped}
-    if capped is not None:
-        new["capped"] = capped
-    new.update(fields)
+    if clipped is None and scale is not None and "clipped" in old:
+        clipped = scale < 1
+    given = {"threshold": threshold, "scale": scale, "clipped": clipped}
+    given.update(spike=spike, capped=capped)
+    new = {"grad_norm": norm, **{k: v for k, v in given.items() if v is not None}, **fields}
     increments = {
         "count": observed,
         "step": True,
-        "clipped_count": clipped,
-        "nonfinite_count": ~jnp.isfinite(norm),
+        "clipped_count": False if clipped is None else clipped,
+        "nonfinite_count": ~(jnp.isfinite(norm) if finite is None else finite),
         "capped_count": False if capped is None else capped,
     }
     for counter, inc in increments.items():
         if counter in old:
             new[counter] = old[counter] + jnp.asarray(inc).astype(jnp.int32)
     return {k: jnp.asarray(v).astype(old[k].dtype) for k, v in new.items()}
-
-
-def counters(num_groups: int, names: tuple[str, ...]) -> dict[str, Array]:
-    """The counters ``names`` of a new state's metrics, int32 zeros per group."""
-    return {counter: jnp.zeros((num_groups,), jnp.int32) for counter in names}
-
-
-def counted(
-    old: dict[str, Array],
-    finite: Array,
-    clipped: Array | None = None,
-    /,
-    *,
-    observed: Array | None = None,
-    **fields: Array,
-) -> dict[str, Array]:
-    """This step's ``metrics``: ``fields``, then the counters of ``old`` advanced.
-
-    ``count`` counts the groups ``observed`` marks (default: the finite norms),
-    ``nonfinite_count`` the non-finite ones, ``clipped_count`` the groups
-    ``clipped`` marks. Every value is cast to its dtype in ``old``.
-    """
-    increments = {
-        "count": finite if observed is None else observed,
-        "step": True,
-        "clipped_count": jnp.zeros_like(finite) if clipped is None else clipped,
-        "nonfinite_count": ~finite,
-    }
-    new = dict(fields)
-    for counter, inc in increments.items():
-        if counter in old:
-            new[counter] = old[counter] + jnp.asarray(inc).astype(jnp.int32)
-    return {k: jnp.asarray(v).astype(old[k].dtype) for k, v in new.items()}
-
-
-def scaled(norms: Norms, scale: Array, state: Any) -> Any:
-    """The gradient with each group multiplied by its scale (one multiply a leaf)."""
-    scale = _grouping.computed_once(scale)
-    leaves = _grouping.apply_scales(norms.leaves, norms.grouping, scale, state.leaf_index)
-    return jax.tree_util.tree_unflatten(norms.treedef, leaves)
-
-
-def shared_fields(state: Any, norms: Norms, metrics: dict[str, Array]) -> dict[str, Any]:
-    """The new state's ``metrics``, ``leaf_index`` and ``leaf_metrics`` (for ``_replace``)."""
-    leaf_metrics = state.leaf_metrics
-    if norms.leaf_norms is not None:
-        leaf_metrics = {"grad_norm": norms.leaf_norms.astype(leaf_metrics["grad_norm"].dtype)}
-    # Returned through a copy, not passed through: a pass-through output cannot
-    # reuse its donated input buffer (and JAX warns about it).
-    index = _grouping.returned_index(state.leaf_index)
-    return {"metrics": metrics, "leaf_index": index, "leaf_metrics": leaf_metrics}
-
-
-# ------------------------------------------------------------ element-wise transforms
-
-# An element-wise step: (leaves, grouping, statistics dtype, leaf index) -> (the new
-# leaves, its [groups] metrics ("clipped" where it clips), [groups] finite norms,
-# [leaves] L2 norms or None).
-ElementStep = Callable[[list[Array], Grouping, Any, Any], tuple[list[Array], dict, Array, Any]]
-
-
-def element_transform(
-    algo: str,
-    state_class: type,
-    step: ElementStep,
-    fields: dict[str, Any],
-    counter_names: tuple[str, ...],
-    *,
-    name: str | None,
-    scope: Scope,
-    leaf_norms: bool = False,
-    axis_name: str | None = None,
-) -> ClipTransform:
-    """A transform that changes elements (not a norm's scale) by ``step``: the
-    element clippers and the normalisers. Its state holds the ``[groups]``
-    ``fields`` (``{metric: dtype}``, None: the statistics dtype) and the
-    counters ``counter_names``. ``configure`` may give another ``scope``;
-    ``axis_name`` is accepted and has no effect (each replica changes its own
-    elements, no norm is shared)."""
-    del axis_name
-    if isinstance(scope, _grouping.Stacked):
-        raise ValueError(
-            f"{algo}: clipjax.stacked scopes apply to the norm-based clippers; "
-            f"{algo} changes elements, use scope='per_param' or 'per_layer'"
-        )
-    who = name or algo
-
-    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-        metrics = {
-            field: jnp.zeros((num_groups,), dtype if kind is None else kind)
-            for field, kind in fields.items()
-        }
-        return {"metrics": {**metrics, **counters(num_groups, counter_names)}}
-
-    layout = layout_of(arrays)
-
-    def init_fn(params: Any) -> Any:
-        start_ = start(params, scope, algo, name, leaf_norms)
-        return new_state(state_class, start_, arrays(start_.num_groups, start_.dtype))
-
-    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
-        del params, extra_args
-        leaves, _, treedef, grouping = check_tree(
-            updates, state, state_class, layout, who=who, scope=scope
-        )
-        dtype = _grouping.norm_dtype(leaves)
-        out, values, finite, leaf_norm = step(leaves, grouping, dtype, state.leaf_index)
-        metrics = counted(state.metrics, finite, values.get("clipped"), **values)
-        per_leaf = leaf_norm if leaf_norms else None
-        norms = Norms(values["grad_norm"], leaves, treedef, grouping, per_leaf)
-        new = state._replace(**shared_fields(state, norms, metrics))
-        return jax.tree_util.tree_unflatten(treedef, out), new
-
-    tx = ClipTransform(init_fn, update_fn)
-    tx.configure = lambda **overrides: element_transform(
-        algo, state_class, step, fields, counter_names,
-        **{"name": name, "scope": scope, "leaf_norms": leaf_norms, **overrides},
-    )  # fmt: skip
-    return tx

@@ -33,7 +33,7 @@ import numpy as np
 import optax
 from jax.core import Tracer
 
-from clipjax import _state_check
+from clipjax import _checks
 
 Array = jax.Array
 
@@ -376,7 +376,7 @@ def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
     if not found:
         warnings.warn(
             "clipjax.metrics found no clipjax state in the optimizer state "
-            f"({type(opt_state).__name__}) and returns {{}}{_state_check.why_empty(opt_state)}",
+            f"({type(opt_state).__name__}) and returns {{}}{_checks.why_empty(opt_state)}",
             UserWarning,
             stacklevel=2,
         )

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clipjax import _grouping, _kit, _metrics, _state_check, _validation
+from clipjax import _checks, _grouping, _kit, _metrics, _xla
 from clipjax._grouping import Stacked
 from clipjax._kit import ClipTransform
 from clipjax._metrics import GroupInfo
@@ -115,7 +115,7 @@ class QKHeads:
                     f"QKHeads: {label} must be (start, stop) with 0 <= start < stop, got {value!r}"
                 )
         if self.count is not None:
-            _validation.integer("QKHeads count", self.count, minimum=1)
+            _checks.integer("QKHeads count", self.count, minimum=1)
 
     def match(self, keys: tuple[str, ...]) -> int | None:
         """Where the pattern first matches ``keys``, or None."""
@@ -155,7 +155,7 @@ class QKClipState(NamedTuple):
 
 
 def _check_axis(name: str, value: Any) -> None:
-    _validation.static_number(name, value)
+    _checks.static_number(name, value)
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an int, got {value!r}")
 
@@ -478,12 +478,12 @@ def _rescaled(update: Array, param: Array, factor: Array) -> Array:
 def _checked(
     tau: Any, alpha: Any, head_axis: Any, kv_heads: Any, scope: Any, axis_name: Any
 ) -> None:
-    _validation.positive("tau", tau)
-    _validation.check("alpha", alpha, lambda x: 0 <= x <= 1, "in [0, 1]")
+    _checks.positive("tau", tau)
+    _checks.check("alpha", alpha, lambda x: 0 <= x <= 1, "in [0, 1]")
     if head_axis is not None:
         _check_axis("head_axis", head_axis)
     if kv_heads is not None:
-        _validation.integer("kv_heads", kv_heads, minimum=1)
+        _checks.integer("kv_heads", kv_heads, minimum=1)
     if scope is not None and not isinstance(scope, Stacked):
         raise ValueError(
             f"qk_clip: scope must be None or clipjax.stacked(...) (the layer key and axis of "
@@ -567,7 +567,7 @@ def qk_clip(
       Megatron-LM ``clip_qk``; MaxText ``qk_clip_utils.py`` (module docstring).
     """
     _checked(tau, alpha, head_axis, kv_heads, scope, axis_name)
-    _kit.check_name(name)
+    _checks.name(name)
     specs = (_specs(query, "query"), _specs(key, "key"), _specs(rotary_query, "rotary_query"))
     axis_of_heads = -2 if head_axis is None else int(head_axis)
     who = name or ALGO
@@ -580,7 +580,7 @@ def qk_clip(
         grouping = _grouping.make_grouping(params, "global")
         info = GroupInfo(ALGO, name, plan.groups, grouping.leaf_names, grouping.leaf_shapes)
         dtype = _grouping.norm_dtype(leaves)
-        return _kit.own_buffers(QKClipState(_initial_metrics(len(plan.groups), dtype), info))
+        return _xla.own_buffers(QKClipState(_initial_metrics(len(plan.groups), dtype), info))
 
     def update_fn(
         updates: Any,
@@ -591,7 +591,7 @@ def qk_clip(
         **extra_args: Any,
     ) -> tuple[Any, QKClipState]:
         del extra_args
-        _state_check.check_state(state, QKClipState, who)
+        _checks.check_state(state, QKClipState, who)
         if params is None:
             raise ValueError(
                 f"{who}: update needs params (tx.update(updates, state, params, "
@@ -628,7 +628,7 @@ def qk_clip(
         gamma = jnp.min(gamma_head.reshape(len(plan.groups), groups_kv, -1), axis=-1)
         ones = jnp.ones((len(plan.groups), 1), dtype)
         table = jnp.concatenate([gamma**alpha, gamma ** (1 - alpha), gamma, ones], axis=-1)
-        table = _grouping.computed_once(table)
+        table = _xla.computed_once(table)
 
         new_leaves = list(leaves)
         for leaf in plan.leaves:

@@ -9,11 +9,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _conditional, _grouping, _kit, _state_check, _validation
+from clipjax import _checks, _conditional, _grouping, _kit, _xla
+from clipjax._conditional import SkippableTransform
+from clipjax._kit import SpikeFeedback
 from clipjax._metrics import GroupInfo
 from clipjax._static import global_norm
 from clipjax._stats import ring_mean_std
-from clipjax._types import SpikeFeedback
 
 ALGO = "skip_on_spike"
 FEEDBACKS = get_args(SpikeFeedback)
@@ -50,17 +51,17 @@ class SkipOnSpikeState(NamedTuple):
     Attributes:
       inner_state: the wrapped transform's state; unchanged by a skipped step.
       grad_norm_window: ``float32[window_size]`` ring buffer of the last
-        ``window_size`` global gradient norms it observed (what enters is set
-        by ``feedback``).
-      value_window: ``float32[window_size]`` the same for the values (losses)
-        of the steps that were given one.
-      grad_norm_seen: ``int32`` number of norms ever written to
-        ``grad_norm_window`` (its next slot is ``grad_norm_seen % window_size``).
+        global gradient norms it observed (what enters is set by ``feedback``).
+      value_window: ``float32[window_size]`` the same for the losses.
+      grad_norm_seen: ``int32`` norms ever written to ``grad_norm_window``
+        (its next slot is ``grad_norm_seen % window_size``).
       value_seen: ``int32`` the same for ``value_window``.
-      metrics: ``dict`` of ``[1]``-shaped arrays (group ``global``): the
-        step's ``grad_norm``, ``value``, ``grad_threshold``,
-        ``value_threshold``, ``skipped``, and the counters ``skipped_count``,
-        ``consecutive_skips``, ``nonfinite_count``, ``step``, ``count``.
+      metrics: ``[1]``-shaped arrays (group ``global``): the step's
+        ``grad_norm``, ``value`` (NaN without one), ``grad_threshold``,
+        ``value_threshold`` (``+inf`` below ``min_history`` values),
+        ``skipped``, and the counters ``skipped_count`` (all skips),
+        ``consecutive_skips``, ``nonfinite_count``, ``step`` (update calls)
+        and ``count`` (taken steps).
       info: static names, ``GroupInfo(algo="skip_on_spike", ...)``.
 
     Examples:
@@ -120,150 +121,52 @@ def skip_on_spike(
     """Skips a whole optimizer step when its gradient norm or loss spikes.
 
     Wraps a transform (usually the whole optimizer) like
-    ``optax.apply_if_finite``. Each step, it measures the global L2 norm ``g``
-    of the incoming updates (accumulated in float32) and reads the loss passed
-    as ``update(..., value=loss)``. It keeps ring buffers of the last
-    ``window_size`` observed values of each. A step is **skipped** when ``g``
-    or the loss is NaN or infinite, or when a buffer holds at least
-    ``min_history`` values and ``x > T_x = mean + sigma * std`` (population std
-    of the buffer) for ``x = g`` or ``x = loss``. A skipped step returns zero
-    updates (each leaf keeps its dtype) and leaves the inner state
-    bit-identical; any other step returns the inner transform's update.
+    ``optax.apply_if_finite``. Each step it takes the global L2 norm ``g`` of
+    the updates (float32) and the loss given as ``update(..., value=loss)``,
+    and keeps ring buffers of the last ``window_size`` observed values of
+    each. A step is **skipped** when ``g`` or the loss is NaN or infinite, or
+    when a buffer holds at least ``min_history`` values and ``x > T_x = mean +
+    sigma * std`` (population std) for ``x = g`` or the loss. A skipped step
+    returns zero updates (each leaf in its dtype) and leaves the inner state
+    bit-identical; the clipjax transforms inside report idle metrics.
 
-    ``feedback`` says what each step teaches the buffers (a NaN or infinite
-    value never enters):
+    ``feedback`` is what a step teaches the buffers (a NaN never enters):
+    ``min(x, T_x)`` on every step (``"clipped"``, the default: a spike cannot
+    open the door to the next one, a lasting shift is learnt), ``x`` of taken
+    steps only (``"skip"``: a lasting shift stalls training unless
+    ``max_consecutive_skips`` is set), or every ``x`` (``"raw"``, OLMo-core's
+    and Levanter's). After ``max_consecutive_skips`` skips the next finite
+    step is taken and enters the buffers as it is.
 
-    * ``"clipped"`` (default): every finite ``x`` enters as ``min(x, T_x)``,
-      on taken and skipped steps alike. One spike then moves the statistics no
-      more than a value at the threshold would, so it cannot open the door to
-      the next one; and a lasting upward shift of the norm or the loss is
-      learnt within a few dozen steps (the threshold climbs by a fraction of a
-      std each step) instead of stalling training.
-    * ``"skip"``: a skipped step enters nothing, a taken step enters ``x``.
-      A lasting upward shift larger than ``sigma`` standard deviations then
-      skips every later step: training stalls unless
-      ``max_consecutive_skips`` is set (measured on a small language model
-      whose norm shifts by itself: 411 of 600 steps skipped).
-    * ``"raw"``: every finite ``x`` enters as it is, as OLMo-core, Levanter
-      and MaxText do. A spike inflates the std and lets the next one through.
-
-    With ``max_consecutive_skips=k``, the next finite step after ``k``
-    consecutive skips (of any cause) is taken even if it spikes, and its
-    values enter the buffers as they are, under every ``feedback``.
-    Non-finite steps are always skipped.
-
-    On a skipped step the inner transforms do not run, and
-    :func:`clipjax.metrics` reports the clipjax transforms inside as idle:
-    ``grad_norm`` 0, ``scale`` 1, ``clipped`` False, their thresholds,
-    statistics and counters as they stand (the state itself is untouched).
-    ``skip_on_spike/global/skipped`` says the step was skipped.
-
-    The decision is made on device, and how the inner transform skips
-    depends on what it is:
-
-    * :func:`clipjax.adam`, :func:`clipjax.adamw` and :func:`clipjax.chain`
-      (optax's optimizers and chain, with the same state) fold the decision
-      into their moments element-wise (their ``update_if``); a taken step
-      computes what optax computes, in the same order, and equals it up to
-      the last bit of a fused multiply-add.
-      ``skip_on_spike(clipjax.adamw(...))`` or
-      ``skip_on_spike(clipjax.chain(clipjax.zclip(...), clipjax.adamw(...)))``
-      then costs the gradient norm and nothing more: no conditional, no
-      copy, one fused loop per leaf with ``apply_updates``;
-    * an optax wrapper around them, ``optax.inject_hyperparams(clipjax.adamw)
-      (learning_rate=...)`` or ``optax.MultiSteps(clipjax.adamw(...), k)``
-      (or any transform that calls a :class:`clipjax.SkippableTransform`'s
-      ``update``), folds too: the wrapper runs every step, the optimizer
-      inside folds the decision in, and the wrapper's own state (its step
-      count, hyperparameters, ``MultiSteps``' accumulated gradients) is
-      selected. The result is exactly that of the conditional route (the
-      state bit for bit, the taken updates up to the last bit of a fused
-      multiply-add);
-    * clipjax clippers run every step and have their small state selected;
-    * any other transform (``optax.adamw(...)`` itself) runs under
-      ``jax.lax.cond`` only on taken steps, and a skipped step passes the
-      gradients through and zeroes them with a select that fuses into the
-      parameter update. The compiled step copies no optimizer state, but the
-      conditional's boundary costs about two extra passes over the updates.
-      The step returns exactly the types the inner update returns (where
-      ``optax.adam(mu_dtype=jnp.float32)`` turns bfloat16 gradients into
-      float32 updates, a skipped step returns float32 zeros too), and a
-      skipped step passes the inner state through cast to them, which
-      changes nothing where the inner update keeps its state's dtypes.
-
-    The returned transform says which route it took in its ``route``
-    attribute: ``"fold"``, ``"select"`` or ``"cond"``. It is known at
-    construction around a :class:`clipjax.SkippableTransform` or a clipjax
-    clipper, and is otherwise found when ``update`` is first called (or
-    traced), since only the inner update itself shows whether a
-    ``SkippableTransform`` runs inside; until then it is ``None``. When the
-    route is ``"cond"`` around an optimizer whose state holds full-size
-    buffers (``optax.adam``), that first ``update`` warns with
-    :class:`clipjax.ConditionalRouteWarning` (once: the route is found once
-    per transform).
-
-    Differences from ``optax.apply_if_finite``: a non-finite step is skipped
-    even after ``max_consecutive_skips`` (``apply_if_finite`` applies it after
-    ``max_consecutive_errors``); a finite gradient whose float32 sum of squares
-    overflows counts as non-finite; spikes of finite values are skipped too;
-    and the state's metrics say why.
-
-    Compared with OLMo-core's ``SkipStepOptimizer`` and Levanter's skip-step
-    wrapper (the defaults ``window_size=128``, ``sigma=6.0`` and
-    ``min_history=window_size // 2`` are theirs, and ``feedback="raw"`` is
-    their rule): a NaN loss never enters the buffers (OLMo-core's mean becomes
-    NaN and every step is skipped until it leaves the window), the loss is
-    optional, and every decision is in the state's metrics.
-
-    Without ``value``, only the norm is watched: the value buffer stays empty,
-    the ``value`` metric is NaN and ``value_threshold`` is ``+inf``. The
-    thresholds are also ``+inf`` while a buffer holds fewer than
-    ``min_history`` values. A buffer whose values are all equal has std 0: any
-    larger value is then a spike.
+    The inner transform skips by its ``route``: :func:`clipjax.adam`,
+    :func:`clipjax.adamw`, :func:`clipjax.chain` (and optax wrappers around
+    them) fold the decision into their moments (``"fold"``), clipjax clippers
+    run and have their state selected (``"select"``), any other transform
+    runs under ``lax.cond`` (``"cond"``; warned once with
+    :class:`clipjax.ConditionalRouteWarning` around full-size state). The
+    routes and the differences from ``optax.apply_if_finite``, OLMo-core and
+    Levanter: :doc:`/reference_skip_step`.
 
     Static arguments: ``window_size`` (it sizes the buffers); every other number
-    may be injected or scheduled with ``optax.inject_hyperparams``, with no
-    ``static_args``.
+    may be injected with ``optax.inject_hyperparams``.
 
     Args:
-      inner: the transform to run on taken steps (an
-        ``optax.GradientTransformation``, e.g. ``clipjax.adamw(1e-3)`` or
-        ``optax.adamw(1e-3)``).
-      window_size: how many observed steps the buffers remember (an int >= 1);
+      inner: the transform run on taken steps (e.g. ``clipjax.adamw(1e-3)``).
+      window_size: how many observed steps the buffers remember (``>= 1``);
         default 128.
       sigma: how many standard deviations above the mean is a spike (> 0).
-      min_history: the number of buffered values before spikes are judged, an
-        int in ``[1, window_size]``; default ``window_size // 2`` (at least 1).
-        Non-finite steps are skipped from the first step on.
+      min_history: buffered values before spikes are judged, an int in
+        ``[1, window_size]``; default ``window_size // 2`` (at least 1).
       max_consecutive_skips: ``None`` (never force a step) or an int >= 1.
-      feedback: ``"clipped"`` (default), ``"skip"`` or ``"raw"``: what each
-        step teaches the buffers, above.
-      axis_name: under ``pmap``/``shard_map`` with per-device gradients and
-        losses, the mapped axis: the norm and the loss are averaged over it
-        before the decision, so every replica takes the same decision. Needed
-        whenever the replicas' inputs differ and ``inner`` holds a collective
-        (e.g. a ``pmean`` of the updates): replicas that disagree would run
-        different branches and the collective would never complete.
+      feedback: ``"clipped"`` (default), ``"skip"`` or ``"raw"``.
+      axis_name: under ``pmap``/``shard_map``, the mapped axis the norm and
+        the loss are averaged over, so every replica takes the same decision.
       name: metrics prefix (default ``skip_on_spike``).
 
     Returns:
-      A :class:`clipjax.SkipOnSpikeTransform` (an
-      ``optax.GradientTransformationExtraArgs`` with a ``route`` attribute)
-      whose ``update(updates,
-      state, params=None, *, value=None, **extra_args)`` takes the step's loss
-      as ``value``; ``value`` and the other extra args are passed on to
-      ``inner``. Its state, :class:`SkipOnSpikeState`, records under
-      ``skip_on_spike/global/``: ``grad_norm``, ``value``,
-      ``grad_threshold``, ``value_threshold``, ``skipped`` and the counters
-      ``skipped_count`` (all skips), ``consecutive_skips``,
-      ``nonfinite_count``, ``step`` (update calls) and ``count`` (taken
-      steps); the inner state's clipjax metrics keep their own names.
-
-    Raises:
-      TypeError: ``inner`` is not a transform (e.g. the factory
-        ``optax.adam`` itself, or None).
-      ValueError: a hyperparameter is out of range, or, at ``update``, a
-        gradient leaf is not a float array (the error names the leaf).
+      A :class:`clipjax.SkipOnSpikeTransform` whose ``update(updates, state,
+      params=None, *, value=None, **extra_args)`` passes ``value`` and the
+      extra args on to ``inner``; its state is a :class:`SkipOnSpikeState`.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -272,23 +175,12 @@ def skip_on_spike(
       >>> state = tx.init(params)
       >>> for loss in [1.0, 1.1, 0.9, 50.0]:
       ...     updates, state = tx.update({"w": jnp.ones(2)}, state, params, value=loss)
-      >>> bool(state.metrics["skipped"][0]), updates["w"].tolist()
-      (True, [0.0, 0.0])
-      >>> tx.route
-      'cond'
-      >>> inner = optax.inject_hyperparams(clipjax.adamw)(learning_rate=1e-3)
-      >>> tx = clipjax.skip_on_spike(inner)
-      >>> tx.route is None
-      True
-      >>> _ = tx.update({"w": jnp.ones(2)}, tx.init(params), params)
-      >>> tx.route
-      'fold'
+      >>> bool(state.metrics["skipped"][0]), updates["w"].tolist(), tx.route
+      (True, [0.0, 0.0], 'cond')
 
     References:
-      OLMo-core ``SkipStepOptimizer``
-      (``olmo_core/optim/skip_step_optimizer.py``, allenai/OLMo-core);
-      Levanter ``SkipStepConfig`` (``levanter/optim/skipstep.py``,
-      stanford-crfm/levanter).
+      OLMo-core ``SkipStepOptimizer`` (allenai/OLMo-core); Levanter
+      ``SkipStepConfig`` (stanford-crfm/levanter).
     """
     window_size, min_history = _checked(
         inner, window_size, sigma, min_history, max_consecutive_skips, feedback, name, axis_name
@@ -315,7 +207,7 @@ def skip_on_spike(
         value: Any = None,
         **extra_args: Any,
     ) -> tuple[Any, Any]:
-        _state_check.check_state(state, SkipOnSpikeState, name or ALGO)
+        _checks.check_state(state, SkipOnSpikeState, name or ALGO)
         norm, loss = _norm_and_loss(updates, value, axis_name, name or ALGO)
         has_value = value is not None
 
@@ -337,26 +229,14 @@ def skip_on_spike(
             forced = finite & spike & (consecutive >= max_consecutive_skips)
             spike = spike & ~forced
         skip = jnp.logical_not(finite) | spike
-        take = _grouping.computed_once(jnp.logical_not(skip))
+        take = _xla.computed_once(jnp.logical_not(skip))
 
         inner_args = dict(extra_args)
         if has_value:
             inner_args["value"] = value
-        route, new_updates, inner_state = _conditional.run_if_routed(
-            take, inner, updates, state.inner_state, params, **inner_args
+        new_updates, inner_state = run_inner(
+            tx, take, inner, updates, state.inner_state, params, name or ALGO, **inner_args
         )
-        if tx.route != route:
-            tx.route = route
-            if route == "cond" and _has_full_size(state.inner_state, updates):
-                _warn_conditional(name or ALGO)
-        # On a skipped step the updates passed through: zero them. The select
-        # fuses into whatever consumes the updates (apply_updates), and, unlike
-        # a multiply by 0, keeps a NaN gradient out. An inner update_if has
-        # zeroed them already.
-        if getattr(inner, "update_if", None) is None:
-            new_updates = jax.tree.map(
-                lambda u: jnp.where(take, u, jnp.zeros((), u.dtype)), new_updates
-            )
 
         x, enters = _observation(norm, grad_threshold, skip, forced, feedback)
         grad_norm_window, grad_norm_seen = _push(
@@ -384,12 +264,48 @@ def skip_on_spike(
         )
         return new_updates, new_state
 
-    tx = SkipOnSpikeTransform(init_fn, update_fn)
-    if getattr(inner, "update_if", None) is not None:
+    tx = wrapper(init_fn, update_fn, inner)
+    return tx
+
+
+def wrapper(init: Any, update: Any, inner: Any) -> SkipOnSpikeTransform:
+    """A skipping wrapper around ``inner``, its ``route`` set where known already."""
+    tx = SkipOnSpikeTransform(init, update)
+    if isinstance(inner, SkippableTransform):
         tx.route = "fold"
     elif isinstance(inner, _kit.ClipTransform):
         tx.route = "select"
     return tx
+
+
+def run_inner(
+    tx: SkipOnSpikeTransform,
+    take: jax.Array,
+    inner: Any,
+    updates: Any,
+    inner_state: Any,
+    params: Any,
+    who: str,
+    **extra_args: Any,
+) -> tuple[Any, Any]:
+    """``inner``'s update where ``take`` holds, with zero updates and its state as
+    it was where not; ``tx.route`` says how (warned once where a conditional
+    runs an optimizer with full-size state)."""
+    route, new_updates, new_state = _conditional.run_if_routed(
+        take, inner, updates, inner_state, params, **extra_args
+    )
+    if tx.route != route:
+        tx.route = route
+        if route == "cond" and _has_full_size(inner_state, updates):
+            _warn_conditional(who)
+    # On a skipped step the updates passed through: zero them. The select fuses
+    # into whatever consumes the updates (apply_updates), and, unlike a multiply
+    # by 0, keeps a NaN gradient out. An inner update_if has zeroed them already.
+    if not isinstance(inner, SkippableTransform):
+        new_updates = jax.tree.map(
+            lambda u: jnp.where(take, u, jnp.zeros((), u.dtype)), new_updates
+        )
+    return new_updates, new_state
 
 
 def _checked(
@@ -406,18 +322,18 @@ def _checked(
     with their defaults (128, half the window) filled in."""
     _check_inner(inner)
     window_size = 128 if window_size is None else window_size
-    _validation.integer("window_size", window_size, 1)
-    _validation.positive("sigma", sigma)
+    _checks.integer("window_size", window_size, 1)
+    _checks.positive("sigma", sigma)
     if min_history is None:
         min_history = max(1, window_size // 2)
-    _validation.integer("min_history", min_history, 1, static=False)
-    concrete_history = _validation.concrete(min_history)
+    _checks.integer("min_history", min_history, 1, static=False)
+    concrete_history = _checks.concrete(min_history)
     if concrete_history is not None and concrete_history > window_size:
         raise ValueError(f"min_history must be <= window_size ({window_size}), got {min_history!r}")
     if max_consecutive_skips is not None:
-        _validation.integer("max_consecutive_skips", max_consecutive_skips, 1, static=False)
-    _kit.check_feedback(feedback, FEEDBACKS)
-    _kit.check_name(name)
+        _checks.integer("max_consecutive_skips", max_consecutive_skips, 1, static=False)
+    _checks.feedback(feedback, FEEDBACKS)
+    _checks.name(name)
     if axis_name is not None and not isinstance(axis_name, (str, tuple)):
         raise ValueError(f"axis_name must be a str (or a tuple of str), got {axis_name!r}")
     return window_size, min_history

@@ -8,18 +8,19 @@ From apple/axlearn at commit 34aed43c1b6e581c4753d06d7cbeedd5010ef26b,
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, get_args
+from typing import Any, NamedTuple, cast, get_args
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _conditional, _grouping, _kit, _metrics, _skip, _state_check, _validation
+from clipjax import _checks, _grouping, _kit, _metrics, _skip, _xla
+from clipjax._kit import SpikeFeedback
 from clipjax._metrics import GroupInfo
 from clipjax._skip import SkipOnSpikeTransform
-from clipjax._types import SpikeFeedback
 
 ALGO = "skip_and_clip_by_global_norm"
+_COUNTERS = ("skipped_count", "nonfinite_count", "clipped_count", "step", "count")
 # count, mean, stddev -> {threshold name: threshold}: AXLearn's DropNormThresholdFn.
 DropNormFn = Callable[..., dict[str, Any]]
 
@@ -28,7 +29,7 @@ def _multipliers(multipliers: Any) -> tuple[float, ...]:
     if not isinstance(multipliers, (tuple, list)) or not multipliers:
         raise ValueError(f"multipliers must be a non-empty tuple of numbers, got {multipliers!r}")
     for k in multipliers:
-        _validation.positive("multipliers", k)
+        _checks.positive("multipliers", k)
     return tuple(multipliers)
 
 
@@ -95,7 +96,7 @@ def drop_norm_by_grad_norm_stddev(
       AXLearn ``drop_norm_by_grad_norm_stddev`` (apple/axlearn,
       ``axlearn/common/optimizers.py``, commit 34aed43).
     """
-    _validation.integer("min_count", min_count, static=False)
+    _checks.integer("min_count", min_count, static=False)
     multipliers = _multipliers(multipliers)
 
     def fn(count: Any, mean: Any, stddev: Any) -> dict[str, Any]:
@@ -148,7 +149,7 @@ def _threshold_names(drop_norm: Any) -> tuple[str, ...]:
     if drop_norm is None:
         return ()
     if not callable(drop_norm):
-        _validation.positive("drop_norm", drop_norm)
+        _checks.positive("drop_norm", drop_norm)
         return ("drop_norm",)
     one = jnp.ones((), jnp.float32)
     try:
@@ -202,12 +203,8 @@ def skip_and_clip_by_global_norm(
     every later step; ``"clipped"`` observes ``min(g, D)`` on every finite step;
     ``"raw"`` observes every finite ``g``.
 
-    Unlike AXLearn (docs: *More spike defences*): no threshold applies before
-    the first observed norm (AXLearn's EMAs start at 1: a first norm >= 20 is
-    dropped, and then every later one); the variance cannot go negative
-    (AXLearn's float32 ``sqrt(m2 - mean**2)`` turns NaN when the norms barely
-    move, and drops the step); a non-finite norm counts in ``nonfinite_count``
-    only.
+    Where it differs from AXLearn (no threshold before the first observed norm,
+    a variance that cannot go negative): :doc:`/defences_2025`.
 
     Static arguments: ``drop_norm`` when it is a rule (name it in static_args);
     every number may be injected or scheduled with ``optax.inject_hyperparams``.
@@ -256,12 +253,12 @@ def skip_and_clip_by_global_norm(
             "norm's EMAs"
         )
     if grad_norm_ema_decay is not None:
-        _validation.open_unit("grad_norm_ema_decay", grad_norm_ema_decay)
+        _checks.open_unit("grad_norm_ema_decay", grad_norm_ema_decay)
     if max_norm is not None:
-        _validation.positive("max_norm", max_norm)
-    _validation.non_negative("eps", eps)
-    _kit.check_feedback(feedback, get_args(SpikeFeedback))
-    _kit.check_name(name)
+        _checks.positive("max_norm", max_norm)
+    _checks.non_negative("eps", eps)
+    _checks.feedback(feedback, get_args(SpikeFeedback))
+    _checks.name(name)
     if axis_name is not None and not isinstance(axis_name, (str, tuple)):
         raise ValueError(f"axis_name must be a str (or a tuple of str), got {axis_name!r}")
     inner = optax.with_extra_args_support(inner)
@@ -278,22 +275,20 @@ def skip_and_clip_by_global_norm(
             "drop_norm": one(jnp.inf, jnp.float32),
             "skipped": one(False, bool),
             **{f"count_exceeds_{n}": one(0, jnp.int32) for n in names},
-            **_kit.counters(
-                1, ("skipped_count", "nonfinite_count", "clipped_count", "step", "count")
-            ),
+            **{counter: one(0, jnp.int32) for counter in _COUNTERS},
         }
         return SkipAndClipState(
             inner_state=inner.init(params),
             mean=one(0.0, jnp.float32),
             var=one(0.0, jnp.float32),
             metrics=metrics,
-            info=_kit.start(params, "global", ALGO, name, False).info,
+            info=_kit.group_info(params, "global", ALGO, name),
         )
 
     def update_fn(
         updates: Any, state: Any, params: Any = None, **extra_args: Any
     ) -> tuple[Any, Any]:
-        _state_check.check_state(state, SkipAndClipState, who)
+        _checks.check_state(state, SkipAndClipState, who)
         grouping = _grouping.make_grouping(updates, "global")
         grouping.check_matches(state.info.leaves, state.info.shapes, who)
         g, _ = _skip._norm_and_loss(updates, None, axis_name, who)
@@ -306,37 +301,29 @@ def skip_and_clip_by_global_norm(
         # the first observation: AXLearn's EMAs start at 1 and would judge it).
         if adaptive:
             std = jnp.sqrt(var)  # the recursion keeps var >= 0
-            found = drop_norm(count=count, mean=mean, stddev=std)
+            found = cast(DropNormFn, drop_norm)(count=count, mean=mean, stddev=std)
             bounds = {n: jnp.asarray(found[n], jnp.float32).reshape(1) for n in names}
             bounds = {n: jnp.where(count == 0, jnp.inf, b) for n, b in bounds.items()}
         else:
-            bounds = {n: jnp.full((1,), drop_norm, jnp.float32) for n in names}
+            bounds = {n: jnp.full((1,), cast(float, drop_norm), jnp.float32) for n in names}
         exceeds = {n: finite & (g >= b) for n, b in bounds.items()}
         boundary = jnp.full((1,), jnp.inf, jnp.float32)
         for b in bounds.values():
             boundary = jnp.minimum(boundary, b)
         dropped = finite & (g >= boundary)
         skip = ~finite | dropped
-        take = _grouping.computed_once(~skip[0])
+        take = _xla.computed_once(~skip[0])
 
         scale = jnp.ones((1,), jnp.float32)
         clipped_updates = updates
         if max_norm is not None:
             # The clip of a taken step (AXLearn's); a dropped step applies none.
             scale = jnp.where(skip, 1.0, jnp.minimum(1.0, max_norm / (g + eps)))
-            factor = _grouping.computed_once(scale[0])
+            factor = _xla.computed_once(scale[0])
             clipped_updates = jax.tree.map(lambda u: u * factor.astype(jnp.result_type(u)), updates)
-        route, new_updates, inner_state = _conditional.run_if_routed(
-            take, inner, clipped_updates, state.inner_state, params, **extra_args
+        new_updates, inner_state = _skip.run_inner(
+            tx, take, inner, clipped_updates, state.inner_state, params, who, **extra_args
         )
-        if tx.route != route:
-            tx.route = route
-            if route == "cond" and _skip._has_full_size(state.inner_state, updates):
-                _skip._warn_conditional(who)
-        if getattr(inner, "update_if", None) is None:
-            new_updates = jax.tree.map(
-                lambda u: jnp.where(take, u, jnp.zeros((), u.dtype)), new_updates
-            )
 
         # What the EMAs learn (AXLearn's _moment, with the variance kept directly).
         x, observed = _kit.observation(feedback, g, boundary=boundary, fires=dropped)
@@ -371,9 +358,5 @@ def skip_and_clip_by_global_norm(
         new_state = SkipAndClipState(inner_state, mean, var, metrics, state.info)
         return new_updates, new_state
 
-    tx = SkipOnSpikeTransform(init_fn, update_fn)
-    if getattr(inner, "update_if", None) is not None:
-        tx.route = "fold"
-    elif isinstance(inner, _kit.ClipTransform):
-        tx.route = "select"
+    tx = _skip.wrapper(init_fn, update_fn, inner)
     return tx

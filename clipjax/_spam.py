@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _fold, _grouping, _kit, _state_check, _validation
+from clipjax import _checks, _conditional, _grouping, _kit, _optimizers, _xla
 from clipjax._metrics import GroupInfo
 
 Array = jax.Array
@@ -65,26 +65,6 @@ def _init_metrics(count_clipped: bool) -> dict[str, Array]:
         "resets": i32(),
         "step": i32(),
     }
-
-
-def _after(x: Array, first: Array) -> Array:
-    """``x`` (unchanged) with a data dependency on one element of ``first``.
-
-    The first moment's loop reads the old ``v`` (the clip's limit), and the
-    second moment's loop overwrites ``v`` in place. Without an order between
-    the two loops XLA copies ``v`` (a full-size copy per leaf, every step);
-    an optimization barrier does not survive to copy insertion on XLA:CPU.
-    Adding ``first[0] >> 31 >> 1`` (always 0, never folded) to ``x`` makes the
-    second loop wait for the first at the cost of reading one element.
-    tests/spam/test_spam_pieces.py counts the copies.
-    """
-    if first.size == 0:
-        return x
-    bits = jax.lax.bitcast_convert_type(first.reshape(-1)[0].astype(jnp.float32), jnp.uint32)
-    zero = jax.lax.shift_right_logical(
-        jax.lax.shift_right_logical(bits, jnp.uint32(31)), jnp.uint32(1)
-    )
-    return x + zero.astype(x.dtype)
 
 
 def warmup_factor(steps_since_reset: Array, warmup_steps: Any) -> Array:
@@ -144,7 +124,7 @@ def _leaf_step(
         # for it, so that v is not copied.
         _, _, spike = _clip(gx, finite, vx, a)
         sums = _grouping.fused_sums(spike.astype(jnp.float32), (~finite).astype(jnp.float32))
-        vx = _after(vx, sums[0])
+        vx = _xla.after(vx, sums[0])
     v0, limit, spike = _clip(gx, finite, vx, a)
     m0 = jnp.where(a.reset, jnp.zeros((), dtype), mx)
     gc = jnp.where(spike, jnp.sign(gx) * jnp.sqrt(limit), gx)
@@ -152,7 +132,7 @@ def _leaf_step(
     # the new moments are written once and read by the same loop. A
     # non-finite element keeps its moments.
     m1 = jnp.where(a.pred & finite, a.b1 * m0 + (1 - a.b1) * gc, jnp.where(a.pred, m0, mx))
-    vx = _after(v.astype(dtype), m1)
+    vx = _xla.after(v.astype(dtype), m1)
     v0, limit, spike = _clip(gx, finite, vx, a)
     # The clipped square is threshold * v itself: no square root in this loop.
     gc2 = jnp.where(spike, limit, jnp.abs(gx) * jnp.abs(gx))
@@ -184,7 +164,7 @@ def scale_by_spam(
     count_clipped: bool = True,
     name: str | None = None,
     algo: str = ALGO,
-) -> _fold.SkippableTransform:
+) -> _conditional.SkippableTransform:
     """SPAM's moments, spike clip, reset and warm-up, without the learning rate.
 
     The update of an element whose gradient is NaN or infinite is NaN: chain
@@ -199,12 +179,12 @@ def scale_by_spam(
 
     def init_fn(params: Any) -> Any:
         adam = optax.scale_by_adam(mu_dtype=mu_dtype).init(params)
-        info = _kit.start(params, "global", algo, name, False).info
+        info = _kit.group_info(params, "global", algo, name)
         return adam, SpamState(_init_metrics(count_clipped), info)
 
     def step(pred: Any, updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         del params
-        _state_check.check_members(state, (optax.ScaleByAdamState, SpamState), name or algo)
+        _checks.check_members(state, (optax.ScaleByAdamState, SpamState), name or algo)
         adam, spam_state = state
         info = spam_state.info
         leaves, _, treedef = _grouping.leaves_with_names(updates)
@@ -286,7 +266,7 @@ def scale_by_spam(
         return step(pred, updates, state, params)
 
     base = optax.with_extra_args_support(optax.GradientTransformation(init_fn, update_fn))
-    return _fold.skippable(base.init, base.update, update_if)
+    return _conditional.skippable(base.init, base.update, update_if=update_if)
 
 
 def _kept(u: Array) -> Array:
@@ -313,12 +293,12 @@ def _decay_finite(decay: optax.GradientTransformation) -> optax.GradientTransfor
 
 def _check_common(learning_rate: Any, b1: Any, b2: Any, eps: Any, weight_decay: Any) -> None:
     if not callable(learning_rate):
-        _validation.non_negative("learning_rate", learning_rate)
-    _validation.check("b1", b1, lambda x: 0 <= x < 1, "in [0, 1)")
-    _validation.check("b2", b2, lambda x: 0 <= x < 1, "in [0, 1)")
-    _validation.non_negative("eps", eps)
+        _checks.non_negative("learning_rate", learning_rate)
+    _checks.check("b1", b1, lambda x: 0 <= x < 1, "in [0, 1)")
+    _checks.check("b2", b2, lambda x: 0 <= x < 1, "in [0, 1)")
+    _checks.non_negative("eps", eps)
     if not callable(weight_decay):
-        _validation.non_negative("weight_decay", weight_decay)
+        _checks.non_negative("weight_decay", weight_decay)
 
 
 def spam(
@@ -336,72 +316,35 @@ def spam(
     mask: Any = None,
     count_clipped: bool = True,
     name: str | None = None,
-) -> _fold.SkippableTransform:
+) -> _conditional.SkippableTransform:
     """SPAM: Adam that clips gradient spikes element-wise and resets its moments.
 
     Each step ``t`` (counted from 1), for every gradient element ``g`` with
     Adam's second moment ``v`` before the step:
 
-    1. on a reset step (``t % reset_interval == 0``) the moments ``m`` and
-       ``v`` are set to 0;
+    1. on a reset step (``t % reset_interval == 0``) ``m`` and ``v`` are set to 0;
     2. spike clip: where ``g**2 > threshold * v``, ``g`` is replaced by
-       ``sign(g) * sqrt(threshold * v)``. The clip is off while ``t <
-       clip_delay`` and for the first ``clip_delay`` steps after each reset
-       (``t % reset_interval < clip_delay``), when ``v`` holds too little
-       history, and everywhere with ``threshold=0``;
+       ``sign(g) * sqrt(threshold * v)``; off while ``t < clip_delay``, for
+       the first ``clip_delay`` steps after each reset, and with ``threshold=0``;
     3. Adam's moments: ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g**2``;
     4. the update ``-lr * w * sqrt(1 - b2**t) / (1 - b1**t) * m / (sqrt(v) + eps)``,
-       then decoupled weight decay ``-lr * weight_decay * param``. The bias
-       correction counts every step since the start (it does not restart at a
-       reset, as in the reference). ``w`` is 1, except for the ``warmup_steps``
-       steps that follow each reset (from the first reset on), where ``w = 1 -
-       0.99 (1 + cos(pi (c + 1) / (warmup_steps + 1))) / 2`` for the ``c``-th
-       step after the reset (``c = 0`` on the reset step itself: ``w`` is about
-       0.08 with the defaults), so the update recovers from the fresh moments
-       gradually.
+       then decoupled weight decay ``-lr * weight_decay * param``. ``w`` is 1,
+       except for the ``warmup_steps`` steps after each reset (from the first
+       on): ``w = 1 - 0.99 (1 + cos(pi (c + 1) / (warmup_steps + 1))) / 2`` on
+       the ``c``-th step after the reset.
 
-    Same defaults as pytorch-optimizer's ``SPAM``; its arguments map as
-    ``lr`` -> ``learning_rate``, ``betas`` -> ``(b1, b2)``,
-    ``update_proj_gap`` -> ``reset_interval``, ``warmup_epoch`` ->
-    ``warmup_steps``, ``grad_accu_steps`` -> ``clip_delay``. The reference's
-    ``density`` (random sparse update masks on 2-D weights, for the paper's
-    sparse-training experiments) is not implemented: ``density=1.0``, its
-    default, is the dense optimizer implemented here.
-
-    It is a :class:`clipjax.SkippableTransform` in the :func:`clipjax.adamw`
-    family: ``clipjax.skip_on_spike(clipjax.spam(...))`` skips without a
-    conditional or a copy. Its state is ``((ScaleByAdamState, SpamState),
-    EmptyState, EmptyState)``: optax's Adam moments (``count`` is ``t``), and
-    :class:`SpamState`'s metrics, read with :func:`clipjax.metrics` under
+    Defaults and arguments are pytorch-optimizer's ``SPAM``'s (its mapping,
+    and where this differs: :doc:`/reference_spam`). A NaN or infinite
+    gradient element leaves its parameter and its moments as they were and
+    counts in ``nonfinite_count``. It is a :class:`clipjax.SkippableTransform`:
+    ``skip_on_spike(spam(...))`` skips without a conditional. Its state is
+    ``((ScaleByAdamState, SpamState), EmptyState, EmptyState)``; metrics under
     ``spam/global/``: ``clipped_fraction``, ``warmup_scale``,
     ``steps_since_reset``, ``resets``, ``nonfinite_count``, ``step``.
 
-    Differences from the reference:
-
-    * A NaN or infinite gradient element leaves its parameter where
-      it is (a zero update, weight decay included) and its moments as they
-      were, and the step counts in ``nonfinite_count``; every other element
-      updates exactly as in the step without it (SPAM is element-wise). In
-      the reference a NaN passes the clip and poisons the element's moments,
-      hence every later step of its parameter.
-    * An element whose ``v`` is 0 (it has seen only zero gradients
-      since the last reset: an unused embedding row, a masked weight) is not
-      clipped. The reference clips it to ``sqrt(threshold * 0) = 0``, so its
-      ``v`` stays 0 and it can never move again until the next reset.
-    * The weight decay is optax's ``-lr * (update + weight_decay * param)``;
-      the reference decays the already-updated parameter,
-      ``(param - lr * update) * (1 - lr * weight_decay)``, a step that differs
-      by ``lr**2 * weight_decay * update`` (over 120 steps at ``lr=1e-2``,
-      ``weight_decay=0.1``, about 3e-4 in the parameters). For a constant
-      ``lr`` the mapping is exact: ``spam(lr * (1 - lr * weight_decay),
-      weight_decay=weight_decay / (1 - lr * weight_decay))`` reproduces the
-      reference's ``SPAM(lr=lr, weight_decay=weight_decay)`` to float32
-      rounding (tested against pytorch-optimizer).
-
-    Static arguments: none; every number may be injected or scheduled with
-    ``optax.inject_hyperparams``, with no ``static_args``; ``mu_dtype`` and a
-    callable ``mask`` go in ``static_args`` (inject_hyperparams would call them
-    as schedules).
+    Static arguments: none; every number may be injected with
+    ``optax.inject_hyperparams``; ``mu_dtype`` and a callable ``mask`` go in
+    ``static_args``.
 
     Args:
       learning_rate: a float or a schedule (``step -> float``).
@@ -411,20 +354,15 @@ def spam(
       weight_decay: the decoupled weight decay rate.
       threshold: ``theta``: an element spikes when ``g**2 > theta * v``; 0
         turns the clip off.
-      reset_interval: ``Delta T``: the moments are reset every this many steps
-        (an int >= 1).
-      warmup_steps: steps of cosine warm-up of the update after each reset
-        (an int >= 0; 0: none).
+      reset_interval: the moments are reset every this many steps (an int >= 1).
+      warmup_steps: steps of cosine warm-up after each reset (an int >= 0).
       clip_delay: the clip waits this many steps after the start and after
         each reset (an int >= 0).
       mu_dtype: the first moment's dtype (None: that of the params).
       mask: a tree of bools (or a function of the params returning one): the
         leaves to decay; None decays all.
-      count_clipped: report ``clipped_fraction`` and ``nonfinite_count``.
-        Counting is a reduction of its own over the gradient and ``v`` (two
-        extra reads; on XLA:CPU, whose reductions are slower than its fused
-        loops, it doubles the step time); without it the step costs one read
-        of ``v`` over :func:`clipjax.adamw`'s.
+      count_clipped: report ``clipped_fraction`` and ``nonfinite_count``, at
+        the cost of a reduction of its own over the gradient and ``v``.
       name: metrics prefix (default ``spam``).
 
     Returns:
@@ -447,12 +385,12 @@ def spam(
       pytorch-optimizer ``SPAM`` (``pytorch_optimizer/optimizer/spam.py``).
     """
     _check_common(learning_rate, b1, b2, eps, weight_decay)
-    _validation.non_negative("threshold", threshold)
-    _validation.integer("reset_interval", reset_interval, 1, static=False)
-    _validation.integer("warmup_steps", warmup_steps, 0, static=False)
-    _validation.integer("clip_delay", clip_delay, 0, static=False)
-    _kit.check_name(name)
-    return _fold.chain(
+    _checks.non_negative("threshold", threshold)
+    _checks.integer("reset_interval", reset_interval, 1, static=False)
+    _checks.integer("warmup_steps", warmup_steps, 0, static=False)
+    _checks.integer("clip_delay", clip_delay, 0, static=False)
+    _checks.name(name)
+    return _optimizers.chain(
         scale_by_spam(
             b1,
             b2,
@@ -465,6 +403,6 @@ def spam(
             count_clipped=count_clipped,
             name=name,
         ),
-        _fold.selecting(_decay_finite(optax.add_decayed_weights(weight_decay, mask))),
-        _fold.selecting(optax.scale_by_learning_rate(learning_rate)),
+        _optimizers.selecting(_decay_finite(optax.add_decayed_weights(weight_decay, mask))),
+        _optimizers.selecting(optax.scale_by_learning_rate(learning_rate)),
     )

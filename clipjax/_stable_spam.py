@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _fold, _grouping, _kit, _validation
+from clipjax import _checks, _conditional, _grouping, _kit, _optimizers
 from clipjax._grouping import Scope
 from clipjax._metrics import GroupInfo
 from clipjax._spam import _check_common, _decay_finite, scale_by_spam
@@ -28,23 +28,12 @@ Array = jax.Array
 
 
 class AdaClipState(NamedTuple):
-    """State of :func:`adaclip`.
+    """State of :func:`adaclip`: its EMA, then the fields every clipper state ends
+    with (:class:`~clipjax.ClipTransform`) but ``leaf_metrics``.
 
     Attributes:
       max_ema: ``[groups]`` the EMA of each group's largest ``|g|`` (not bias
         corrected).
-      metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`:
-        ``grad_norm`` (the step's L2 norm, before clipping), ``grad_max``
-        (its largest ``|g|``), ``bound`` (the
-        bias-corrected EMA the elements were bounded by), ``clipped`` (some
-        element was above it), ``clipped_fraction`` (the share of the group's
-        elements that were), and the counters ``count`` (steps observed),
-        ``step``, ``clipped_count``, ``nonfinite_count`` (steps with a NaN or
-        infinite element).
-      info: static names, ``GroupInfo(algo="adaclip", ...)``.
-      leaf_index: each leaf's group index, int32 scalars (empty for one
-        group), read at run time so that every leaf of a shape compiles to the
-        same code.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -60,20 +49,12 @@ class AdaClipState(NamedTuple):
 
 
 class AdaNormState(NamedTuple):
-    """State of :func:`ada_norm`.
+    """State of :func:`ada_norm`: its EMAs, then the fields every clipper state
+    ends with (:class:`~clipjax.ClipTransform`) but ``leaf_metrics``.
 
     Attributes:
       norm_ema: ``[groups]`` the EMA of each group's L2 norm (not bias corrected).
       square_ema: ``[groups]`` the EMA of its square (not bias corrected).
-      metrics: ``{field: [groups] array}``, read by :func:`clipjax.metrics`:
-        ``grad_norm`` (the step's norm), ``mean`` and ``mean_square`` (the
-        bias-corrected EMAs), ``target_norm`` (the norm the gradient was given:
-        ``mean / (sqrt(mean_square) + eps)``), ``scale`` (``target_norm /
-        grad_norm``), and the counters ``count`` (steps observed: nonzero
-        norms), ``step``, ``nonfinite_count`` (steps with a NaN or infinite
-        element).
-      info: static names, ``GroupInfo(algo="ada_norm", ...)``.
-      leaf_index: each leaf's group index, as in :class:`AdaClipState`.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -91,23 +72,18 @@ class AdaNormState(NamedTuple):
 
 def _adaclip_arrays(num_groups: int, dtype: Any = jnp.float32, *, count_clipped: bool) -> dict:
     """A new :class:`AdaClipState`'s arrays."""
-    zeros = jnp.zeros((num_groups,), dtype)
-    metrics = {"grad_norm": zeros, "grad_max": zeros, "bound": zeros}
-    metrics["clipped"] = jnp.zeros((num_groups,), bool)
-    if count_clipped:
-        metrics["clipped_fraction"] = zeros
-    counters = ("count", "step", "clipped_count", "nonfinite_count")
-    return {"max_ema": zeros, "metrics": {**metrics, **_kit.counters(num_groups, counters)}}
+    fields = ("grad_norm", "grad_max", "bound", "clipped")
+    fields += ("clipped_fraction",) * count_clipped
+    max_ema = jnp.zeros((num_groups,), dtype)
+    return {"max_ema": max_ema, "metrics": _kit.new_metrics(num_groups, dtype, fields)}
 
 
 def _ada_norm_arrays(num_groups: int, dtype: Any = jnp.float32) -> dict:
     """A new :class:`AdaNormState`'s arrays."""
+    fields = ("grad_norm", "mean", "mean_square", "target_norm", "scale")
+    metrics = _kit.new_metrics(num_groups, dtype, fields, ("count", "step", "nonfinite_count"))
     zeros = jnp.zeros((num_groups,), dtype)
-    fields = ("grad_norm", "mean", "mean_square", "target_norm")
-    metrics: dict[str, Any] = dict.fromkeys(fields, zeros)
-    metrics["scale"] = jnp.ones((num_groups,), dtype)
-    counters = _kit.counters(num_groups, ("count", "step", "nonfinite_count"))
-    return {"norm_ema": zeros, "square_ema": zeros, "metrics": {**metrics, **counters}}
+    return {"norm_ema": zeros, "square_ema": zeros, "metrics": metrics}
 
 
 def _max_and_square(x: Array, dtype: Any) -> tuple[Array, Array]:
@@ -174,6 +150,7 @@ def _adaclip_leaf(
     return new, hit_count, square
 
 
+@_kit.configurable
 def adaclip(
     theta: Any = 0.999,
     *,
@@ -194,19 +171,13 @@ def adaclip(
        just above the bound ends below it); elements at or below ``bound``
        are left as they are.
 
-    A lasting rise of the gradient scale is followed: the bound is an EMA of
-    the maxima, so after a x10 shift it reaches the new maxima within a few
-    multiples of ``1 / (1 - theta)`` steps (1,000 with the default).
+    A NaN or infinite element counts as 0 for the maximum and passes
+    unchanged (``nonfinite_count`` counts the step). How the bound learns a
+    lasting rise, and where this differs from the reference:
+    :doc:`/reference_spam`.
 
-    Unlike the reference, a NaN or infinite element counts as 0 for the maximum and passes
-    through unchanged; the group's other elements are bounded as in the same
-    step with that element 0, and ``nonfinite_count`` counts the step. In the
-    reference ``max_ema`` becomes NaN or infinite and every later step of the
-    tensor with it.
-
-    Static arguments: none; every number may be injected or scheduled with
-    ``optax.inject_hyperparams``, with no ``static_args``; a callable ``scope``
-    goes in ``static_args`` (inject_hyperparams would call it as a schedule).
+    Static arguments: none; every number may be injected with
+    ``optax.inject_hyperparams``, and a callable ``scope`` goes in ``static_args``.
 
     Args:
       theta: the EMA's decay rate, in (0, 1) (the paper's gamma_3).
@@ -236,23 +207,16 @@ def adaclip(
       Adam <https://arxiv.org/abs/2502.17055>`_, 2025; pytorch-optimizer
       ``StableSPAM`` (``pytorch_optimizer/optimizer/spam.py``).
     """
-    settings = dict(locals())
-    _validation.open_unit("theta", theta)
-    _grouping.validate_scope(scope)
-    _kit.check_name(name)
-    who = name or "adaclip"
-    layout = _kit.layout_of(functools.partial(_adaclip_arrays, count_clipped=count_clipped))
-
-    def init_fn(params: Any) -> AdaClipState:
-        start = _kit.start(params, scope, "adaclip", name, False)
-        own = _adaclip_arrays(start.num_groups, start.dtype, count_clipped=count_clipped)
-        return _kit.new_state(AdaClipState, start, own)
+    _checks.open_unit("theta", theta)
+    kit = _kit.Clipper(
+        "adaclip", AdaClipState, functools.partial(_adaclip_arrays, count_clipped=count_clipped),
+        scope=scope, name=name,
+    )  # fmt: skip
 
     def update_fn(updates: Any, state: AdaClipState, params: Any = None, **extra_args: Any) -> Any:
         del params, extra_args
-        leaves, _, treedef, grouping = _kit.check_tree(
-            updates, state, AdaClipState, layout, who=who, scope=scope
-        )
+        grads = kit.leaves(updates, state)
+        leaves, grouping = grads.leaves, grads.grouping
         dtype = state.max_ema.dtype
         maxima, squares = _max_and_squares(leaves, dtype)
         grad_max = _grouping.group_norms(leaves, grouping, math.inf, maxima)
@@ -286,19 +250,16 @@ def adaclip(
             ]
             above = _grouping.group_norms(leaves, grouping, 1.0, hits)
             extra["clipped_fraction"] = above / jnp.asarray(sizes, dtype)
-        metrics = _kit.counted(
-            state.metrics, finite, clips, observed=jnp.ones_like(finite), grad_norm=grad_norm,
-            grad_max=grad_max, bound=bound, clipped=clips, **extra,
+        metrics = _kit.step_metrics(
+            state.metrics, norm=grad_norm, observed=jnp.ones_like(finite), clipped=clips,
+            finite=finite, grad_max=grad_max, bound=bound, **extra,
         )  # fmt: skip
-        index = _grouping.returned_index(state.leaf_index)
-        new_state = AdaClipState(max_ema, metrics, state.info, index)
-        return jax.tree_util.tree_unflatten(treedef, new_leaves), new_state
+        return kit.finish(grads, state, metrics, leaves=new_leaves, max_ema=max_ema)
 
-    tx = _kit.ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
-    tx.configure = lambda **overrides: adaclip(**{**settings, **overrides})
-    return tx
+    return _kit.ClipTransform(kit.init, update_fn)  # pyright: ignore[reportArgumentType]
 
 
+@_kit.configurable
 def ada_norm(
     gamma1: Any = 0.7,
     gamma2: Any = 0.9,
@@ -319,26 +280,13 @@ def ada_norm(
     3. the gradient is rescaled to the norm ``mean / (sqrt(mean_square) +
        eps)``: ``g * target_norm / n``.
 
-    The target norm is a ratio of the norm's first and second moments, at
-    most about 1: a spike of ``n`` moves it little, and Adam (scale-free)
-    sees each step's direction with a norm that varies smoothly. A lasting
-    shift of ``n`` is absorbed within a few ``1 / (1 - gamma)`` steps.
+    A group whose norm is 0 passes through and stays out of the EMAs; a NaN or
+    infinite element counts as 0 for the norm and passes unchanged
+    (``nonfinite_count`` counts the step). What the target norm does, and
+    where this differs from the reference: :doc:`/reference_spam`.
 
-    A group whose norm is 0 passes through (zeros) and its step stays out of
-    the EMAs, as in the reference (which also skips the tensor's Adam step;
-    here the optimizer behind sees a zero gradient).
-
-    Unlike the reference, a NaN or infinite element counts as 0 for the norm and passes
-    through unchanged; the group's other elements are rescaled as in the same
-    step with that element 0, and ``nonfinite_count`` counts the step. In the
-    reference the EMAs become NaN and every later step of the tensor with
-    them. The bias corrections count the steps the EMAs observed
-    (the reference counts every step, so after a zero-norm step its ``mean``
-    is biased low).
-
-    Static arguments: none; every number may be injected or scheduled with
-    ``optax.inject_hyperparams``, with no ``static_args``; a callable ``scope``
-    goes in ``static_args`` (inject_hyperparams would call it as a schedule).
+    Static arguments: none; every number may be injected with
+    ``optax.inject_hyperparams``, and a callable ``scope`` goes in ``static_args``.
 
     Args:
       gamma1: the norm EMA's decay rate, in (0, 1).
@@ -366,24 +314,15 @@ def ada_norm(
       Adam <https://arxiv.org/abs/2502.17055>`_, 2025; pytorch-optimizer
       ``StableSPAM`` (``pytorch_optimizer/optimizer/spam.py``).
     """
-    settings = dict(locals())
-    _validation.open_unit("gamma1", gamma1)
-    _validation.open_unit("gamma2", gamma2)
-    _validation.non_negative("eps", eps)
-    _grouping.validate_scope(scope)
-    _kit.check_name(name)
-    who = name or "ada_norm"
-    layout = _kit.layout_of(_ada_norm_arrays)
-
-    def init_fn(params: Any) -> AdaNormState:
-        start = _kit.start(params, scope, "ada_norm", name, False)
-        return _kit.new_state(AdaNormState, start, _ada_norm_arrays(start.num_groups, start.dtype))
+    _checks.open_unit("gamma1", gamma1)
+    _checks.open_unit("gamma2", gamma2)
+    _checks.non_negative("eps", eps)
+    kit = _kit.Clipper("ada_norm", AdaNormState, _ada_norm_arrays, scope=scope, name=name)
 
     def update_fn(updates: Any, state: AdaNormState, params: Any = None, **extra_args: Any) -> Any:
         del params, extra_args
-        leaves, _, treedef, grouping = _kit.check_tree(
-            updates, state, AdaNormState, layout, who=who, scope=scope
-        )
+        grads = kit.leaves(updates, state)
+        leaves, grouping = grads.leaves, grads.grouping
         dtype = state.norm_ema.dtype
         one = _grouping.per_leaf(_finite_square_and_count, dtype)
         stacks = grouping.leaf_stacks or (None,) * len(leaves)
@@ -407,17 +346,15 @@ def ada_norm(
         target = mean / (jnp.sqrt(mean_square) + jnp.asarray(eps, dtype))
         scale = jnp.where(active, target / jnp.where(active, norm, 1), 1).astype(dtype)
         new_leaves = _grouping.apply_scales(leaves, grouping, scale, state.leaf_index)
-        metrics = _kit.counted(
-            state.metrics, finite, observed=active, grad_norm=norm, mean=mean,
+        metrics = _kit.step_metrics(
+            state.metrics, norm=norm, observed=active, finite=finite, mean=mean,
             mean_square=mean_square, target_norm=target, scale=scale,
         )  # fmt: skip
-        index = _grouping.returned_index(state.leaf_index)
-        new_state = AdaNormState(norm_ema, square_ema, metrics, state.info, index)
-        return jax.tree_util.tree_unflatten(treedef, new_leaves), new_state
+        return kit.finish(
+            grads, state, metrics, leaves=new_leaves, norm_ema=norm_ema, square_ema=square_ema
+        )
 
-    tx = _kit.ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
-    tx.configure = lambda **overrides: ada_norm(**{**settings, **overrides})
-    return tx
+    return _kit.ClipTransform(kit.init, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 def stable_spam(
@@ -435,7 +372,7 @@ def stable_spam(
     mu_dtype: Any = None,
     mask: Any = None,
     count_clipped: bool = True,
-) -> _fold.SkippableTransform:
+) -> _conditional.SkippableTransform:
     """Stable-SPAM: AdaClip, AdaGN and Adam with SPAM's moment reset.
 
     ``clipjax.chain(adaclip(theta), ada_norm(gamma1, gamma2, eps), <Adam with
@@ -453,33 +390,16 @@ def stable_spam(
     * decoupled weight decay ``-lr * weight_decay * param``.
 
     Defaults are pytorch-optimizer's ``StableSPAM``'s (``update_proj_gap`` is
-    ``reset_interval`` here). Its ``t_max``/``eta_min`` option (a cosine decay
-    of ``b1`` and ``gamma1``; off by default) is not implemented.
+    ``reset_interval`` here; its ``t_max`` option is not implemented, and
+    where this differs: :doc:`/reference_spam`). It is a
+    :class:`clipjax.SkippableTransform`: ``skip_on_spike(stable_spam(...))``
+    skips without a conditional. :func:`clipjax.metrics` reads
+    ``adaclip/{tensor}/...``, ``ada_norm/{tensor}/...`` and
+    ``stable_spam/global/...`` (``resets``, ``steps_since_reset``, ``step``).
 
-    It is a :class:`clipjax.SkippableTransform`:
-    ``clipjax.skip_on_spike(clipjax.stable_spam(...))`` skips without a
-    conditional. :func:`clipjax.metrics` reads ``adaclip/{tensor}/...``,
-    ``ada_norm/{tensor}/...`` and ``stable_spam/global/...`` (``resets``,
-    ``steps_since_reset``, ``nonfinite_count``, ``step``).
-
-    Differences from the reference (beyond those of :func:`clipjax.adaclip`
-    and :func:`clipjax.ada_norm`):
-
-    * A NaN or infinite element leaves its parameter where it is (a
-      zero update, weight decay included) and its Adam moments as they were;
-      every other element updates exactly as in the same step with that
-      element 0 (AdaClip's maximum and AdaGN's norm are taken over the finite
-      elements). In the reference it poisons the moments and the tensor's
-      EMAs.
-    * A tensor whose gradient is exactly 0: the reference skips its Adam step
-      (moments unchanged, no update); here its moments decay as for any zero
-      gradient and it moves by its momentum, as in optax.
-
-    Static arguments: none; every number may be injected or scheduled with
-    ``optax.inject_hyperparams``, with no ``static_args``; a callable ``scope``
-    goes in ``static_args`` (inject_hyperparams would call it as a schedule);
-    ``mu_dtype`` and a callable ``mask`` go in ``static_args``
-    (inject_hyperparams would call them as schedules).
+    Static arguments: none; every number may be injected with
+    ``optax.inject_hyperparams``; a callable ``scope``, ``mu_dtype`` and a
+    callable ``mask`` go in ``static_args``.
 
     Args:
       learning_rate: a float or a schedule (``step -> float``).
@@ -519,8 +439,8 @@ def stable_spam(
       ``StableSPAM`` (``pytorch_optimizer/optimizer/spam.py``).
     """
     _check_common(learning_rate, b1, b2, eps, weight_decay)
-    _validation.integer("reset_interval", reset_interval, 1, static=False)
-    return _fold.chain(
+    _checks.integer("reset_interval", reset_interval, 1, static=False)
+    return _optimizers.chain(
         adaclip(theta, scope=scope, count_clipped=count_clipped),
         ada_norm(gamma1, gamma2, eps, scope=scope),
         scale_by_spam(
@@ -537,6 +457,6 @@ def stable_spam(
             count_clipped=False,
             algo="stable_spam",
         ),
-        _fold.selecting(_decay_finite(optax.add_decayed_weights(weight_decay, mask))),
-        _fold.selecting(optax.scale_by_learning_rate(learning_rate)),
+        _optimizers.selecting(_decay_finite(optax.add_decayed_weights(weight_decay, mask))),
+        _optimizers.selecting(optax.scale_by_learning_rate(learning_rate)),
     )

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from clipjax import _grouping, _kit, _validation
-from clipjax._grouping import Grouping, Scope
+from clipjax import _checks, _grouping, _kit
+from clipjax._grouping import Scope
 from clipjax._kit import ClipTransform
 from clipjax._metrics import GroupInfo
 
@@ -17,13 +16,8 @@ Array = jax.Array
 
 
 class ClipByGlobalNormState(NamedTuple):
-    """State of :func:`clip_by_global_norm`: no statistics, only the shared fields.
-
-    Attributes:
-      metrics: this step's metrics and the counters (``clipjax._kit``).
-      info: static names (algorithm, prefix, groups, leaves).
-      leaf_index: each leaf's group index, int32 scalars (empty for one group).
-      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+    """State of :func:`clip_by_global_norm`: no statistics, only the fields every
+    clipper state has (:class:`~clipjax.ClipTransform`).
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -39,13 +33,8 @@ class ClipByGlobalNormState(NamedTuple):
 
 
 class NormalizePerParamState(NamedTuple):
-    """State of :func:`normalize_per_param`: no statistics, only the shared fields.
-
-    Attributes:
-      metrics: this step's metrics and the counters (``clipjax._kit``).
-      info: static names (algorithm, prefix, groups, leaves).
-      leaf_index: each leaf's group index, int32 scalars (empty for one group).
-      leaf_metrics: empty (the metrics are per leaf already).
+    """State of :func:`normalize_per_param`: the fields every clipper state has
+    (:class:`~clipjax.ClipTransform`); ``leaf_metrics`` stays empty.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -61,13 +50,8 @@ class NormalizePerParamState(NamedTuple):
 
 
 class ZScoreNormalizeState(NamedTuple):
-    """State of :func:`zscore_normalize`: no statistics, only the shared fields.
-
-    Attributes:
-      metrics: this step's metrics and the counters (``clipjax._kit``).
-      info: static names (algorithm, prefix, groups, leaves).
-      leaf_index: each leaf's group index, int32 scalars (empty for one group).
-      leaf_metrics: empty (the metrics are per leaf already).
+    """State of :func:`zscore_normalize`: the fields every clipper state has
+    (:class:`~clipjax.ClipTransform`); ``leaf_metrics`` stays empty.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -83,7 +67,7 @@ class ZScoreNormalizeState(NamedTuple):
 
 
 def _norm_type(norm_type: Any) -> float:
-    _validation.static_number("norm_type", norm_type)
+    _checks.static_number("norm_type", norm_type)
     try:
         p = float(norm_type)
     except (TypeError, ValueError):
@@ -91,9 +75,6 @@ def _norm_type(norm_type: Any) -> float:
     if not p > 0:
         raise ValueError(f"norm_type must be a number > 0 or inf, got {norm_type!r}")
     return p
-
-
-_CLIP_COUNTERS = ("count", "step", "clipped_count", "nonfinite_count")
 
 
 def clip_by_global_norm(
@@ -136,8 +117,8 @@ def clip_by_global_norm(
 
     Returns:
       A :class:`~clipjax.ClipTransform` whose state, a
-      :class:`ClipByGlobalNormState`, records ``grad_norm``, ``scale``,
-      ``clipped`` and the counters.
+      :class:`ClipByGlobalNormState`, records ``grad_norm``, ``threshold``
+      (``|max_norm|``), ``scale``, ``clipped`` and the counters.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -152,99 +133,52 @@ def clip_by_global_norm(
       <https://arxiv.org/abs/1211.5063>`_, 2013.
     """
     p = _norm_type(2.0 if norm_type is None else norm_type)
-    _validation.nonzero_bound("max_norm", max_norm)
-    _validation.non_negative("eps", eps)
-    _kit.check_name(name)
-    return _clip_by_norm(max_norm, p, eps, leaf_norms, name, "global", None)
+    _checks.nonzero_bound("max_norm", max_norm)
+    _checks.non_negative("eps", eps)
+    return _clip_by_norm(max_norm, p, eps, leaf_norms=leaf_norms, name=name)
 
 
+def _clip_arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
+    return {"metrics": _kit.norm_metrics(num_groups, dtype)}
+
+
+@_kit.configurable
 def _clip_by_norm(
     max_norm: Any,
     p: float,
     eps: Any,
+    *,
     leaf_norms: bool,
     name: str | None,
-    scope: Scope,
-    axis_name: str | None,
+    scope: Scope = "global",
+    axis_name: str | None = None,
 ) -> ClipTransform:
     """:func:`clip_by_global_norm` on the groups of ``scope``, norms averaged over
-    ``axis_name``: what its ``configure`` returns (:func:`clipjax.hist_clip`
-    runs its warm-up clip on its own groups)."""
-    _grouping.validate_scope(scope)
-    who = name or "clip_by_global_norm"
-
-    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-        metrics = {
-            "grad_norm": jnp.zeros((num_groups,), dtype),
-            "scale": jnp.ones((num_groups,), dtype),
-            "clipped": jnp.zeros((num_groups,), bool),
-            **_kit.counters(num_groups, _CLIP_COUNTERS),
-        }
-        return {"metrics": metrics}
-
-    layout = _kit.layout_of(arrays)
-
-    def init_fn(params: Any) -> Any:
-        start = _kit.start(params, scope, "clip_by_global_norm", name, leaf_norms)
-        return _kit.new_state(ClipByGlobalNormState, start, arrays(start.num_groups, start.dtype))
+    ``axis_name``: what ``configure`` gives (hist_clip's warm-up clip)."""
+    kit = _kit.Clipper(
+        "clip_by_global_norm", ClipByGlobalNormState, _clip_arrays,
+        scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms, p=p,
+    )  # fmt: skip
 
     def update_fn(
         updates: Any, state: ClipByGlobalNormState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, ClipByGlobalNormState]:
         del params, extra_args
-        if p == 2.0:
-            grads = _kit.group_norms(
-                updates, state, ClipByGlobalNormState, layout, who=who, scope=scope,
-                axis_name=axis_name, leaf_norms=leaf_norms,
-            )  # fmt: skip
-        else:
-            grads = _p_norms(updates, state, layout, p, who, scope, axis_name, leaf_norms)
+        grads = kit.norms(updates, state)
         g = grads.norm
         limit = jnp.abs(jnp.asarray(max_norm, g.dtype))
         ratio = limit / (g + jnp.asarray(eps, g.dtype))
         scale = jnp.where(g > limit, jnp.minimum(ratio, 1.0), 1.0)
         finite = jnp.isfinite(g)
         scale = jnp.where(finite, scale, 1.0).astype(g.dtype)
-        clipped = scale < 1
-        metrics = _kit.counted(
-            state.metrics, finite, clipped, grad_norm=g, scale=scale, clipped=clipped
-        )
-        new_state = state._replace(**_kit.shared_fields(state, grads, metrics))
-        return _kit.scaled(grads, scale, state), new_state
+        metrics = _kit.step_metrics(
+            state.metrics, norm=g, observed=finite, threshold=jnp.broadcast_to(limit, g.shape),
+            scale=scale,
+        )  # fmt: skip
+        return kit.finish(grads, state, metrics, scale=scale)
 
     # optax types a state as OptState (an array tree), not as ClipByGlobalNormState.
-    tx = ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
-    settings = dict(scope=scope, axis_name=axis_name)
-    tx.configure = lambda **overrides: _clip_by_norm(
-        max_norm, p, eps, leaf_norms, name, **{**settings, **overrides}
-    )
-    return tx
-
-
-def _p_norms(
-    updates: Any,
-    state: Any,
-    layout: Callable[[int], Any],
-    p: float,
-    who: str,
-    scope: Scope,
-    axis_name: str | None,
-    leaf_norms: bool,
-) -> _kit.Norms:
-    """:func:`clipjax._kit.group_norms` for the ``p``-norm of each group (the
-    leaves' norms, with ``leaf_norms``, stay L2)."""
-    leaves, _, treedef, grouping = _kit.check_tree(
-        updates, state, ClipByGlobalNormState, layout, who=who, scope=scope
-    )
-    norm = _grouping.group_norms(leaves, grouping, p)
-    per_leaf = None
-    if leaf_norms:
-        # A stacked leaf's per-slice sums add up to the whole leaf's.
-        squares = [jnp.sum(s) if jnp.ndim(s) else s for s in _grouping.leaf_power_sums(leaves)]
-        per_leaf = jnp.sqrt(jnp.stack(squares)) if squares else state.leaf_metrics["grad_norm"]
-    if axis_name is not None:
-        norm, per_leaf = jax.lax.pmean((norm, per_leaf), axis_name)
-    return _kit.Norms(norm, leaves, treedef, grouping, per_leaf)
+    return ClipTransform(kit.init, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 def global_norm(tree: Any, norm_type: float = 2.0) -> jax.Array:
@@ -261,11 +195,12 @@ def global_norm(tree: Any, norm_type: float = 2.0) -> jax.Array:
     return _grouping.group_norms(leaves, grouping, p)[0]
 
 
-# A per-leaf normaliser's step: (leaves, groups, statistics dtype, leaf index)
-# -> ([groups] L2 norms before the step, the new leaves).
-# A normaliser's metrics: the norm of each leaf and these counters.
-_NORMALIZER_FIELDS = {"grad_norm": None}
-_NORMALIZER_COUNTERS = ("count", "step", "nonfinite_count")
+def _normalizer_arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
+    # A normaliser's metrics: the norm of each leaf and these counters.
+    return {"metrics": _kit.new_metrics(num_groups, dtype, ("grad_norm",), _COUNTERS)}
+
+
+_COUNTERS = ("count", "step", "nonfinite_count")
 
 
 def normalize_per_param(eps: float = 1e-8, *, name: str | None = None) -> ClipTransform:
@@ -307,20 +242,8 @@ def normalize_per_param(eps: float = 1e-8, *, name: str | None = None) -> ClipTr
     References:
       drytorch, ``drytorch.lib.gradient_ops.GradParamNormalizer``.
     """
-    _validation.non_negative("eps", eps)
-    _kit.check_name(name)
-
-    def normalise(leaves: list[Array], grouping: Grouping, dtype: Any, index: Any) -> Any:
-        norm = _grouping.group_norms(leaves, grouping)
-        finite = jnp.isfinite(norm)
-        scale = jnp.where(finite, 1 / (norm + jnp.asarray(eps, dtype)), jnp.ones_like(norm))
-        out = _grouping.apply_scales(leaves, grouping, scale, index)
-        return out, {"grad_norm": norm}, finite, None
-
-    return _kit.element_transform(
-        "normalize_per_param", NormalizePerParamState, normalise, _NORMALIZER_FIELDS,
-        _NORMALIZER_COUNTERS, name=name, scope="per_param",
-    )  # fmt: skip
+    _checks.non_negative("eps", eps)
+    return _normalizer("normalize_per_param", NormalizePerParamState, eps, name=name)
 
 
 def _standardise(x: Array, dtype: Any, eps: Any) -> tuple[Array, Array]:
@@ -372,9 +295,8 @@ def zscore_normalize(eps: float = 1e-8, *, name: str | None = None) -> ClipTrans
     ``nonfinite_count``. An integer or boolean leaf raises a ``ValueError``
     naming it.
 
-    Unlike drytorch, which divides by the undefined ddof=1 std of a
-    one-element leaf and gives NaN, a one-element leaf becomes 0 (its
-    deviation from its own mean).
+    A one-element leaf becomes 0, its deviation from its own mean, where
+    drytorch gives NaN (:doc:`/reference_drytorch`).
 
     Static arguments: none; every number may be injected or scheduled with
     ``optax.inject_hyperparams``, with no ``static_args``.
@@ -400,21 +322,46 @@ def zscore_normalize(eps: float = 1e-8, *, name: str | None = None) -> ClipTrans
     References:
       drytorch, ``drytorch.lib.gradient_ops.GradZScoreNormalizer``.
     """
-    _validation.non_negative("eps", eps)
-    _kit.check_name(name)
+    _checks.non_negative("eps", eps)
+    return _normalizer("zscore_normalize", ZScoreNormalizeState, eps, name=name)
 
-    def normalise(leaves: list[Array], grouping: Grouping, dtype: Any, index: Any) -> Any:
-        del grouping, index
-        one = _grouping.per_leaf(_standardise, dtype, eps)
-        norms, out = [], []
-        for x in leaves:
-            norm, standardised = one(x)
-            norms.append(norm)
-            out.append(standardised)
-        norm = jnp.stack(norms) if norms else jnp.zeros((0,), dtype)
-        return out, {"grad_norm": norm}, jnp.isfinite(norm), None
 
-    return _kit.element_transform(
-        "zscore_normalize", ZScoreNormalizeState, normalise, _NORMALIZER_FIELDS,
-        _NORMALIZER_COUNTERS, name=name, scope="per_param",
-    )  # fmt: skip
+@_kit.configurable
+def _normalizer(
+    algo: str,
+    state_class: type,
+    eps: Any,
+    *,
+    name: str | None,
+    scope: Scope = "per_param",
+    axis_name: str | None = None,
+) -> ClipTransform:
+    """:func:`normalize_per_param` (each group to unit norm) or
+    :func:`zscore_normalize` (each leaf standardised) on the groups of ``scope``;
+    ``axis_name`` has no effect (each replica changes its own elements)."""
+    del axis_name
+    kit = _kit.Clipper(algo, state_class, _normalizer_arrays, scope=scope, name=name, stacked=False)
+
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        del params, extra_args
+        grads = kit.leaves(updates, state)
+        leaves, grouping = grads.leaves, grads.grouping
+        dtype = _grouping.norm_dtype(leaves)
+        if algo == "normalize_per_param":
+            norm = _grouping.group_norms(leaves, grouping)
+            finite = jnp.isfinite(norm)
+            scale = jnp.where(finite, 1 / (norm + jnp.asarray(eps, dtype)), jnp.ones_like(norm))
+            out = _grouping.apply_scales(leaves, grouping, scale, state.leaf_index)
+        else:
+            one = _grouping.per_leaf(_standardise, dtype, eps)
+            norms, out = [], []
+            for x in leaves:
+                norm, standardised = one(x)
+                norms.append(norm)
+                out.append(standardised)
+            norm = jnp.stack(norms) if norms else jnp.zeros((0,), dtype)
+            finite = jnp.isfinite(norm)
+        metrics = _kit.step_metrics(state.metrics, norm=norm, observed=finite)
+        return kit.finish(grads._replace(norm=norm), state, metrics, leaves=out)
+
+    return ClipTransform(kit.init, update_fn)

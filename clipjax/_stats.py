@@ -614,21 +614,13 @@ class WarmupEmaState(NamedTuple):
 class WarmupEma:
     """EMA mean (and variance) started from the first ``warmup_steps`` observations.
 
-    The observation that completes the warm-up sample sets ``mean`` to its mean
-    and ``var`` to its variance (``ddof``; with ``ddof=1`` only if positive,
-    else ``var`` keeps its start value, as drytorch's ``StatsCollector``).
-    The sample is kept as running sums (:func:`sample_update`), not stored:
-    zclip and drytorch take the mean and variance of the stored sample in two
-    passes; the sums give the same mean (the total over the count) and
-    Welford's sum of squared deviations matches the second pass to rounding.
-    ``warmup_steps`` only enters comparisons, so it may be an array (from
-    ``optax.inject_hyperparams``). Afterwards, with ``a = alpha``:
-
-    * ``variance="after_mean"`` (zclip): ``mean <- a mean + (1-a) x`` then
-      ``var <- a var + (1-a) (x - mean_new)**2``;
-    * ``variance="before_mean"`` (drytorch ZStat): ``var <- a var + (1-a)
-      (x - mean_old)**2`` then the mean;
-    * ``variance=None`` (drytorch EMA): the mean only.
+    The observation that completes the warm-up sample sets ``mean`` and ``var``
+    to the sample's (``ddof``; with ``ddof=1`` only a positive variance, as
+    drytorch's ``StatsCollector``). The sample is kept as running sums, so
+    ``warmup_steps`` may be an array (``optax.inject_hyperparams``). Then, with
+    ``a = alpha``: ``mean <- a mean + (1-a) x`` and ``var <- a var + (1-a)
+    (x - mean)**2`` with the new mean (``variance="after_mean"``, zclip's) or
+    the old one (``"before_mean"``, drytorch's ZStat); ``None``: no variance.
     """
 
     alpha: ArrayLike = 0.97
@@ -649,11 +641,14 @@ class WarmupEma:
         warming = count < self.warmup_steps
         sample = sample_update(state.warmup, x)
         completes = count + 1 == self.warmup_steps
-        n = sample.count.astype(sample.m2.dtype)
-        # Undefined (NaN) with fewer than ddof + 1 values: ddof=1 then keeps the start value.
-        sample_var = jnp.where(n > self.ddof, sample.m2 / jnp.maximum(n - self.ddof, 1), jnp.nan)
+        n = sample.count.astype(sample.m2.dtype)  # >= 1: x was just added
         if self.ddof:
+            # Undefined (NaN) with fewer than ddof + 1 values: the start value is kept.
+            sample_var = sample.m2 / jnp.maximum(n - self.ddof, 1)
+            sample_var = jnp.where(n > self.ddof, sample_var, jnp.nan)
             sample_var = jnp.where(sample_var > 0, sample_var, state.var)
+        else:
+            sample_var = sample.m2 / n
         mean = a * state.mean + (1 - a) * x
         if self.variance == "after_mean":
             var = a * state.var + (1 - a) * (x - mean) ** 2
@@ -665,8 +660,3 @@ class WarmupEma:
         var = jnp.where(warming, jnp.where(completes, sample_var, state.var), var)
         warmup = _select(warming, sample, state.warmup)
         return WarmupEmaState(mean, var, warmup)
-
-    def report(self, state: Any) -> dict[str, jax.Array]:
-        if self.variance is None:
-            return {"mean": state.mean}
-        return {"mean": state.mean, "std": jnp.sqrt(state.var)}

@@ -8,11 +8,13 @@ from typing import Any, Literal, NamedTuple, cast, get_args
 import jax
 import jax.numpy as jnp
 
-from clipjax import _grouping, _kit, _metrics, _stats, _validation
+from clipjax import _checks, _kit, _metrics, _stats
 from clipjax._grouping import Scope
-from clipjax._kit import ClipTransform
+from clipjax._kit import ClipTransform, TargetFeedback
 from clipjax._metrics import GroupInfo
-from clipjax._types import ClipOption, TargetFeedback, ZClipMode
+
+ZClipMode = Literal["zscore", "percentile"]
+ClipOption = Literal["adaptive_scaling", "mean"]
 
 # zclip's fixed guard in the applied multiplier, T / (g + 1e-6).
 _DIV_EPS = 1e-6
@@ -25,7 +27,8 @@ def _zscore(deviation: jax.Array, spread: jax.Array) -> jax.Array:
 
 
 class ZClipState(NamedTuple):
-    """State of :func:`zclip`: its statistics per group, then the shared fields.
+    """State of :func:`zclip`: its statistics per group, then the fields every
+    clipper state ends with (:class:`~clipjax.ClipTransform`).
 
     Attributes:
       mean: ``[groups]`` EMA of the observed norms (the warm-up sample's mean
@@ -37,10 +40,6 @@ class ZClipState(NamedTuple):
         finite norms (``[groups, window]``, with a sorted copy); None without one.
       low: with a relative ceiling, ``[groups]`` the smallest positive finite
         norm so far (``+inf`` before the first); None without one.
-      metrics: this step's metrics and the counters (``clipjax._kit``).
-      info: static names (algorithm, prefix, groups, leaves).
-      leaf_index: each leaf's group index (empty for one group).
-      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -64,6 +63,27 @@ class ZClipState(NamedTuple):
         return {"mean": self.mean, "std": _metrics.sqrt(self.var)}
 
 
+def _rule(
+    state: ZClipState, g: jax.Array, relative: bool, *, eps: Any, z_thresh: Any, mode: str,
+    clip_option: str, clip_factor: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:  # fmt: skip
+    """``(z, B, spike, clip_val)`` from the statistics before the step. With a
+    relative ceiling no absolute number enters: ``eps`` is relative to the mean."""
+    std = jnp.sqrt(state.var)
+    guard = eps * state.mean if relative else eps
+    z = _zscore(g - state.mean, std + guard) if relative else (g - state.mean) / (std + eps)
+    if mode == "percentile":
+        boundary = state.mean + z_thresh * std
+        return z, boundary, g > boundary, boundary
+    boundary = state.mean + z_thresh * (std + guard)
+    spike = z > z_thresh
+    if clip_option == "mean":
+        return z, boundary, spike, state.mean
+    # Only read where spike (z > z_thresh > 0), so z is never 0 there.
+    safe_z = jnp.where(spike, z, 1.0)
+    return z, boundary, spike, clip_factor * (state.mean + z_thresh**2 * std / safe_z)
+
+
 def _checked(
     alpha: Any,
     z_thresh: Any,
@@ -82,11 +102,11 @@ def _checked(
     max_grad_norm, relative_ceiling)`` with their defaults filled in
     (``skip_update_on_spike`` is ``feedback="skip"``; the ceilings' ``"auto"``
     below)."""
-    _validation.open_unit("alpha", alpha)
-    _validation.positive("z_thresh", z_thresh)
-    _validation.non_negative("eps", eps)
-    _validation.integer("warmup_steps", warmup_steps, minimum=1, static=False)
-    _validation.choice("mode", mode, ("zscore", "percentile"))
+    _checks.open_unit("alpha", alpha)
+    _checks.positive("z_thresh", z_thresh)
+    _checks.non_negative("eps", eps)
+    _checks.integer("warmup_steps", warmup_steps, minimum=1, static=False)
+    _checks.choice("mode", mode, ("zscore", "percentile"))
     if mode == "percentile" and clip_option is not None:
         raise ValueError(
             f'clip_option={clip_option!r} has no effect with mode="percentile", which '
@@ -100,9 +120,9 @@ def _checked(
         )
     clip_option = "adaptive_scaling" if clip_option is None else clip_option
     clip_factor = 1.0 if clip_factor is None else clip_factor
-    _validation.choice("clip_option", clip_option, ("adaptive_scaling", "mean"))
-    _validation.positive("clip_factor", clip_factor)
-    _kit.check_feedback(feedback, get_args(TargetFeedback))
+    _checks.choice("clip_option", clip_option, ("adaptive_scaling", "mean"))
+    _checks.positive("clip_factor", clip_factor)
+    _checks.feedback(feedback, get_args(TargetFeedback))
     if skip_update_on_spike:
         if feedback not in ("clip_target", "skip"):
             raise ValueError(
@@ -112,7 +132,7 @@ def _checked(
         feedback = "skip"
     max_grad_norm, relative_ceiling = _ceilings(max_grad_norm, relative_ceiling, feedback)
     if ceiling_window is not None:
-        _validation.integer("ceiling_window", ceiling_window, minimum=1)
+        _checks.integer("ceiling_window", ceiling_window, minimum=1)
     # clip_factor stays as given: a traced value under inject_hyperparams.
     return (
         cast(ClipOption, clip_option),
@@ -145,14 +165,15 @@ def _ceilings(max_grad_norm: Any, relative_ceiling: Any, feedback: str) -> tuple
             DEFAULT_RELATIVE_CEILING if scale_free and max_grad_norm is None else None
         )
     if max_grad_norm is not None:
-        _validation.positive("max_grad_norm", max_grad_norm)
+        _checks.positive("max_grad_norm", max_grad_norm)
     if relative_ceiling is not None:
-        _validation.check(
+        _checks.check(
             "relative_ceiling", relative_ceiling, lambda x: x > 1, "> 1 (a multiple of the level)"
         )
     return max_grad_norm, relative_ceiling
 
 
+@_kit.configurable
 def zclip(
     alpha: float = 0.97,
     z_thresh: float = 2.5,
@@ -187,33 +208,20 @@ def zclip(
         T = min(clip_val if spike else g, ceiling);  scale = T / (g + 1e-6) if g > T
         mean <- alpha mean + (1 - alpha) v;  var <- alpha var + (1 - alpha) (v - mean)**2
 
-    ``v``, what the step teaches the statistics, is set by ``feedback``:
-    ``"clip_target"`` (the reference) ``clip_val`` on a spike, else ``g``;
-    ``"clipped"`` ``min(g, B)``; ``"raw"`` ``g``; ``"skip"`` nothing on a
-    spike. Under ``"clip_target"`` the statistics cannot follow a lasting rise
-    of the norm; ``"clipped"`` learns it. A non-finite norm passes unchanged
-    and is never observed.
+    ``feedback`` sets ``v``: ``clip_val`` on a spike (``"clip_target"``, the
+    reference's), ``min(g, B)`` (``"clipped"``: a lasting rise is learnt),
+    ``g`` (``"raw"``) or nothing on a spike (``"skip"``). The ceiling is
+    ``max_grad_norm`` or, the default under ``"clipped"``, relative to the
+    run's own norms. A non-finite norm passes unchanged and is never
+    observed. The feedbacks, the ceilings and the metrics against the
+    ``zclip`` package: :doc:`/reference_zclip`.
 
-    The ceiling is absolute (``max_grad_norm``, the reference's 1.0) or, the
-    default under ``feedback="clipped"``, relative to the run's own norms:
-    ``relative_ceiling`` times the smallest positive norm so far during the
-    warm-up, then times the median of the last ``ceiling_window`` positive
-    norms (a change that lasts half the window is learnt, a shorter one is
-    bounded). No norm can bound step 0, so with a relative ceiling step ``t``
-    of the warm-up is also weighed by ``(t + 1) / warmup_steps``, ``eps`` is
-    relative to the mean and ``scale = T / g``: no absolute number is left,
-    and a loss times ``k`` gives the same updates (adam's eps aside).
-
-    Metrics per group: ``grad_norm``, ``threshold`` (``min(B, ceiling)``, the
-    ceiling during warm-up), ``clip_to`` (the norm the step leaves with),
-    ``scale`` (the factor applied, time weight included), ``clipped``,
-    ``capped`` (a ceiling was the bound), ``z``, ``mean``, ``std``, the
-    counters; ``weight`` with a relative ceiling; ``headroom``
-    (``max_grad_norm / mean``) with an absolute one.
+    Metrics per group: ``grad_norm``, ``threshold``, ``clip_to``, ``scale``,
+    ``clipped``, ``spike``, ``capped``, ``z``, ``mean``, ``std``, the
+    counters; ``weight`` or ``headroom`` with a relative or absolute ceiling.
 
     Static arguments: ``mode``, ``clip_option``, ``scope``, ``feedback`` and
-    ``ceiling_window`` choose code or shapes; every other number may be
-    injected or scheduled with ``optax.inject_hyperparams``.
+    ``ceiling_window``; every other number may be injected.
 
     Args:
       alpha: EMA smoothing factor of mean and variance, in (0, 1).
@@ -226,8 +234,7 @@ def zclip(
       clip_option: ``"adaptive_scaling"`` (None: the default) or ``"mean"``.
       clip_factor: multiplier of the adaptive clip value (None: 1.0).
       skip_update_on_spike: the reference's name for ``feedback="skip"``.
-      scope: ``"global"``, ``"per_param"``, ``"per_layer"``, a callable or
-        :func:`clipjax.stacked`; each group has its own statistics.
+      scope: the groups (:class:`~clipjax.ClipTransform`); each has its own statistics.
       feedback: ``"clip_target"`` (default), ``"clipped"``, ``"raw"`` or ``"skip"``.
       relative_ceiling: the relative ceiling's multiple of the level (``> 1``),
         or None. ``"auto"``: 1.5 under ``feedback="clipped"`` without an
@@ -250,8 +257,6 @@ def zclip(
       >>> m = clipjax.metrics(state)
       >>> bool(m["zclip/global/clipped"]), float(m["zclip/global/threshold"]) < 0.13
       (True, True)
-      >>> float(m["zclip/global/clip_to"]) < float(m["zclip/global/threshold"])
-      True
       >>> bool(m["zclip/global/capped"])  # a spike clip, below the relative ceiling
       False
 
@@ -259,83 +264,62 @@ def zclip(
       Kumar et al., `ZClip: Adaptive Spike Mitigation for LLM Pre-Training
       <https://arxiv.org/abs/2504.02507>`_, 2025; package ``zclip``.
     """
-    settings = dict(locals())
     clip_option, clip_factor, feedback, max_grad_norm, relative_ceiling = _checked(
         alpha, z_thresh, max_grad_norm, eps, warmup_steps, mode, clip_option, clip_factor,
         skip_update_on_spike, feedback, relative_ceiling, ceiling_window,
     )  # fmt: skip
-    _grouping.validate_scope(scope)
-    _kit.check_name(name)
     window_size = DEFAULT_CEILING_WINDOW if ceiling_window is None else ceiling_window
     absolute = max_grad_norm is not None
     relative = relative_ceiling is not None
     cap = max_grad_norm if absolute else math.inf
-    fields = (
-        ("clip_to", "z") + (("weight",) if relative else ()) + (("headroom",) if absolute else ())
-    )
+    fields = ("clip_to", "z") + ("weight",) * relative + ("headroom",) * absolute
+    statistic = _stats.WarmupEma(alpha=alpha, warmup_steps=warmup_steps)
 
     def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-        zeros = jnp.zeros((num_groups,), dtype)
-        own = {
-            "mean": zeros,
-            "var": zeros,
-            "sample": _stats.sample_init(num_groups, dtype),
-            "window": None,
-            "low": None,
-            "metrics": _kit.metric_arrays(num_groups, dtype, fields, absolute or relative),
-        }
+        mean, var, sample = statistic.init(num_groups, dtype)
+        window, low = None, None
         if relative:
-            own["window"] = _stats.window_init(num_groups, window_size, dtype)
-            own["low"] = jnp.full((num_groups,), jnp.inf, dtype)
-        return own
+            window = _stats.window_init(num_groups, window_size, dtype)
+            low = jnp.full((num_groups,), jnp.inf, dtype)
+        metrics = _kit.norm_metrics(
+            num_groups, dtype, fields, spike=True, ceiling=absolute or relative
+        )
+        return {"mean": mean, "var": var, "sample": sample, "window": window, "low": low,
+                "metrics": metrics}  # fmt: skip
 
-    layout = _kit.layout_of(arrays)
-
-    def init_fn(params: Any) -> Any:
-        start = _kit.start(params, scope, "zclip", name, leaf_norms)
-        return _kit.new_state(ZClipState, start, arrays(start.num_groups, start.dtype))
+    kit = _kit.Clipper(
+        "zclip", ZClipState, arrays,
+        scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms,
+    )  # fmt: skip
 
     def update_fn(
         updates: Any, state: ZClipState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, ZClipState]:
         del params, extra_args
-        grads = _kit.group_norms(
-            updates, state, ZClipState, layout, who=name or "zclip", scope=scope,
-            axis_name=axis_name, leaf_norms=leaf_norms,
-        )  # fmt: skip
+        grads = kit.norms(updates, state)
         g = grads.norm
-        warming = state.metrics["count"] < warmup_steps
+        count = state.metrics["count"]
+        warming = count < warmup_steps
         limit = jnp.asarray(cap, g.dtype)
         finite = jnp.isfinite(g)
+        window, low = state.window, state.low
         if relative:
+            assert window is not None and low is not None
             # The run's own level: the smallest norm so far while warming up,
             # then the median of the last ceiling_window norms: a change of the
             # norm that lasts half the window is learnt, a shorter one is bounded.
-            level = jnp.where(warming, state.low, _stats.window_percentile(state.window, 50.0))
+            level = jnp.where(warming, low, _stats.window_percentile(window, 50.0))
             limit = jnp.minimum(
-                limit, jnp.where(state.window.count > 0, relative_ceiling * level, jnp.inf)
+                limit, jnp.where(window.count > 0, cast(float, relative_ceiling) * level, jnp.inf)
             )
 
         # The rule, from the statistics before this step. With a relative
-        # ceiling no absolute number enters: eps is relative to the mean and
-        # the multiplier is T / g, so a loss times k is the same run.
-        std = jnp.sqrt(state.var)
-        guard = eps * state.mean if relative else eps
+        # ceiling the multiplier is T / g, so a loss times k is the same run.
+        z, boundary, spike, clip_val = _rule(
+            state, g, relative, eps=eps, z_thresh=z_thresh, mode=mode,
+            clip_option=clip_option, clip_factor=clip_factor,
+        )  # fmt: skip
         div_eps = 0.0 if relative else _DIV_EPS
-        z = _zscore(g - state.mean, std + guard) if relative else (g - state.mean) / (std + eps)
-        if mode == "percentile":
-            boundary = state.mean + z_thresh * std
-            spike = g > boundary
-            clip_val = boundary
-        else:
-            boundary = state.mean + z_thresh * (std + guard)
-            spike = z > z_thresh
-            if clip_option == "mean":
-                clip_val = state.mean
-            else:
-                # Only read where spike (z > z_thresh > 0), so z is never 0 there.
-                safe_z = jnp.where(spike, z, 1.0)
-                clip_val = clip_factor * (state.mean + z_thresh**2 * std / safe_z)
         spike = spike & ~warming
         applied = jnp.minimum(jnp.where(spike, clip_val, g), limit)
         # zclip uses torch's clip_grad_norm_ rule in warm-up (min(1, c / (g + 1e-6)))
@@ -360,21 +344,9 @@ def zclip(
         x, observed = _kit.observation(
             feedback, g, boundary=boundary, target=clip_val, fires=spike & finite
         )
-        count = state.metrics["count"]
-        sample = _stats.sample_update(state.sample, x)
-        completes = count + 1 == warmup_steps
-        n = sample.count.astype(sample.m2.dtype)
-        mean = alpha * state.mean + (1 - alpha) * x
-        var = alpha * state.var + (1 - alpha) * (x - mean) ** 2
-        started = _stats.sample_mean(sample), sample.m2 / n  # population variance
-        mean = jnp.where(warming, jnp.where(completes, started[0], state.mean), mean)
-        var = jnp.where(warming, jnp.where(completes, started[1], state.var), var)
-        sample = _kit.select_groups(warming, sample, state.sample)
-        mean, var, sample = _kit.select_groups(
-            observed, (mean, var, sample), (state.mean, state.var, state.sample)
-        )
-        window, low = state.window, state.low
-        if relative:
+        before = _stats.WarmupEmaState(state.mean, state.var, state.sample)
+        stats = _kit.select_groups(observed, statistic.observe(before, x, count), before)
+        if window is not None and low is not None:
             # A zero norm carries no scale: only positive finite norms enter.
             enters = finite & (g > 0)
             window, low = _kit.select_groups(
@@ -385,14 +357,15 @@ def zclip(
 
         more = {} if weight is None else {"weight": weight}
         if absolute:
-            level = jnp.where(warming, _stats.sample_mean(sample), mean)
+            level = jnp.where(warming, _stats.sample_mean(stats.warmup), stats.mean)
             more["headroom"] = _kit.headroom(max_grad_norm, level)
         metrics = _kit.step_metrics(
             state.metrics,
             norm=g,
+            observed=observed,
             threshold=jnp.where(warming, limit, jnp.minimum(boundary, limit)),
             scale=scale,
-            observed=observed,
+            spike=spike & finite,
             capped=capped,
             clip_to=jnp.where(
                 finite & (scale < 1), applied if weight is None else applied * weight, g
@@ -400,13 +373,10 @@ def zclip(
             z=jnp.where(warming, jnp.zeros_like(z), z),
             **more,
         )
-        new_state = state._replace(
-            mean=mean, var=var, sample=sample, window=window, low=low,
-            **_kit.shared_fields(state, grads, metrics),
+        return kit.finish(
+            grads, state, metrics, scale=scale, mean=stats.mean, var=stats.var,
+            sample=stats.warmup, window=window, low=low,
         )  # fmt: skip
-        return _kit.scaled(grads, scale, state), new_state
 
     # optax types a state as OptState (an array tree), not as ZClipState.
-    tx = ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
-    tx.configure = lambda **overrides: zclip(**{**settings, **overrides})
-    return tx
+    return ClipTransform(kit.init, update_fn)  # pyright: ignore[reportArgumentType]

@@ -9,11 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 
-from clipjax import _grouping, _kit, _metrics, _stats, _validation
+from clipjax import _checks, _kit, _metrics, _stats
 from clipjax._grouping import Scope
-from clipjax._kit import ClipTransform
+from clipjax._kit import ClipTransform, Feedback
 from clipjax._metrics import GroupInfo
-from clipjax._types import Feedback
 
 # The EMAs' decay under judge-first feedback: smartclip's 0.99 remembers a
 # level for hundreds of steps, so after a lasting drop of the norm its std stays
@@ -23,16 +22,13 @@ JUDGE_FIRST_DECAY = 0.97
 
 
 class ZScoreClipState(NamedTuple):
-    """State of :func:`zscore_clip`: its EMA moments per group, then the shared fields.
+    """State of :func:`zscore_clip`: its EMA moments per group, then the fields
+    every clipper state ends with (:class:`~clipjax.ClipTransform`).
 
     Attributes:
       moments: the EMAs of the observed norms: ``count`` (observations),
-        ``mean`` and ``var`` (the variance by the recursion that does not
-        cancel), ``[groups]`` each (:class:`clipjax._stats.EmaMomentsState`).
-      metrics: this step's metrics and the counters (``clipjax._kit``).
-      info: static names (algorithm, prefix, groups, leaves).
-      leaf_index: each leaf's group index, int32 scalars (empty for one group).
-      leaf_metrics: ``{"grad_norm": [leaves]}`` with ``leaf_norms=True``.
+        ``mean`` and ``var``, ``[groups]`` each
+        (:class:`clipjax._stats.EmaMomentsState`).
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -63,6 +59,7 @@ def _std(var: Any) -> Any:
     return np.sqrt(np.maximum(np.asarray(var), 0))
 
 
+@_kit.configurable
 def zscore_clip(
     zmax: float = 3.0,
     ema_decay: float | None = None,
@@ -80,86 +77,52 @@ def zscore_clip(
 ) -> ClipTransform:
     """Clip norms more than ``zmax`` EMA standard deviations above the EMA mean.
 
-    Per step and group, with ``g`` the norm (smartclip ``ZScoreClip``, under
+    Per step and group, with ``g`` the norm (smartclip's ``ZScoreClip`` under
     the default ``feedback="observe_first"``)::
 
-        observe g (floored at eps) into EMAs of x and x**2, both starting at
-            the first value, no bias correction:  std = sqrt(max(0, m2 - m**2))
+        observe g (floored at eps) into EMAs m of x and x**2, no bias correction
         T = max(eps, m + zmax std)
-        scale = min(1, T / (g + eps))  once the gate is open, else 1
+        scale = min(1, T / (g + eps))  once the group's gate is open, else 1
         scale = min(scale, max_grad_norm / (g + 1e-6))  where g > max_grad_norm
 
-    The gate opens once the group has ``max(warmup_steps, min_history)``
-    finite observations.
+    The gate opens at ``max(warmup_steps, min_history)`` finite observations.
+    ``feedback="observe_first"`` observes ``g`` before its own threshold (a
+    spike raises it); the others judge ``g`` by the EMAs before it, then
+    observe ``g`` (``"raw"``), ``min(g, T)`` (``"clipped"``, the setting that
+    stops spikes) or nothing on a clipped step (``"skip"``). The variance is
+    kept by a recursion free of float32 cancellation. A non-finite norm passes
+    unchanged and is never observed. Each feedback, and where this differs
+    from smartclip: :doc:`/reference_smartclip`.
 
-    ``feedback="observe_first"`` (the default, smartclip's order): the current
-    norm enters the statistics before its own threshold is computed, so a
-    large spike raises its own threshold (with a long history a x1000 spike
-    still passes at a fraction of its size). The other settings judge the
-    step by the statistics from *before* it (the gate then opens once
-    ``max(warmup_steps, min_history, 1)`` norms were observed before the
-    step) and then observe: the norm (``"raw"``), ``min(g, T)`` (``"clipped"``,
-    the setting that stops spikes and, with its default decay, follows a
-    training run), or
-    nothing on a clipped step, whose ``count`` does not advance (``"skip"``;
-    a lasting upward shift of the norm can then hold the threshold at the old
-    level). Under those, before a group's first finite norm the threshold
-    reads ``+inf``. While the gate is closed every finite norm is observed as
-    it is. Left as None, ``warmup_steps`` and ``min_history`` are smartclip's
-    100 and 50 under ``"observe_first"`` and 10 each under the judge-first
-    settings (a long gate lets the large norms of early training into the
-    statistics; judged first, few observations are enough).
+    Metrics per group: ``grad_norm``, ``threshold``, ``scale``, ``clipped``,
+    ``spike``, the counters and ``mean``, ``std`` after the step; ``capped``
+    and ``headroom`` with a ceiling.
 
-    The variance uses the recursion ``S <- d S + d (1 - d) (x - m_old)**2``,
-    equal to ``m2 - m**2`` in exact arithmetic but free of float32
-    cancellation.
-
-    Unlike smartclip, each group counts its own finite observations towards
-    its gate (smartclip counts one observation per group per call towards a
-    single gate, so per-layer warm-up ends N times too early), and a
-    non-finite norm passes unchanged and never enters the statistics
-    (smartclip multiplies the gradient by NaN or 0).
-
-    Static arguments: none; every number may be injected or scheduled with
-    ``optax.inject_hyperparams``, with no ``static_args``; a callable ``scope``
-    goes in ``static_args`` (inject_hyperparams would call it as a schedule).
+    Static arguments: none; every number may be injected with
+    ``optax.inject_hyperparams``, and a callable ``scope`` goes in ``static_args``.
 
     Args:
       zmax: z-score above which norms are clipped (``> 0``).
       ema_decay: decay of the EMAs, in (0, 1). None (default) means
-        smartclip's 0.99 under ``"observe_first"`` and 0.97 under the
-        judge-first settings (forgets a lasting change of level within a few
-        hundred steps, so spikes after a drop of the norm are still caught).
-      scope: ``"global"``, ``"per_param"``, ``"per_layer"``, a callable or
-        :func:`clipjax.stacked`; each group has its own statistics and gate.
-      warmup_steps: finite observations before clipping may start; default
-        100 under ``"observe_first"``, 10 otherwise.
-      min_history: idem (default 50 under ``"observe_first"``, 10
-        otherwise); the gate opens at the larger of the two.
-      eps: threshold floor and denominator guard (``> 0``).
-      guard_nans: keep non-finite norms out of the statistics (default);
-        False reproduces smartclip unguarded: a NaN norm enters as ``eps``, an
-        infinite one as it is.
-      feedback: ``"observe_first"`` (default), ``"raw"``, ``"clipped"`` or
-        ``"skip"``, see above.
-      max_grad_norm: the ceiling: an absolute bound on every step's norm,
-        applied from the first step (also while the gate is closed); None for
-        none. ``"auto"`` (default): 1.0 under ``feedback="clipped"`` (a
-        spike defence bounds the first steps of a run, whose norms no
-        statistic has seen yet), none otherwise (the reference has none). It
-        assumes a healthy step's norm is below 1; where ``capped`` shows most
-        steps capped after the first few hundred, raise it.
-      axis_name: average the group norms over this mapped axis first, so every
-        replica keeps identical statistics and applies the same scale.
+        smartclip's 0.99 under ``"observe_first"`` and 0.97 otherwise.
+      scope: the groups (:class:`~clipjax.ClipTransform`), each with its statistics and gate.
+      warmup_steps: the finite norms a group observes before it may be
+        clipped; default 100 under ``"observe_first"``, 10 otherwise.
+      min_history: a second such bound, the larger opening the gate; default
+        50 under ``"observe_first"``, 10 otherwise.
+      eps: the threshold's floor, also added to the norm in the scale (``> 0``).
+      guard_nans: True (default) keeps non-finite norms out of the EMAs;
+        False lets them in as smartclip does (a NaN as ``eps``).
+      feedback: what a step teaches the EMAs: ``"observe_first"`` (default),
+        ``"raw"``, ``"clipped"`` or ``"skip"``.
+      max_grad_norm: an absolute ceiling or None; ``"auto"`` (default) is 1.0
+        under ``feedback="clipped"``, none otherwise.
+      axis_name: average the group norms over this mapped axis first.
       leaf_norms: also record each leaf's L2 norm before clipping.
       name: metrics prefix (default ``zscore_clip``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform` whose state is a
-      :class:`ZScoreClipState`; metrics per group: ``grad_norm``,
-      ``threshold`` (at most the ceiling; the ceiling while the gate is
-      closed), ``scale``, ``clipped``, ``capped`` (with a ceiling: it was the
-      bound), the counters, and ``mean`` and ``std`` after the step.
+      A :class:`~clipjax.ClipTransform` whose state is a :class:`ZScoreClipState`.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -174,31 +137,30 @@ def zscore_clip(
     References:
       smartclip ``ZScoreClip`` (PyPI ``smartclip``).
     """
-    settings = dict(locals())
-    _validation.positive("zmax", zmax)
-    _kit.check_feedback(feedback, ("observe_first", "raw", "clipped", "skip"))
+    _checks.positive("zmax", zmax)
+    _checks.feedback(feedback, ("observe_first", "raw", "clipped", "skip"))
     ceiling = _kit.resolve_ceiling(max_grad_norm, feedback)
     if ema_decay is None:
         ema_decay = 0.99 if feedback == "observe_first" else JUDGE_FIRST_DECAY
-    _validation.open_unit("ema_decay", ema_decay)
+    _checks.open_unit("ema_decay", ema_decay)
     warmup_steps, min_history = _kit.gate_defaults(feedback, warmup_steps, min_history)
-    _validation.integer("warmup_steps", warmup_steps, static=False)
-    _validation.integer("min_history", min_history, static=False)
-    _validation.positive("eps", eps)
-    _kit.check_name(name)
-    _grouping.validate_scope(scope)
+    _checks.integer("warmup_steps", warmup_steps, static=False)
+    _checks.integer("min_history", min_history, static=False)
+    _checks.positive("eps", eps)
     observe_first = feedback == "observe_first"
     gate = jnp.maximum(warmup_steps, min_history)
 
     def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-        return {
-            "moments": _stats.ema_moments_init(num_groups, dtype),
-            "metrics": _kit.metric_arrays(
-                num_groups, dtype, () if ceiling is None else ("headroom",), ceiling is not None
-            ),
-        }
+        fields = () if ceiling is None else ("headroom",)
+        metrics = _kit.norm_metrics(
+            num_groups, dtype, fields, spike=True, ceiling=ceiling is not None
+        )
+        return {"moments": _stats.ema_moments_init(num_groups, dtype), "metrics": metrics}
 
-    layout = _kit.layout_of(arrays)
+    kit = _kit.Clipper(
+        "zscore_clip", ZScoreClipState, arrays,
+        scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms,
+    )  # fmt: skip
 
     def observe(moments: _stats.EmaMomentsState, x: jax.Array) -> _stats.EmaMomentsState:
         """The EMAs after one observation per group, floored at ``eps``."""
@@ -207,18 +169,11 @@ def zscore_clip(
     def threshold_of(moments: _stats.EmaMomentsState) -> jax.Array:
         return jnp.maximum(eps, moments.mean + zmax * _stats.ema_moments_std(moments))
 
-    def init_fn(params: Any) -> Any:
-        start = _kit.start(params, scope, "zscore_clip", name, leaf_norms)
-        return _kit.new_state(ZScoreClipState, start, arrays(start.num_groups, start.dtype))
-
     def update_fn(
         updates: Any, state: ZScoreClipState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, ZScoreClipState]:
         del params, extra_args
-        grads = _kit.group_norms(
-            updates, state, ZScoreClipState, layout, who=name or "zscore_clip", scope=scope,
-            axis_name=axis_name, leaf_norms=leaf_norms,
-        )  # fmt: skip
+        grads = kit.norms(updates, state)
         g = grads.norm
         finite = jnp.isfinite(g)
         count = state.metrics["count"]  # the group's observations before this step
@@ -243,6 +198,7 @@ def zscore_clip(
             )
             moments = _kit.select_groups(observed, observe(before, x), before)
         scale = jnp.where(finite & gate_open, scale, 1.0).astype(g.dtype)
+        spike = scale < 1  # the rule's own decision, before any ceiling
         capped = None
         if ceiling is not None:
             scale, capped = _kit.ceiling_scale(scale, g, ceiling)
@@ -250,13 +206,10 @@ def zscore_clip(
 
         more = {} if ceiling is None else {"headroom": _kit.headroom(ceiling, moments.mean)}
         metrics = _kit.step_metrics(
-            state.metrics, norm=g, threshold=threshold, scale=scale, observed=observed,
-            capped=capped, **more,
+            state.metrics, norm=g, observed=observed, threshold=threshold, scale=scale,
+            spike=spike, capped=capped, **more,
         )  # fmt: skip
-        new_state = state._replace(moments=moments, **_kit.shared_fields(state, grads, metrics))
-        return _kit.scaled(grads, scale, state), new_state
+        return kit.finish(grads, state, metrics, scale=scale, moments=moments)
 
     # optax types a state as OptState (an array tree), not as ZScoreClipState.
-    tx = ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
-    tx.configure = lambda **overrides: zscore_clip(**{**settings, **overrides})
-    return tx
+    return ClipTransform(kit.init, update_fn)  # pyright: ignore[reportArgumentType]

@@ -10,6 +10,8 @@ import numpy as np
 import optax
 
 WINDOW, MIN_HISTORY, SIGMA, STEPS = 16, 8, 4.0, 60
+# The rule the tests build: skip_on_spike(inner, **RULE).
+RULE = dict(window_size=WINDOW, min_history=MIN_HISTORY, sigma=SIGMA)
 SHAPES = {"w": (4, 3), "b": (3,)}
 
 # --------------------------------------------------------------------------- streams

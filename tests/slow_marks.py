@@ -249,7 +249,7 @@ SLOW_TESTS.update(
             "compiled per clipper",
         ),
         **_cases(
-            "contract/test_compat.py::test_zclip_nonfinite_step_reports_spike_boundary",
+            "zclip/test_nonfinite.py::test_nonfinite_step_reports_spike_boundary",
             "inf-1.05-percentile inf-1.05-zscore inf-100.0-percentile nan-100.0-zscore "
             "nan-1.05-percentile nan-100.0-percentile",
             "compiled per case",
@@ -273,9 +273,7 @@ SLOW_TESTS.update(
             "skip_on_spike/test_fold.py::"
             "test_compiled_without_fma_skip_on_spike_is_optax_bit_for_bit"
         ): ("subprocess"),
-        **_cases(
-            "contract/test_compat.py::test_agc_axis_matches_optax", "None", "a large unitwise tree"
-        ),
+        **_cases("agc/test_agc.py::test_agc_axis_matches_optax", "None", "a large unitwise tree"),
         **_cases(
             "agc/test_agc.py::test_unitwise_equals_optax", "0.001", "a long run against optax"
         ),

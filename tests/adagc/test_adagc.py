@@ -238,7 +238,15 @@ def test_invalid_feedback(feedback):
 
 
 def test_valid_edge_values():
-    clipjax.adagc(warmup_steps=0, eps=0.0, beta=0.5)
+    """No warm-up (gamma starts at the first norm), eps 0 and beta 0.5 are accepted,
+    and the clipper they build follows the rule."""
+    edge = dict(warmup_steps=0, eps=0.0, beta=0.5)
+    got, _, _ = S.run_tree(clipjax.adagc(**edge), STREAMS, S.flat_tree)
+    want = S.adagc(STREAMS, **edge)
+    for j in range(3):
+        S.compare(got, {k: v[:, j] for k, v in want.items()}, f"adagc/g{j}/", FIELDS)
+        assert got[f"adagc/g{j}/clipped"].any(), "some step must be clipped"
+    assert np.isposinf(got["adagc/g0/threshold"][0])  # no norm seen yet: nothing bounds step 0
 
 
 # ----------------------------------------------------------------------------

@@ -83,22 +83,17 @@ CONFIGS = {
     "zclip_cap": _cfg("zclip", clipjax.zclip, S.zclip, ZCLIP_CAP_KW, default="clip_target"),
     "zclip_percentile": _cfg("zclip", clipjax.zclip, S.zclip, ZCLIP_PCT_KW, default="clip_target"),
     "zclip_mean": _cfg("zclip", clipjax.zclip, S.zclip, ZCLIP_MEAN_KW, default="clip_target"),
-    "hist_zstat": _cfg(
-        "hist_clip",
-        lambda **k: _hist_tx("zstat", **k),
-        S.hist_clip,
-        HIST_KW,
-        dict(HIST_KW, criterion="zstat"),
-        default="raw",
-    ),
-    "hist_ema": _cfg(
-        "hist_clip",
-        lambda **k: _hist_tx("ema", **k),
-        S.hist_clip,
-        HIST_KW,
-        dict(HIST_KW, criterion="ema"),
-        default="raw",
-    ),
+    **{
+        f"hist_{criterion}": _cfg(
+            "hist_clip",
+            partial(_hist_tx, criterion),
+            S.hist_clip,
+            HIST_KW,
+            dict(HIST_KW, criterion=criterion),
+            default="raw",
+        )
+        for criterion in ("zstat", "ema")
+    },
 }
 # Feedback values each configuration accepts besides its default.
 ACCEPTED = {

@@ -1,6 +1,9 @@
-"""agc: unitwise equals optax.adaptive_grad_clip; grouped equals smartclip's AGC."""
+"""agc: unitwise equals optax.adaptive_grad_clip (with its ``axis=`` too); grouped equals
+smartclip's AGC."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -173,3 +176,27 @@ def test_unitwise_axis_name_gives_every_replica_the_same_scale() -> None:
     assert scale[0] == scale[1]
     want, _ = optax.adaptive_grad_clip(0.05).update({"w": base * 1.25}, None, params)
     np.testing.assert_allclose(out[0] * 1.25, want["w"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("axis", [None, 0, (0, 1), -1], ids=str)
+@pytest.mark.skipif(
+    version_of(optax) < (0, 2, 6), reason="optax.adaptive_grad_clip has axis= from optax 0.2.6"
+)
+def test_agc_axis_matches_optax(axis: Any) -> None:
+    keys = jax.random.split(jax.random.PRNGKey(3), 6)
+    shapes = {"d2": (6, 5), "d3": (4, 3, 5), "d4": (3, 3, 4, 5)}
+    params = {n: jax.random.normal(k, s) for (n, s), k in zip(shapes.items(), keys[:3])}
+    # Log-normal spread of the elements: for every axis some units clip, some do not.
+    grads = {
+        n: 0.002 * jax.random.normal(k, s) * jnp.exp(3 * jax.random.normal(k, s))
+        for (n, s), k in zip(shapes.items(), keys[3:])
+    }
+    ref_tx = optax.adaptive_grad_clip(0.05, 1e-3, axis=axis)
+    ref, _ = ref_tx.update(grads, ref_tx.init(params), params)
+    changed = np.mean([float(jnp.mean(ref[n] != grads[n])) for n in shapes])
+    assert 0.1 < changed < 0.9, "the comparison must cover clipped and kept units"
+    tx = clipjax.agc(0.05, 1e-3, scope="unitwise", axis=axis)
+    out, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    for name in shapes:
+        np.testing.assert_allclose(out[name], ref[name], rtol=2e-6, atol=1e-8, err_msg=name)
+    assert any(k.startswith("agc/") for k in clipjax.metrics(state))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -19,6 +20,7 @@ STREAMS = {
     "constant": lambda: R.constant(),
 }
 RTOL = 3e-5
+WARMUP = dict(warmup_steps=30, min_history=20)  # the reference traces' warm-up
 
 
 @needs_smartclip
@@ -35,8 +37,7 @@ def test_window_percentile_matches_smartclip(
         history="window",
         window_size=window_size,
         percentile=percentile,
-        warmup_steps=30,
-        min_history=20,
+        **WARMUP,
     )
     ref = R.smartclip_autoclip(norms, **kw)
     got = drive.run(clipjax.autoclip(**kw), norms)
@@ -50,7 +51,7 @@ def test_window_percentile_matches_smartclip(
 @pytest.mark.parametrize("stream", sorted(STREAMS))
 def test_auto_mode_textbook_median_and_welford_std(stream: str) -> None:
     norms = STREAMS[stream]()
-    kw = dict(warmup_steps=30, min_history=20)
+    kw = WARMUP
     got = drive.run(clipjax.autoclip(**kw), norms)
     ref = R.smartclip_autoclip(norms, **kw)
     median = S.p2_restated(norms, textbook=True)
@@ -186,10 +187,26 @@ def test_auto_mode_ema_history_says_what_smartclip_does() -> None:
 
 @pytest.mark.parametrize("mode", ["auto", "percentile"])
 def test_injected_defaults_are_not_taken_for_other_values(mode) -> None:
-    """optax.inject_hyperparams turns every numeric default into a float32 array."""
-    tx = optax.inject_hyperparams(clipjax.autoclip, static_args=("window_size",))(mode=mode)
+    """optax.inject_hyperparams turns every numeric default into a float32 array: autoclip
+    takes them for its defaults (no "has no effect" error for an argument the user never
+    passed) and clips as the plain autoclip(mode=mode) does, step by step."""
+    kw = dict(mode=mode, warmup_steps=3, min_history=3)  # past the warm-up within the run
+    injected = optax.inject_hyperparams(clipjax.autoclip, static_args=("window_size",))(**kw)
+    plain = clipjax.autoclip(**kw)
     params = {"w": jnp.zeros(2)}
-    tx.update({"w": jnp.ones(2)}, tx.init(params), params)
+    state, plain_state = injected.init(params), plain.init(params)
+    update, plain_update = jax.jit(injected.update), jax.jit(plain.update)
+    for x in [*(1.0 + 0.1 * np.sin(np.arange(20.0))), 1000.0, 1.05]:
+        grads = {"w": jnp.array([x, -0.5 * x])}
+        out, state = update(grads, state, params)
+        expected, plain_state = plain_update(grads, plain_state, params)
+        np.testing.assert_allclose(out["w"], expected["w"], rtol=1e-6)
+        if x == 1000.0:  # the comparison covers a clipped step
+            assert clipjax.metrics(plain_state)["autoclip/global/clipped"]
+    m, want = clipjax.metrics(state), clipjax.metrics(plain_state)
+    assert m.keys() == want.keys()
+    for key in want:
+        np.testing.assert_allclose(m[key], want[key], rtol=1e-6, err_msg=key)
 
 
 @pytest.mark.parametrize("fraction", [0.95, 0.5, 1.0, 1])

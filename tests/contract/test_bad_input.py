@@ -22,6 +22,7 @@ import pytest
 
 import clipjax
 from tests.paths import ROOT
+from tests.registry import ALL_IDS, CASES
 
 PARAMS = {
     "params": {
@@ -308,9 +309,7 @@ SMALL = {"w": jnp.ones(3), "b": jnp.ones(2)}
 
 
 def _every_update() -> dict[str, Callable[[], Any]]:
-    from tests.transforms import ALL
-
-    out = {name: make for name, (make, _, _) in ALL.items()}
+    out = {name: CASES[name].make for name in ALL_IDS}
     out["skip_on_spike"] = lambda: clipjax.skip_on_spike(clipjax.adamw(1e-3), window_size=4)
     out["adam"] = lambda: clipjax.adam(1e-3)
     out["adamw_update_clipping"] = lambda: clipjax.adamw(1e-3, update_clipping=True)
@@ -343,6 +342,8 @@ def test_another_transforms_state_names_both() -> None:
     ) as info:
         clipjax.autoclip().update(SMALL, clipjax.zclip().init(SMALL))
     assert "optax.chain" in str(info.value)
+    with pytest.raises(TypeError, match=r"got an AutoClipState \(the state of clipjax.autoclip"):
+        clipjax.zclip().update(SMALL, clipjax.autoclip().init(SMALL))
 
 
 @pytest.mark.parametrize("name", sorted(EVERY_UPDATE))
@@ -362,7 +363,7 @@ def test_every_update_names_another_transforms_state(name: str) -> None:
     other_state = (other if isinstance(other, optax.GradientTransformation) else other(1.0)).init(
         SMALL
     )
-    with pytest.raises(TypeError, match=r"\.update expects .* got a \w+State \(the state of"):
+    with pytest.raises(TypeError, match=r"\.update expects .* got an? \w+State \(the state of"):
         tx.update(SMALL, other_state, SMALL)
 
 

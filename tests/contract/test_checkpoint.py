@@ -1,6 +1,6 @@
 """Checkpoints: a mid-training state saved and restored continues bit-identically.
 
-Every clipper at once (``tests.cases.all_clippers``) in front of adam,
+Every clipper at once (``tests.registry.all_clippers``) in front of adam,
 saved with ``flax.serialization`` and with orbax-checkpoint, and an
 ``nnx.Optimizer`` saved with orbax. A clipjax state's ``GroupInfo`` has no
 array leaves: checkpoints do not store it and a restore takes it from the
@@ -33,17 +33,9 @@ pytest.importorskip("flax", reason="needs flax")
 from flax import nnx, serialization
 
 import clipjax
-from tests.cases import (
-    HIDDEN,
-    IDS,
-    IN,
-    OUT,
-    all_clippers,
-    assert_trees_equal,
-    batches,
-    mlp_params,
-    train_step,
-)
+from tests.model import HIDDEN, IN, OUT, batches, mlp_params, train_step
+from tests.registry import CLIPPER_IDS, all_clippers
+from tests.trees import assert_trees_equal
 
 TOTAL, SPLIT = 8, 4  # steps in all; the checkpoint is taken after SPLIT steps
 
@@ -130,7 +122,7 @@ class Model(nnx.Module):
 
 
 # A few clippers keep this test short; the tests above cover every clipper.
-NNX_CLIPPERS = [n for n in ("autoclip", "hist_clip", "zclip_per_layer") if n in IDS]
+NNX_CLIPPERS = ["autoclip", "hist_clip", "zclip_per_layer"]
 
 
 def nnx_pair(seed: int) -> tuple[Model, nnx.Optimizer]:
@@ -254,7 +246,7 @@ def trained_state(tx: optax.GradientTransformation, params: Any) -> Any:
     return state
 
 
-@pytest.mark.parametrize("name", IDS)
+@pytest.mark.parametrize("name", CLIPPER_IDS)
 def test_update_on_another_tree_says_it_does_not_match(name: str) -> None:
     tx = all_clippers([name])
     state = tx.init(mlp_params())

@@ -19,12 +19,13 @@ import pytest
 from absl.testing import parameterized
 
 import clipjax
-from tests.transforms import ALL, ALL_IDS, NORMLESS, Factory, grads_at, make_params
+from tests.model import contract_params, grads_at
+from tests.registry import ALL_IDS, CASES, NORMLESS, Case, Factory
 
 
 @pytest.fixture(params=ALL_IDS)
-def case(request: Any) -> tuple[Factory, str, str]:
-    return ALL[request.param]
+def case(request: Any) -> Case:
+    return CASES[request.param]
 
 
 class TestContractWithAndWithoutJit(chex.TestCase):
@@ -33,8 +34,8 @@ class TestContractWithAndWithoutJit(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.named_parameters(*((name, name) for name in ALL_IDS))
     def test_state_is_stable_and_dtypes_kept(self, name: str) -> None:
-        tx = ALL[name][0]()
-        params = make_params()
+        tx = CASES[name].make()
+        params = contract_params()
         first = tx.init(params)
         state = first
         update = self.variant(tx.update)
@@ -55,8 +56,8 @@ class TestContractWithAndWithoutJit(chex.TestCase):
         )
     )
     def test_low_precision_leaves_keep_dtype(self, name: str, dtype: Any) -> None:
-        tx = ALL[name][0]()
-        params = make_params(dtype)
+        tx = CASES[name].make()
+        params = contract_params(dtype)
         state = tx.init(params)
         out, state = self.variant(tx.update)(grads_at(params, 1), state, params)
         chex.assert_trees_all_equal_dtypes(out, params)
@@ -69,8 +70,8 @@ class TestContractWithAndWithoutJit(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.named_parameters(*((name, name) for name in ALL_IDS))
     def test_two_of_a_kind_get_distinct_names(self, name: str) -> None:
-        make, prefix, _ = ALL[name]
-        params = make_params()
+        make, prefix = CASES[name].make, CASES[name].algo
+        params = contract_params()
         tx = optax.chain(make(), make(), optax.sgd(0.1))
         state = tx.init(params)
         _, state = self.variant(tx.update)(grads_at(params, 0), state, params)
@@ -80,7 +81,7 @@ class TestContractWithAndWithoutJit(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.named_parameters(*((name, name) for name in ALL_IDS))
     def test_empty_tree(self, name: str) -> None:
-        tx = ALL[name][0]()
+        tx = CASES[name].make()
         state = tx.init({})
         out, new_state = self.variant(tx.update)({}, state, {})
         self.assertEqual(out, {})
@@ -88,10 +89,9 @@ class TestContractWithAndWithoutJit(chex.TestCase):
         chex.assert_trees_all_equal_shapes_and_dtypes(new_state, state)
 
 
-def test_scan_carry_and_single_trace(case: Any) -> None:
-    make, _, _ = case
-    tx = make()
-    params = make_params()
+def test_scan_carry_and_single_trace(case: Case) -> None:
+    tx = case.make()
+    params = contract_params()
     traces = []
 
     def step(state: Any, i: jax.Array) -> Any:
@@ -112,10 +112,9 @@ def test_scan_carry_and_single_trace(case: Any) -> None:
     assert jitted._cache_size() == 1
 
 
-def test_state_can_be_donated(case: Any) -> None:
-    make, _, _ = case
-    tx = make()
-    params = make_params()
+def test_state_can_be_donated(case: Case) -> None:
+    tx = case.make()
+    params = contract_params()
     update = jax.jit(tx.update, donate_argnums=(1,))
     state = tx.init(params)
     for i in range(3):
@@ -123,10 +122,9 @@ def test_state_can_be_donated(case: Any) -> None:
     jax.block_until_ready(state)
 
 
-def test_no_host_transfer_inside_update(case: Any) -> None:
-    make, _, _ = case
-    tx = make()
-    params = make_params()
+def test_no_host_transfer_inside_update(case: Case) -> None:
+    tx = case.make()
+    params = contract_params()
     state = tx.init(params)
     grads = grads_at(params, 0)
     update = jax.jit(tx.update)
@@ -152,9 +150,9 @@ def _wrappers(make: Factory) -> dict[str, optax.GradientTransformation]:
     }
 
 
-def test_metrics_found_in_every_wrapper(case: Any) -> None:
-    make, prefix, field = case
-    params = make_params()
+def test_metrics_found_in_every_wrapper(case: Case) -> None:
+    make, prefix, field = case.make, case.algo, case.field
+    params = contract_params()
     for label, tx in _wrappers(make).items():
         if label == "inject":
             tx = optax.chain(make(), tx)
@@ -170,10 +168,9 @@ def test_metrics_found_in_every_wrapper(case: Any) -> None:
         assert set(inside) == set(found)
 
 
-def test_update_with_another_tree_fails_clearly(case: Any) -> None:
-    make, _, _ = case
-    tx = make()
-    params = make_params()
+def test_update_with_another_tree_fails_clearly(case: Case) -> None:
+    tx = case.make()
+    params = contract_params()
     state = tx.init(params)
     other = {"w": jnp.ones((2, 2))}
     with pytest.raises(ValueError, match="does not match"):

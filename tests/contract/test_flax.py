@@ -21,7 +21,8 @@ from flax import nnx, traverse_util
 from flax.training import train_state
 
 import clipjax
-from tests.cases import CLIPPERS, HIDDEN, IDS, IN, OUT, batches, optimizer
+from tests.model import HIDDEN, IN, OUT, batches
+from tests.registry import CASES, CLIPPER_IDS, optimizer
 
 STEPS = 10
 EVAL = next(batches(1, seed=1))  # a held-out batch: the loss on it must go down
@@ -38,7 +39,7 @@ def _nested(key: str) -> bool:
 
 def expected_groups(name: str, param_paths: list[tuple[Any, ...]]) -> set[str]:
     joined = ["/".join(str(k) for k in path) for path in param_paths]
-    scope = CLIPPERS[name].scope
+    scope = CASES[name].scope
     if scope == "per_layer":
         return {j.rsplit("/", 1)[0] for j in joined}
     if scope == "per_param":
@@ -52,7 +53,7 @@ def groups_of(metrics: dict[str, Any], algo: str) -> set[str]:
 
 
 def check_metrics(name: str, metrics: dict[str, Any], param_paths: list[tuple[Any, ...]]) -> None:
-    algo = CLIPPERS[name].algo
+    algo = CASES[name].algo
     assert groups_of(metrics, algo) == expected_groups(name, param_paths)
     steps = {int(v) for k, v in top_level(metrics).items() if k.endswith("/step")}
     assert steps == {STEPS}
@@ -90,10 +91,10 @@ def nnx_step(model: NnxMLP, opt: nnx.Optimizer, batch: Any) -> tuple[jax.Array, 
     return loss, clipjax.metrics(opt.opt_state)
 
 
-@pytest.mark.parametrize("name", IDS)
+@pytest.mark.parametrize("name", CLIPPER_IDS)
 def test_nnx_optimizer_trains_with_every_clipper(name: str) -> None:
     model = NnxMLP(nnx.Rngs(0))
-    opt = nnx.Optimizer(model, optimizer(CLIPPERS[name]), wrt=nnx.Param)
+    opt = nnx.Optimizer(model, optimizer(CASES[name]), wrt=nnx.Param)
     before = nnx_loss(model, EVAL)
     for batch in batches(STEPS, spikes=None):
         _, inside = nnx_step(model, opt, batch)
@@ -149,12 +150,12 @@ def linen_step(state: train_state.TrainState, batch: Any) -> Any:
     return state.apply_gradients(grads=grads), loss
 
 
-@pytest.mark.parametrize("name", IDS)
+@pytest.mark.parametrize("name", CLIPPER_IDS)
 def test_linen_train_state_trains_with_every_clipper(name: str) -> None:
     module = LinenMLP()
     params = module.init(jax.random.PRNGKey(0), jnp.zeros((1, IN)))["params"]
     state = train_state.TrainState.create(
-        apply_fn=module.apply, params=params, tx=optimizer(CLIPPERS[name])
+        apply_fn=module.apply, params=params, tx=optimizer(CASES[name])
     )
     before = linen_loss(state, EVAL)
     for batch in batches(STEPS, spikes=None):

@@ -21,24 +21,21 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
 import clipjax
+from tests.model import grads_at
 
 PARAMS = {
     "w": jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(4, 3),
     "b": jnp.full((3,), 0.5, jnp.float32),
 }
 STEPS = 3
-
-
-def grads_at(step: int) -> Any:
-    factor = 20.0 if step == STEPS - 1 else 1.0 + 0.1 * step
-    return jax.tree.map(lambda p: factor * (0.3 * p + 0.05 * (step + 1)), PARAMS)
+SPIKE = STEPS - 1  # the step whose gradients spike
 
 
 def hist_clip_zstat(alpha: float = 0.97, z_thresh: float = 2.5, warmup_steps: int = 20) -> Any:
@@ -80,6 +77,8 @@ def skip_and_clip_rule(
 
 
 # case -> (factory, keyword arguments: every number in them is injected)
+# Adam's numbers, other than the defaults, for the optimizers built on it.
+ADAM = dict(learning_rate=1e-2, b1=0.8, b2=0.99, eps=1e-7)
 CASES: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
     "autoclip_all": (
         clipjax.autoclip,
@@ -148,10 +147,7 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
     "spam": (
         clipjax.spam,
         dict(
-            learning_rate=1e-2,
-            b1=0.8,
-            b2=0.99,
-            eps=1e-7,
+            ADAM,
             weight_decay=0.1,
             threshold=3.0,
             reset_interval=2,
@@ -161,27 +157,14 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
     ),
     "stable_spam": (
         clipjax.stable_spam,
-        dict(
-            learning_rate=1e-2,
-            b1=0.8,
-            b2=0.99,
-            gamma1=0.6,
-            gamma2=0.8,
-            theta=0.9,
-            eps=1e-7,
-            weight_decay=0.1,
-            reset_interval=2,
-        ),
+        dict(ADAM, gamma1=0.6, gamma2=0.8, theta=0.9, weight_decay=0.1, reset_interval=2),
     ),
     "skip_on_spike": (
         skip_on_spike_adamw,
         dict(sigma=1.0, min_history=2, max_consecutive_skips=3),
     ),
-    "adam": (clipjax.adam, dict(learning_rate=1e-2, b1=0.8, b2=0.99, eps=1e-7, eps_root=1e-9)),
-    "adamw": (
-        clipjax.adamw,
-        dict(learning_rate=1e-2, b1=0.8, b2=0.99, eps=1e-7, eps_root=1e-9, weight_decay=0.1),
-    ),
+    "adam": (clipjax.adam, dict(ADAM, eps_root=1e-9)),
+    "adamw": (clipjax.adamw, dict(ADAM, eps_root=1e-9, weight_decay=0.1)),
     "adam_clip": (
         clipjax.adam,
         dict(learning_rate=1e-2, clip_grad_adapt=1.0, clip_grad_min=1e-6, clip_grad_warm_up=1),
@@ -272,13 +255,9 @@ def test_every_numeric_argument_is_injected_or_documented_static() -> None:
     assert not problems, "\n".join(problems)
 
 
-def assert_close(got: Any, want: Any, what: str) -> None:
-    got, want = jax.device_get(got), jax.device_get(want)
-    assert jax.tree.structure(got) == jax.tree.structure(want), what
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        # Python floats enter the plain factory's arithmetic before rounding to
-        # float32; injected ones are float32 arrays: last-bit noise.
-        np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6, err_msg=what)
+# Python floats enter the plain factory's arithmetic before rounding to float32;
+# injected ones are float32 arrays: last-bit noise.
+TOLERANCE = dict(rtol=2e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -291,14 +270,15 @@ def test_injected_equals_the_factory_called_with_the_same_values(case: str) -> N
     plain_state = plain.init(PARAMS)
     update, plain_update = jax.jit(injected.update), jax.jit(plain.update)
     for t in range(STEPS):
-        out, state = update(grads_at(t), state, PARAMS)
-        expected, plain_state = plain_update(grads_at(t), plain_state, PARAMS)
-        assert_close(out, expected, f"{case}: updates of step {t}")
-    assert_close(state.inner_state, plain_state, f"{case}: state")
+        grads = grads_at(PARAMS, t, spike=SPIKE)
+        out, state = update(grads, state, PARAMS)
+        expected, plain_state = plain_update(grads, plain_state, PARAMS)
+        chex.assert_trees_all_close(out, expected, **TOLERANCE)
+    chex.assert_trees_all_close(state.inner_state, plain_state, **TOLERANCE)
     if factory not in (clipjax.adam, clipjax.adamw):
         ours, theirs = clipjax.metrics(state), clipjax.metrics(plain_state)
         assert ours.keys() == theirs.keys() and ours
-        assert_close(ours, theirs, f"{case}: metrics")
+        chex.assert_trees_all_close(ours, theirs, **TOLERANCE)
 
 
 def test_the_issue_examples_need_no_static_args() -> None:
@@ -308,7 +288,7 @@ def test_the_issue_examples_need_no_static_args() -> None:
         optax.inject_hyperparams(clipjax.hist_clip)(),
         optax.inject_hyperparams(clipjax.clip_by_global_norm)(max_norm=1.0),
     ):
-        jax.jit(tx.update)(grads_at(0), tx.init(PARAMS), PARAMS)
+        jax.jit(tx.update)(grads_at(PARAMS, 0, spike=SPIKE), tx.init(PARAMS), PARAMS)
 
 
 def test_a_static_argument_given_says_to_name_it() -> None:
@@ -318,5 +298,5 @@ def test_a_static_argument_given_says_to_name_it() -> None:
     tx = optax.inject_hyperparams(clipjax.clip_by_global_norm, static_args=("norm_type",))(
         max_norm=1.0, norm_type=float("inf")
     )
-    out, _ = jax.jit(tx.update)(grads_at(2), tx.init(PARAMS), PARAMS)
+    out, _ = jax.jit(tx.update)(grads_at(PARAMS, 2, spike=SPIKE), tx.init(PARAMS), PARAMS)
     assert float(clipjax.global_norm(out, float("inf"))) == pytest.approx(1.0, rel=1e-5)

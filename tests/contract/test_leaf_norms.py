@@ -19,16 +19,11 @@ import optax
 import pytest
 
 import clipjax
-from tests.cases import CLIPPERS, Case, fan_out, mlp_params
+from tests.model import mlp_params
+from tests.registry import CASES, CLIPPER_IDS, fan_out
 
-# Every clipper with a scope (CONTRACT "diagnostics"): the clippers of
-# tests.cases, and adagc once clipjax has it.
-LEAF_CASES: dict[str, Case] = dict(CLIPPERS)
-if hasattr(clipjax, "adagc"):
-    LEAF_CASES["adagc"] = Case(
-        lambda **kw: clipjax.adagc(warmup_steps=2, **kw), "adagc", "per_param"
-    )
-LEAF_IDS = sorted(LEAF_CASES)
+# Every clipper with a scope (CONTRACT "diagnostics"): the training clippers, and adagc.
+LEAF_IDS = sorted([*CLIPPER_IDS, "adagc"])
 
 
 def _leaf_norms64(tree: Any) -> dict[str, float]:
@@ -51,7 +46,7 @@ def _leaf_metrics(values: dict[str, jax.Array], prefix: str) -> dict[str, float]
 
 @pytest.mark.parametrize("case", LEAF_IDS)
 def test_leaf_norms_are_the_pre_clip_leaf_norms(case: str, make_grad_stream: Any) -> None:
-    spec = LEAF_CASES[case]
+    spec = CASES[case]
     params = mlp_params()
     plain = spec.make()
     assert not _leaf_metrics(clipjax.metrics(plain.init(params)), spec.algo)
@@ -117,7 +112,7 @@ def _bytes_accessed(tx: optax.GradientTransformation, params: Any) -> float:
 
 @pytest.mark.parametrize("case", LEAF_IDS)
 def test_leaf_norms_cost_no_second_pass(case: str) -> None:
-    spec = LEAF_CASES[case]
+    spec = CASES[case]
     params = _wide_params()
     num_leaves = len(jax.tree.leaves(params))
     base = _bytes_accessed(optax.chain(spec.make(), optax.adam(1e-3)), params)
@@ -170,7 +165,7 @@ def test_nested_metrics_are_the_flat_metrics_nested() -> None:
 
 
 def test_nested_metrics_every_clipper_with_leaf_norms() -> None:
-    transforms = {n: LEAF_CASES[n].make(name=n, leaf_norms=True) for n in LEAF_IDS}
+    transforms = {n: CASES[n].make(name=n, leaf_norms=True) for n in LEAF_IDS}
     state = _run(optax.chain(fan_out(transforms), optax.sgd(0.1)))
     flat = clipjax.metrics(state)
     nested = clipjax.metrics(state, flat=False)

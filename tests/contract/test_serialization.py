@@ -13,8 +13,6 @@ leaf; the restored state then takes one more step like the original.
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
@@ -23,14 +21,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
 ocp = pytest.importorskip("orbax.checkpoint", reason="needs orbax-checkpoint")
 serialization = pytest.importorskip("flax.serialization", reason="needs flax")
 import clipjax
-from tests.transforms import TRANSFORMS, grads_at, make_params
+from tests import registry, scripts
+from tests.model import contract_params, grads_at
+from tests.trees import assert_trees_equal
 
 SKIP_ROUTES: dict[str, Callable[[], optax.GradientTransformation]] = {
     "skip_on_spike_fold": lambda: clipjax.skip_on_spike(clipjax.adamw(1e-3), window_size=4),
@@ -41,7 +40,7 @@ SKIP_ROUTES: dict[str, Callable[[], optax.GradientTransformation]] = {
     ),
 }
 CASES: dict[str, Callable[[], optax.GradientTransformation]] = {
-    **{name: TRANSFORMS[name][0] for name in TRANSFORMS},
+    **{name: registry.CASES[name].make for name in registry.TRANSFORM_IDS},
     **SKIP_ROUTES,
 }
 STEPS = 3
@@ -56,7 +55,7 @@ def stepped(name: str) -> tuple[Any, Any, Any]:
     """
     tx = CASES[name]()
     tx = optax.GradientTransformationExtraArgs(tx.init, jax.jit(tx.update))
-    params = make_params()
+    params = contract_params()
     state = tx.init(params)
     for step in range(STEPS):
         _, state = tx.update(grads_at(params, step), state, params)
@@ -68,21 +67,13 @@ def fresh_target(tx: optax.GradientTransformation, params: Any) -> Any:
     return tx.init(jax.tree.map(lambda p: p * 2 + 1, params))
 
 
-def assert_same_state(restored: Any, state: Any) -> None:
-    assert jax.tree.structure(restored) == jax.tree.structure(state)
-    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
-        got, want = np.asarray(got), np.asarray(want)
-        assert got.dtype == want.dtype and got.shape == want.shape
-        np.testing.assert_array_equal(got, want)
-
-
 def assert_continues(tx: Any, params: Any, restored: Any, state: Any) -> None:
     grads = grads_at(params, STEPS)
     restored = jax.tree.map(jnp.asarray, restored)
     ours, ours_state = tx.update(grads, restored, params)
     theirs, theirs_state = tx.update(grads, state, params)
-    assert_same_state(ours, theirs)
-    assert_same_state(ours_state, theirs_state)
+    assert_trees_equal(ours, theirs)
+    assert_trees_equal(ours_state, theirs_state)
     assert clipjax.metrics(ours_state).keys() == clipjax.metrics(theirs_state).keys()
 
 
@@ -91,7 +82,7 @@ def test_flax_bytes_round_trip(name: str) -> None:
     tx, params, state = stepped(name)
     data = serialization.to_bytes(state)
     restored = serialization.from_bytes(fresh_target(tx, params), data)
-    assert_same_state(restored, state)
+    assert_trees_equal(restored, state)
     assert_continues(tx, params, restored, state)
 
 
@@ -103,7 +94,7 @@ def test_flax_state_dict_round_trip(name: str) -> None:
     for leaf in jax.tree.leaves(state_dict):
         assert isinstance(leaf, jax.Array), type(leaf)
     restored = serialization.from_state_dict(fresh_target(tx, params), state_dict)
-    assert_same_state(restored, state)
+    assert_trees_equal(restored, state)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -115,13 +106,13 @@ def test_orbax_round_trip(name: str, tmp_path: Path) -> None:
         checkpointer.wait_until_finished()
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
         restored = checkpointer.restore(tmp_path / "standard", abstract)
-    assert_same_state(restored, state)
+    assert_trees_equal(restored, state)
     assert_continues(tx, params, restored, state)
     with ocp.PyTreeCheckpointer() as checkpointer:
         checkpointer.save(tmp_path / "pytree", state)
         restore_args = ocp.checkpoint_utils.construct_restore_args(target)
         restored = checkpointer.restore(tmp_path / "pytree", item=target, restore_args=restore_args)
-    assert_same_state(restored, state)
+    assert_trees_equal(restored, state)
 
 
 def test_group_info_is_registered_at_import() -> None:
@@ -178,15 +169,7 @@ SCRIPT = textwrap.dedent(
 @pytest.mark.parametrize("order", ["before", "after"])
 def test_flax_imported_before_or_after_clipjax(order: str) -> None:
     """A real import order, in a fresh interpreter."""
-    root = str(Path(clipjax.__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, order],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    result = scripts.python("-c", SCRIPT, order, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "round-tripped ['cond', 'fold', 'select', 'zclip']" in result.stdout
 
@@ -207,10 +190,6 @@ WITHOUT_FLAX = textwrap.dedent(
 
 
 def test_without_flax_clipjax_imports_and_works() -> None:
-    root = str(Path(clipjax.__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run(
-        [sys.executable, "-c", WITHOUT_FLAX], capture_output=True, text=True, env=env, timeout=300
-    )
+    result = scripts.python("-c", WITHOUT_FLAX, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "zclip/global/capped"

@@ -3,7 +3,7 @@
 ``optax.chain(optax.adamw(...), clipper)`` judges and scales what will be
 applied (Levanter's z-score clip of the update norm, Adafactor-style update
 RMS clipping). For every clipper (every scope and kind in
-``tests.cases.CLIPPERS``):
+``tests.registry.CLIPPER_IDS``):
 
 * the chain's output and the clipper's metrics equal the clipper run on
   adamw's updates by itself (the composition is exact, nothing leaks between
@@ -26,8 +26,9 @@ import optax
 import pytest
 
 import clipjax
-from tests.cases import CLIPPERS, IDS, batches, loss_fn, mlp_params
 from tests.compiled_step import compiled_train_step, full_size_copies
+from tests.model import batches, loss_fn, mlp_params
+from tests.registry import CASES, CLIPPER_IDS
 
 LR = 1e-2
 STEPS = 12
@@ -38,9 +39,9 @@ def gradients() -> list[Any]:
     return [jax.grad(loss_fn)(params, batch) for batch in batches(STEPS)]
 
 
-@pytest.mark.parametrize("case", IDS)
+@pytest.mark.parametrize("case", CLIPPER_IDS)
 def test_after_the_optimizer_it_clips_the_update(case: str) -> None:
-    make = CLIPPERS[case].make
+    make = CASES[case].make
     params = mlp_params()
     grads = gradients()
     chained = optax.chain(optax.adamw(LR), make(name=f"update_{case}"))
@@ -54,7 +55,7 @@ def test_after_the_optimizer_it_clips_the_update(case: str) -> None:
         expected, alone_state = alone.update(adam_updates, alone_state, params)
         chex.assert_trees_all_close(out, expected, rtol=1e-5, atol=1e-9)
         ours, theirs = clipjax.metrics(state), clipjax.metrics(alone_state)
-        algo = CLIPPERS[case].algo
+        algo = CASES[case].algo
         assert {k.replace(f"update_{case}/", f"{algo}/", 1) for k in ours} == set(theirs)
         for key, value in ours.items():
             np.testing.assert_allclose(
@@ -66,7 +67,7 @@ def test_after_the_optimizer_it_clips_the_update(case: str) -> None:
             )
     # The norm it judged is the update's (adamw's), not the gradient's.
     norm = [k for k in ours if k.endswith("/grad_norm") and "/leaf/" not in k]
-    if CLIPPERS[case].scope == "global" and norm:
+    if CASES[case].scope == "global" and norm:
         np.testing.assert_allclose(
             float(ours[norm[0]]), float(optax.tree.norm(adam_updates)), rtol=1e-5
         )

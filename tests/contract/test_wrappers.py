@@ -14,26 +14,16 @@ import optax
 import pytest
 
 import clipjax
-from tests.cases import (
-    IDS,
-    all_clippers,
-    assert_trees_close,
-    assert_trees_equal,
-    clipjax_states,
-    mlp_params,
-)
+from tests.model import mlp_params, random_grads
+from tests.registry import CLIPPER_IDS, all_clippers, clipjax_states
+from tests.trees import assert_trees_close, assert_trees_equal
 
 PARAMS = mlp_params()
 
 
-def grads_at(step: int, spike: int | None = 5) -> Any:
+def gradients(step: int, spike: int | None = 5) -> Any:
     """Gaussian gradients shaped like ``PARAMS``, x40 at step ``spike``."""
-    leaves, treedef = jax.tree.flatten(PARAMS)
-    keys = jax.random.split(jax.random.PRNGKey(1000 + step), len(leaves))
-    factor = 40.0 if step == spike else 1.0
-    return jax.tree.unflatten(
-        treedef, [factor * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)]
-    )
+    return random_grads(PARAMS, seed=1000 + step, scale=40.0 if step == spike else 1.0)
 
 
 def is_kernel(path: tuple[Any, ...], _: Any) -> bool:
@@ -148,8 +138,8 @@ def test_inject_hyperparams_equals_the_clipper_built_with_those_values(case: str
         values = first if t < SWITCH else second
         if t == SWITCH:
             state.hyperparams.update({k: jnp.asarray(v, jnp.float32) for k, v in second.items()})
-        out, state = update(grads_at(t), state, PARAMS)
-        expected, direct_state = direct_updates[id(values)](grads_at(t), direct_state, PARAMS)
+        out, state = update(gradients(t), state, PARAMS)
+        expected, direct_state = direct_updates[id(values)](gradients(t), direct_state, PARAMS)
         # Python floats enter the direct clipper's arithmetic in float64 before
         # rounding to float32; injected ones are float32 arrays: last-bit noise.
         assert_trees_close(out, expected, 1e-5, f"{case} step {t} updates ")
@@ -196,7 +186,7 @@ def test_shape_and_control_flow_hyperparameters_must_be_static(
     tx = optax.inject_hyperparams(factory, static_args=others)(**kwargs)
     with pytest.raises(ValueError, match=f"{arg}.*static_args"):
         state = tx.init(PARAMS)
-        jax.jit(tx.update)(grads_at(0), state, PARAMS)
+        jax.jit(tx.update)(gradients(0), state, PARAMS)
 
 
 def test_a_schedule_drives_max_norm_and_metrics_follow() -> None:
@@ -207,7 +197,7 @@ def test_a_schedule_drives_max_norm_and_metrics_follow() -> None:
     state = tx.init(PARAMS)
     update = jax.jit(tx.update)
     for t in range(5):
-        grads = grads_at(t, spike=None)
+        grads = gradients(t, spike=None)
         out, state = update(grads, state, PARAMS)
         m = clipjax.metrics(state)
         norm = float(optax.tree.norm(grads))
@@ -233,7 +223,7 @@ def test_a_schedule_drives_z_thresh_inside_jit() -> None:
 
     state = tx.init(PARAMS)
     for t in range(8):
-        state, m = step(state, grads_at(t))
+        state, m = step(state, gradients(t))
     assert int(m["zclip/global/step"]) == 8
     assert int(m["zclip/global/clipped_count"]) >= 1  # the spike at step 5
     assert m.keys() == clipjax.metrics(state).keys()
@@ -246,7 +236,7 @@ REAL_STEPS = 4
 
 
 def mini_grads(real: int, mini: int) -> Any:
-    return grads_at(10 * real + mini, spike=10 * 2 + 1)  # one spiking mini-batch in step 2
+    return gradients(10 * real + mini, spike=10 * 2 + 1)  # one spiking mini-batch in step 2
 
 
 def multi_steps_run() -> list[Any]:
@@ -280,7 +270,8 @@ def test_multi_steps_clips_the_accumulated_gradient_once_per_real_step() -> None
     m = clipjax.metrics(states[-1])
     steps = {int(v) for k, v in m.items() if k.endswith("/step") and k.count("/") == 2}
     assert steps == {REAL_STEPS}  # one observation per real step, not per mini-step
-    assert {k.split("/")[0] for k in m} == set(IDS)  # every clipper's metrics, through MultiSteps
+    # Every clipper's metrics, through MultiSteps.
+    assert {k.split("/")[0] for k in m} == set(CLIPPER_IDS)
     assert bool(clipjax.metrics(states[3 * K - 1])["zclip/global/clipped"])
 
 
@@ -289,7 +280,7 @@ def test_multi_steps_clips_the_accumulated_gradient_once_per_real_step() -> None
 
 # One clipper per way of grouping leaves: the engine, agc's unitwise path, the
 # element-wise clippers.
-MASKED = [n for n in ("zclip_per_layer", "hist_clip", "agc", "clip_by_percentile") if n in IDS]
+MASKED = ["zclip_per_layer", "hist_clip", "agc", "clip_by_percentile"]
 
 
 def test_masked_clips_only_the_selected_leaves() -> None:
@@ -302,7 +293,7 @@ def test_masked_clips_only_the_selected_leaves() -> None:
     direct_update = jax.jit(direct.update)
     direct_state = direct.init(kernels)
     for t in range(7):
-        grads = grads_at(t)
+        grads = gradients(t)
         out, state = update(grads, state, PARAMS)
         kernel_grads = {"params": {k: {"kernel": v["kernel"]} for k, v in grads["params"].items()}}
         expected, direct_state = direct_update(kernel_grads, direct_state, kernels)
@@ -333,7 +324,7 @@ def test_partition_runs_a_clipper_per_group_of_parameters() -> None:
     state = tx.init(PARAMS)
     update = jax.jit(tx.update)
     for t in range(6):
-        grads = grads_at(t)
+        grads = gradients(t)
         out, state = update(grads, state, PARAMS)
     m = clipjax.metrics(state)
     assert {k.rsplit("/", 1)[0] for k in m} == {
@@ -361,14 +352,14 @@ def test_partition_with_two_clippers_of_one_kind_names_them_apart() -> None:
         lambda path, x: "a_kernels" if is_kernel(path, x) else "b_biases", PARAMS
     )
     tx = optax.partition({"a_kernels": clipjax.zclip(), "b_biases": clipjax.zclip()}, labels)
-    _, state = tx.update(grads_at(0), tx.init(PARAMS), PARAMS)
+    _, state = tx.update(gradients(0), tx.init(PARAMS), PARAMS)
     m = clipjax.metrics(state)
     assert {k.split("/")[0] for k in m} == {"zclip", "zclip_1"}  # in tree order: a, then b
     named = optax.partition(
         {"a_kernels": clipjax.zclip(name="kernels"), "b_biases": clipjax.zclip(name="biases")},
         labels,
     )
-    _, state = named.update(grads_at(0), named.init(PARAMS), PARAMS)
+    _, state = named.update(gradients(0), named.init(PARAMS), PARAMS)
     assert {k.split("/")[0] for k in clipjax.metrics(state)} == {"kernels", "biases"}
 
 
@@ -390,7 +381,7 @@ def if_finite_run() -> list[tuple[Any, Any]]:
     state = tx.init(PARAMS)
     out = []
     for t in range(8):
-        grads = with_nan(grads_at(t, spike=None)) if 4 <= t <= 6 else grads_at(t, spike=None)
+        grads = with_nan(gradients(t, spike=None)) if 4 <= t <= 6 else gradients(t, spike=None)
         updates, state = update(grads, state, PARAMS)
         out.append(jax.device_get((updates, state)))
     return out
@@ -398,7 +389,7 @@ def if_finite_run() -> list[tuple[Any, Any]]:
 
 def test_apply_if_finite_drops_the_step_before_the_clipper_sees_it() -> None:
     run = if_finite_run()
-    for name in IDS:
+    for name in CLIPPER_IDS:
         check_if_finite(name, run)
     state = run[-1][1]
     assert int(state.total_notfinite) == 3

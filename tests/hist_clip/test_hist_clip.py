@@ -38,17 +38,22 @@ TORCH_WARMUP = clipjax.clip_by_global_norm(1.0, eps=1e-6)
 def assert_matches_reference(got: dict, ref: dict, norms: np.ndarray, kind: str = "zstat") -> None:
     """drytorch's threshold is the clip value on a fire: clipjax's ``clip_to`` on a
     clipped step (the norm itself elsewhere); clipjax's ``threshold`` is the boundary
-    from the statistics before the step (+inf during warm-up)."""
+    from the statistics before the step. During the warm-up clipjax's own metrics say
+    what the warm-up clip did: its threshold (1.0), the norm the step leaves with."""
     norms = np.asarray(norms, np.float64)
     if norms.ndim == 1:
         got = {k: v[:, None] for k, v in got.items()}
         ref = {k: np.asarray(v)[:, None] for k, v in ref.items() if np.ndim(v) == 1}
         norms = norms[:, None]
+    warm = 20
     clipped = np.asarray(ref["hist_scale"]) < 1
     assert_close(got["clip_to"][clipped], ref["threshold"][clipped])
-    np.testing.assert_allclose(got["clip_to"][~clipped], norms[~clipped], rtol=1e-6)
-    warm = 20
-    assert np.isinf(got["threshold"][:warm]).all()
+    late = np.zeros_like(clipped)
+    late[warm:] = True
+    np.testing.assert_allclose(got["clip_to"][~clipped & late], norms[~clipped & late], rtol=1e-6)
+    np.testing.assert_allclose(got["threshold"][:warm], 1.0)
+    early = np.asarray(ref["scale"])[:warm]
+    assert_close(got["clip_to"][:warm], norms[:warm] * early)
     # drytorch starts its statistics on the step after the warm-up sample:
     # from the step after that one, the boundary follows from its pre-step mean/std.
     mu = ref["mean"][warm:-1]
@@ -82,7 +87,7 @@ def test_matches_drytorch_step_by_step(stream: str, kind: str, clip: str) -> Non
     ref = R.drytorch_reference(norms, criterion=kind, clip=clip)
     got = drive.run(clipjax.hist_clip(criterion(kind, clip), warmup_clip=TORCH_WARMUP), norms)
     assert_matches_reference(got, ref, norms, kind)
-    assert_close(got["scale"], ref["hist_scale"])
+    assert_close(got["scale"], ref["scale"])  # the factor applied, the warm-up clip's included
     assert_close(got["applied"], ref["scale"])
     assert_close(got["mean"][20:], ref["mean"][20:])
     if kind == "zstat":
@@ -152,7 +157,14 @@ def test_warmup_clip_metrics_are_nested_and_generic_transforms_work() -> None:
     )
     np.testing.assert_allclose(fused["applied"][:10], 0.25, rtol=1e-6)
     np.testing.assert_allclose(generic["applied"], fused["applied"], rtol=1e-6)
-    assert (fused["scale"][:10] == 1.0).all()
+    # hist_clip's own metrics say what the warm-up clip did (issue 45): the scale and
+    # the norm the step leaves with; the threshold where the clip reports one.
+    for run in (fused, generic):
+        np.testing.assert_allclose(run["scale"][:10], 0.25, rtol=1e-5)
+        np.testing.assert_allclose(run["clip_to"][:10], 1.0, rtol=1e-5)
+        assert run["clipped"][:10].all() and run["clipped_count"][9] == 10
+    np.testing.assert_allclose(fused["threshold"][:10], 1.0)
+    assert np.isinf(generic["threshold"][:10]).all()  # optax's clip reports none
 
 
 @pytest.mark.parametrize(

@@ -38,8 +38,9 @@ import jax
 if not hasattr(jax, "shard_map"):
     pytest.skip("the multi-process worker uses jax.shard_map (jax >= 0.7)", allow_module_level=True)
 
-from tests.cases import STEPS, assert_trees_close, assert_trees_equal
 from tests.multiprocess.launch import LaunchError, free_loopback_port, launch
+from tests.parallel.reference import STEPS
+from tests.trees import assert_trees_close, assert_trees_equal
 
 pytestmark = pytest.mark.slow
 

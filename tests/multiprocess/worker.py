@@ -66,13 +66,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import clipjax
-from tests.cases import BATCH, HIDDEN, STEPS, batches, fan_out, mlp_params
-from tests.cases import OUT as OUT_FEATURES
+from tests.model import BATCH, HIDDEN, batches, mlp_params
+from tests.model import OUT as OUT_FEATURES
+from tests.parallel.reference import STEPS, pmean_updates
+from tests.registry import fan_out
 
 DEVICES = 8
 SPLIT = 4  # the checkpoint is taken after this many steps
 RESUMED = 3  # steps trained after the restore
-SPIKE_STEP = 5  # cases.SPIKES: the targets times 30 on this step
+SPIKE_STEP = 5  # model.SPIKES: the targets times 30 on this step
 
 out = Path(OUT)
 assert jax.device_count() == DEVICES, f"{jax.device_count()} devices, expected {DEVICES}"
@@ -92,10 +94,6 @@ MODEL = MLP()
 def loss_fn(params: Any, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
     x, y = batch
     return jnp.mean((MODEL.apply(params, x) - y) ** 2)
-
-
-def pmean_updates(axis_name: str) -> optax.GradientTransformation:
-    return optax.stateless(lambda updates, params: jax.lax.pmean(updates, axis_name))
 
 
 def clipper(name: str, **kw: Any) -> optax.GradientTransformation:
@@ -119,7 +117,7 @@ def make(case: str, axis_name: str | None = None) -> optax.GradientTransformatio
     """The optimizer of ``case``; with ``axis_name``, for per-device gradients.
 
     ``"clippers"``: every clipper of :data:`CLIPPERS` on the same gradients
-    (``cases.fan_out``: one compiled program for all), then momentum SGD.
+    (``registry.fan_out``: one compiled program for all), then momentum SGD.
     ``"skip_on_spike"``: ``skip_on_spike(chain(zclip(), adamw))``.
     """
     kw = {} if axis_name is None else {"axis_name": axis_name}
@@ -231,7 +229,7 @@ def jit_scenario(checkpoint: bool, names: tuple[str, ...] = CASES) -> dict[str, 
         "Dense_1": {"kernel": P("model", None), "bias": P()},
     }
     init = mlp_params()
-    # cases.mlp_params is the linen MLP's parameter tree, with its own values.
+    # model.mlp_params is the linen MLP's parameter tree, with its own values.
     flax_init = MODEL.init(
         jax.random.PRNGKey(0),
         np.zeros((1, init["params"]["Dense_0"]["kernel"].shape[0]), np.float32),

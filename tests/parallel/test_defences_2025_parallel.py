@@ -9,7 +9,7 @@
 * ``jax.jit`` with the batch sharded over a mesh equals one device.
 
 (``clip_norm_growth`` and ``clip_by_historical_norm`` are cases of
-``tests/cases.py``, run by the other modules here.)
+``tests/registry.py``, run by the other modules here.)
 """
 
 from __future__ import annotations
@@ -20,21 +20,12 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import clipjax
-from tests.cases import (
-    BATCH,
-    DEVICES,
-    IN,
-    OUT,
-    assert_trees_close,
-    assert_trees_equal,
-    batches,
-    loss_fn,
-    mlp_params,
-)
+from tests.model import loss_fn, mlp_params
+from tests.parallel import reference
+from tests.parallel.reference import DEVICES, replica, replicate
+from tests.trees import assert_trees_close, assert_trees_equal
 
 N = DEVICES
 STEPS = 16
@@ -43,23 +34,16 @@ NAN_STEP, NAN_REPLICA = 12, 5
 
 
 def data() -> list[tuple[np.ndarray, np.ndarray]]:
-    out = []
-    for t, (x, y) in enumerate(batches(STEPS, spikes=None)):
-        x = x.reshape(N, BATCH // N, IN).copy()
-        y = y.reshape(N, BATCH // N, OUT).copy()
-        if t == SPIKE_STEP:
-            y[SPIKE_REPLICA] *= 1000.0
-        if t == NAN_STEP:
-            y[NAN_REPLICA, 0, 0] = np.nan
-        out.append((x, y))
-    return out
+    return reference.per_replica_batches(
+        STEPS, (SPIKE_STEP, SPIKE_REPLICA, 1000.0), (NAN_STEP, NAN_REPLICA)
+    )
 
 
 def make(axis_name: str | None) -> optax.GradientTransformation:
     rule = clipjax.drop_norm_by_grad_norm_ema((5,))
     # With axis_name, the clipped updates are averaged before adamw: every replica
     # then holds the same parameters and moments.
-    average = [optax.stateless(lambda u, p: jax.lax.pmean(u, axis_name))] if axis_name else []
+    average = [reference.pmean_updates(axis_name)] if axis_name else []
     return clipjax.skip_and_clip_by_global_norm(
         optax.chain(clipjax.clip_norm_by_ema(axis_name=axis_name), *average, clipjax.adamw(1e-2)),
         drop_norm=rule,
@@ -79,7 +63,6 @@ def pmap_run(axis_name: str | None) -> list[Any]:
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    replicate = lambda tree: jax.pmap(lambda _: tree)(np.arange(N))
     params, state = replicate(mlp_params()), replicate(tx.init(mlp_params()))
     out = []
     for batch in data():
@@ -90,7 +73,6 @@ def pmap_run(axis_name: str | None) -> list[Any]:
 
 def test_pmap_replicas_drop_the_same_steps_and_stay_identical() -> None:
     run = pmap_run("batch")
-    replica = lambda tree, i: jax.tree.map(lambda x: np.asarray(x)[i], tree)
     for t, (params, state) in enumerate(run):
         skipped = np.asarray(state.metrics["skipped"])[:, 0]
         assert skipped.all() or not skipped.any(), t
@@ -110,7 +92,7 @@ def test_pmap_without_axis_name_replicas_disagree() -> None:
     assert skipped[SPIKE_REPLICA] and skipped.sum() == 1
 
 
-def sharded_or_single(sharded: bool) -> list[Any]:
+def single_or_sharded_run(sharded: bool) -> list[Any]:
     tx = make(None)
 
     def step(params: Any, state: Any, batch: Any) -> Any:
@@ -118,30 +100,11 @@ def sharded_or_single(sharded: bool) -> list[Any]:
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    params = mlp_params()
-    batches_ = [(x.reshape(BATCH, IN), y.reshape(BATCH, OUT)) for x, y in data()]
-    if sharded:
-        mesh = Mesh(np.array(jax.devices()), ("data",))
-        replicated = NamedSharding(mesh, P())
-        params = jax.device_put(params, replicated)
-        state = jax.jit(tx.init, out_shardings=replicated)(params)
-        batches_ = [jax.device_put(b, NamedSharding(mesh, P("data"))) for b in batches_]
-        jitted = jax.jit(step, out_shardings=replicated)
-    else:
-        device = jax.devices()[0]
-        params = jax.device_put(params, device)
-        state = jax.device_put(tx.init(params), device)
-        batches_ = [jax.device_put(b, device) for b in batches_]
-        jitted = jax.jit(step)
-    out = []
-    for batch in batches_:
-        params, state = jitted(params, state, batch)
-        out.append(jax.device_get((params, state)))
-    return out
+    return reference.sharded_or_single(tx, step, data(), sharded)
 
 
 def test_sharded_jit_equals_one_device() -> None:
-    sharded, single = sharded_or_single(True), sharded_or_single(False)
+    sharded, single = single_or_sharded_run(True), single_or_sharded_run(False)
     for t, ((params, state), (want_params, want)) in enumerate(zip(sharded, single)):
         assert_trees_close(params, want_params, rtol=1e-5, what=f"step {t}: ")
         assert_trees_close(state.inner_state, want.inner_state, rtol=1e-5, what=f"step {t}: ")

@@ -8,7 +8,7 @@
   statistics and applies the same scale, equal to a single-device run fed the
   averaged norm. Without ``axis_name`` the replicas drift apart.
 
-Every clipper runs in one program (``cases.all_clippers``); the tests
+Every clipper runs in one program (``registry.all_clippers``); the tests
 parametrised by clipper check that clipper's part of the state.
 """
 
@@ -23,41 +23,13 @@ import optax
 import pytest
 
 import clipjax
-from tests.cases import (
-    AXIS_IDS,
-    BATCH,
-    DEVICES,
-    IDS,
-    IN,
-    OUT,
-    STEPS,
-    all_clippers,
-    assert_trees_close,
-    averaged_norm_reference,
-    batches,
-    loss_fn,
-    mlp_params,
-    optimizer,
-    per_device,
-    scaled_by_device,
-    single_device_run,
-    unaveraged_stream,
-)
+from tests.model import BATCH, IN, OUT, batches, loss_fn, mlp_params
+from tests.parallel import reference
+from tests.parallel.reference import DEVICES, STEPS, replica, replicate
+from tests.registry import AXIS_IDS, CLIPPER_IDS, all_clippers, optimizer
+from tests.trees import assert_trees_close
 
 N = DEVICES
-
-
-def replicate(tree: Any) -> Any:
-    """``tree`` on every device, placed as ``pmap(axis_name="batch")`` places its outputs.
-
-    (Inputs placed differently, e.g. by ``jnp.broadcast_to``, make the second
-    step compile again.)
-    """
-    return jax.pmap(lambda _: tree, axis_name="batch")(np.arange(N))
-
-
-def replica(tree: Any, i: int) -> Any:
-    return jax.tree.map(lambda x: np.asarray(x)[i], tree)
 
 
 def assert_replicas_identical(tree: Any, what: str) -> None:
@@ -96,9 +68,11 @@ def pmean_run() -> list[tuple[Any, Any, Any]]:
     return out
 
 
-@pytest.mark.parametrize("name", IDS)
+@pytest.mark.parametrize("name", CLIPPER_IDS)
 def test_pmean_gradients_keep_replicas_identical_and_equal_to_one_device(name: str) -> None:
-    for t, ((_, state, _), (_, ref_state, _)) in enumerate(zip(pmean_run(), single_device_run())):
+    for t, ((_, state, _), (_, ref_state, _)) in enumerate(
+        zip(pmean_run(), reference.single_device_run())
+    ):
         mine = clipper_states(state)[name]
         assert_replicas_identical(mine, f"{name} step {t}: ")
         assert_trees_close(
@@ -109,7 +83,7 @@ def test_pmean_gradients_keep_replicas_identical_and_equal_to_one_device(name: s
 
 def test_pmean_updates_and_params_equal_one_device() -> None:
     for t, ((params, _, updates), (ref_params, _, ref_updates)) in enumerate(
-        zip(pmean_run(), single_device_run())
+        zip(pmean_run(), reference.single_device_run())
     ):
         assert_replicas_identical((params, updates), f"step {t}: ")
         assert_trees_close(replica(updates, 0), ref_updates, what=f"step {t} updates")
@@ -134,8 +108,8 @@ def axis_name_run() -> list[tuple[Any, Any]]:
     update = jax.pmap(tx.update, axis_name="batch", in_axes=(0, 0, None))
     state = replicate(tx.init(params))
     out = []
-    for u, c in unaveraged_stream():
-        updates, state = update(per_device(u, c), state, params)
+    for u, c in reference.unaveraged_stream():
+        updates, state = update(reference.per_device(u, c), state, params)
         out.append(jax.device_get((updates, state)))
     return out
 
@@ -143,7 +117,7 @@ def axis_name_run() -> list[tuple[Any, Any]]:
 @pytest.mark.parametrize("name", AXIS_IDS)
 def test_axis_name_keeps_replicas_identical_and_uses_the_averaged_norm(name: str) -> None:
     for t, ((_, state), (_, ref_state)) in enumerate(
-        zip(axis_name_run(), averaged_norm_reference())
+        zip(axis_name_run(), reference.averaged_norm_reference())
     ):
         assert_replicas_identical(state[name], f"{name} step {t}: ")
         assert_trees_close(replica(state[name], 0), ref_state[name], what=f"{name} {t}: ")
@@ -151,11 +125,11 @@ def test_axis_name_keeps_replicas_identical_and_uses_the_averaged_norm(name: str
 
 def test_axis_name_applies_the_same_scale_on_every_replica() -> None:
     for t, ((out, _), (ref_out, _), (_, c)) in enumerate(
-        zip(axis_name_run(), averaged_norm_reference(), unaveraged_stream())
+        zip(axis_name_run(), reference.averaged_norm_reference(), reference.unaveraged_stream())
     ):
         # Replica d's output is c_d / mean|c| times the reference output.
         for d in range(N):
-            expected = scaled_by_device(ref_out, c, d)
+            expected = reference.scaled_by_device(ref_out, c, d)
             assert_trees_close(replica(out, d), expected, what=f"step {t} replica {d}: ")
     spike = clipjax.metrics(replica(axis_name_run()[5][1], 0))
     assert bool(spike["zclip/global/clipped"])
@@ -167,7 +141,7 @@ def test_without_axis_name_replicas_drift_apart() -> None:
     params = mlp_params()
     update = jax.pmap(tx.update, axis_name="batch", in_axes=(0, 0, None))
     state = replicate(tx.init(params))
-    for u, c in unaveraged_stream()[:4]:
-        _, state = update(per_device(u, c), state, params)
+    for u, c in reference.unaveraged_stream()[:4]:
+        _, state = update(reference.per_device(u, c), state, params)
     means = np.asarray(clipjax.metrics(state)["zclip/global/mean"])  # one per replica
     assert len(set(means.tolist())) == N

@@ -19,31 +19,15 @@ import jax
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import clipjax
-from tests.cases import (
-    AXIS_IDS,
-    DEVICES,
-    IDS,
-    STEPS,
-    all_clippers,
-    assert_trees_close,
-    averaged_norm_reference,
-    batches,
-    loss_fn,
-    mlp_params,
-    optimizer,
-    per_device,
-    scaled_by_device,
-    single_device_run,
-    unaveraged_stream,
-)
-
-
-def mesh() -> Mesh:
-    return Mesh(np.array(jax.devices()), ("i",))
+from tests.model import batches, loss_fn, mlp_params
+from tests.parallel import reference
+from tests.parallel.reference import DEVICES, STEPS, mesh
+from tests.registry import AXIS_IDS, CLIPPER_IDS, all_clippers, optimizer
+from tests.trees import assert_trees_close
 
 
 def device_copies(tree: Any) -> list[Any]:
@@ -76,8 +60,8 @@ def axis_name_run() -> list[tuple[Any, Any]]:
     )
     state = tx.init(params)
     out = []
-    for u, c in unaveraged_stream():
-        updates, state = update(state, per_device(u, c), params)
+    for u, c in reference.unaveraged_stream():
+        updates, state = update(state, reference.per_device(u, c), params)
         assert_copies_identical(state, "state")
         out.append(jax.device_get((updates, state)))
     return out
@@ -87,17 +71,17 @@ def axis_name_run() -> list[tuple[Any, Any]]:
 def test_axis_name_state_equals_one_device_fed_the_averaged_norm(name: str) -> None:
     axis_name_run()  # asserts that every device holds the same state
     for t, ((_, state), (_, ref_state)) in enumerate(
-        zip(axis_name_run(), averaged_norm_reference())
+        zip(axis_name_run(), reference.averaged_norm_reference())
     ):
         assert_trees_close(state[name], ref_state[name], what=f"{name} step {t}: ")
 
 
 def test_axis_name_applies_the_same_scale_on_every_device() -> None:
     for t, ((out, _), (ref_out, _), (_, c)) in enumerate(
-        zip(axis_name_run(), averaged_norm_reference(), unaveraged_stream())
+        zip(axis_name_run(), reference.averaged_norm_reference(), reference.unaveraged_stream())
     ):
         for d in range(DEVICES):
-            expected = scaled_by_device(ref_out, c, d)
+            expected = reference.scaled_by_device(ref_out, c, d)
             mine = jax.tree.map(lambda x, d=d: x[d], out)
             assert_trees_close(mine, expected, what=f"step {t} device {d}: ")
     assert bool(clipjax.metrics(axis_name_run()[5][1])["zclip/global/clipped"])
@@ -132,15 +116,17 @@ def pmean_run() -> list[tuple[Any, Any, Any]]:
     return out
 
 
-@pytest.mark.parametrize("name", IDS)
+@pytest.mark.parametrize("name", CLIPPER_IDS)
 def test_pmean_gradients_state_equals_one_device(name: str) -> None:
-    for t, ((_, state, _), (_, ref_state, _)) in enumerate(zip(pmean_run(), single_device_run())):
+    for t, ((_, state, _), (_, ref_state, _)) in enumerate(
+        zip(pmean_run(), reference.single_device_run())
+    ):
         assert_trees_close(state[0][name], ref_state[0][name], what=f"{name} step {t}: ")
 
 
 def test_pmean_gradients_updates_equal_one_device() -> None:
     for t, ((params, _, updates), (ref_params, _, ref_updates)) in enumerate(
-        zip(pmean_run(), single_device_run())
+        zip(pmean_run(), reference.single_device_run())
     ):
         assert_trees_close(updates, ref_updates, what=f"step {t} updates")
         assert_trees_close(params, ref_params, what=f"step {t} params")

@@ -7,8 +7,8 @@ The same train step as on one device, called with
   split over the mesh axis along its first dimension, the batch too.
 
 Updates, parameters, metrics and clipjax states equal the single-device run
-within ``cases.RTOL`` (1e-6 relative; second moments and z-scores
-``cases.SECOND_MOMENT_RTOL``). The clipjax state stays replicated with the
+within ``trees.RTOL`` (1e-6 relative; second moments and z-scores
+``trees.SECOND_MOMENT_RTOL``). The clipjax state stays replicated with the
 same sharding at every step, and the step compiles once.
 """
 
@@ -18,30 +18,18 @@ import functools
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import clipjax
-from tests.cases import (
-    IDS,
-    STEPS,
-    all_clippers,
-    assert_trees_close,
-    batches,
-    mlp_params,
-    optimizer,
-    single_device_run,
-    train_step,
-)
+from tests.model import batches, mlp_params, train_step
+from tests.parallel.reference import STEPS, mesh, single_device_run
+from tests.registry import CLIPPER_IDS, all_clippers, optimizer
+from tests.trees import assert_trees_close
 
 MODES = ("data_parallel", "fsdp")
-
-
-def mesh() -> Mesh:
-    return Mesh(np.array(jax.devices()), ("data",))
 
 
 def state_sharding(
@@ -67,8 +55,8 @@ def state_sharding(
 
 @functools.cache
 def sharded_run(mode: str) -> dict[str, Any]:
-    """Trains :func:`cases.all_clippers` with sharded arrays; per-step results on the host."""
-    m = mesh()
+    """Trains :func:`registry.all_clippers` with sharded arrays; per-step results on the host."""
+    m = mesh("data")
     replicated = NamedSharding(m, P())
     params = mlp_params()
     if mode == "fsdp":
@@ -102,7 +90,7 @@ def sharded_run(mode: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", IDS)
+@pytest.mark.parametrize("name", CLIPPER_IDS)
 def test_sharded_state_equals_one_device(mode: str, name: str) -> None:
     for t, ((_, state, _), (_, ref_state, _)) in enumerate(
         zip(sharded_run(mode)["steps"], single_device_run())

@@ -18,21 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import clipjax
-from tests.cases import (
-    BATCH,
-    DEVICES,
-    IN,
-    OUT,
-    assert_trees_close,
-    assert_trees_equal,
-    batches,
-    loss_fn,
-    mlp_params,
-)
+from tests.model import loss_fn, mlp_params
+from tests.parallel import reference
+from tests.parallel.reference import DEVICES, replica, replicate
+from tests.trees import assert_trees_close, assert_trees_equal
 
 N = DEVICES
 STEPS = 24
@@ -43,29 +34,9 @@ NAN_STEP, NAN_REPLICA = 17, 5  # that replica's loss is NaN (its gradients too)
 
 def data() -> list[tuple[np.ndarray, np.ndarray]]:
     """Per-replica batches ``[8, BATCH // 8, ...]`` with one replica's spike and NaN."""
-    out = []
-    for t, (x, y) in enumerate(batches(STEPS, spikes=None)):
-        x = x.reshape(N, BATCH // N, IN).copy()
-        y = y.reshape(N, BATCH // N, OUT).copy()
-        if t == SPIKE_STEP:
-            y[SPIKE_REPLICA] *= 100.0
-        if t == NAN_STEP:
-            y[NAN_REPLICA, 0, 0] = np.nan
-        out.append((x, y))
-    return out
-
-
-def pmean_updates(axis_name: str) -> optax.GradientTransformation:
-    """Averages the (per-device) updates over ``axis_name``: a stateless transform."""
-    return optax.stateless(lambda updates, params: jax.lax.pmean(updates, axis_name))
-
-
-def replicate(tree: Any) -> Any:
-    return jax.pmap(lambda _: tree, axis_name="batch")(np.arange(N))
-
-
-def replica(tree: Any, i: int) -> Any:
-    return jax.tree.map(lambda x: np.asarray(x)[i], tree)
+    return reference.per_replica_batches(
+        STEPS, (SPIKE_STEP, SPIKE_REPLICA, 100.0), (NAN_STEP, NAN_REPLICA)
+    )
 
 
 @functools.cache
@@ -73,7 +44,7 @@ def pmap_run(axis_name: str | None) -> list[tuple[Any, Any, np.ndarray, np.ndarr
     """``[(params, state, local norms, local losses)]`` per step, all replicas."""
     # Without axis_name the replicas take different branches of the skip's
     # lax.cond, so the inner transform must not hold a collective (pmean) then.
-    average = [pmean_updates("batch")] if axis_name else []
+    average = [reference.pmean_updates("batch")] if axis_name else []
     tx = clipjax.skip_on_spike(
         optax.chain(*average, optax.adam(1e-2)),
         window_size=WINDOW,
@@ -154,29 +125,7 @@ def single_or_sharded_run(sharded: bool) -> list[Any]:
         updates, state = tx.update(grads, state, params, value=loss)
         return optax.apply_updates(params, updates), state
 
-    params = mlp_params()
-    batches_ = [(x.reshape(BATCH, IN), y.reshape(BATCH, OUT)) for x, y in data()]
-    if sharded:
-        mesh = Mesh(np.array(jax.devices()), ("data",))
-        replicated = NamedSharding(mesh, P())
-        params = jax.device_put(params, replicated)
-        state = jax.jit(tx.init, out_shardings=replicated)(params)
-        batches_ = [jax.device_put(b, NamedSharding(mesh, P("data"))) for b in batches_]
-        jitted = jax.jit(step, out_shardings=replicated)
-    else:
-        device = jax.devices()[0]
-        params = jax.device_put(params, device)
-        state = jax.device_put(tx.init(params), device)  # committed, as the step's outputs
-        batches_ = [jax.device_put(b, device) for b in batches_]
-        jitted = jax.jit(step)
-    out = []
-    for batch in batches_:
-        params, state = jitted(params, state, batch)
-        out.append(jax.device_get((params, state)))
-    assert jitted._cache_size() == 1
-    if sharded:
-        assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(state))
-    return out
+    return reference.sharded_or_single(tx, step, data(), sharded)
 
 
 def test_sharded_jit_equals_one_device() -> None:

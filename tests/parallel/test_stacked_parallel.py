@@ -12,23 +12,21 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import chex
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import clipjax
+from tests.parallel.reference import mesh
 
 LAYERS = 8
 STEPS = 10
 # float32: the norms are averaged over 8 devices in another order, and z-scores
 # divide by small standard deviations.
-RTOL = 5e-5
-
-
-def mesh() -> Mesh:
-    return Mesh(np.array(jax.devices()), ("i",))
+RTOL, ATOL = 5e-5, 1e-5
 
 
 def stacked_grads(step: int) -> dict[str, Any]:
@@ -61,11 +59,6 @@ def single_device() -> list[tuple[Any, Any]]:
     return out
 
 
-def assert_close(got: Any, expected: Any) -> None:
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=1e-5)
-
-
 @pytest.mark.parametrize("spec", [P("i"), P(None, "i")], ids=["layer_axis", "other_axis"])
 def test_sharded_stacked_leaves_under_jit(spec: P) -> None:
     m = mesh()
@@ -87,7 +80,9 @@ def test_sharded_stacked_leaves_under_jit(spec: P) -> None:
         updates, state = step(g, state)
         kernel = updates["params"]["layers"]["kernel"]
         assert kernel.sharding.is_equivalent_to(g["params"]["layers"]["kernel"].sharding, 3)
-        assert_close(jax.device_get((updates, clipjax.metrics(state))), expected[t])
+        chex.assert_trees_all_close(
+            jax.device_get((updates, clipjax.metrics(state))), expected[t], rtol=RTOL, atol=ATOL
+        )
 
 
 def test_shard_map_with_axis_name_averages_the_per_layer_norms() -> None:
@@ -113,12 +108,16 @@ def test_shard_map_with_axis_name_averages_the_per_layer_norms() -> None:
         per_device = jax.tree.map(lambda x: factor.reshape((8,) + (1,) * x.ndim) * x[None], g)
         updates, state = jitted(per_device, state)
         ref_updates, ref_state = reference.update(jax.tree.map(lambda x: 4.5 * x, g), ref_state)
-        assert_close(clipjax.metrics(state), clipjax.metrics(ref_state))
+        chex.assert_trees_all_close(
+            clipjax.metrics(state), clipjax.metrics(ref_state), rtol=RTOL, atol=ATOL
+        )
         # Each device scales its own gradient by the scale of the averaged norms.
         for d in (0, 7):
-            assert_close(
+            chex.assert_trees_all_close(
                 jax.tree.map(lambda u, d=d: np.asarray(u)[d] / factor[d], updates),
                 jax.tree.map(lambda u: np.asarray(u) / 4.5, ref_updates),
+                rtol=RTOL,
+                atol=ATOL,
             )
         if t == 6:
             assert bool(clipjax.metrics(state)["zclip/params/layers/5/clipped"])

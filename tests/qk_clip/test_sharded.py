@@ -3,13 +3,9 @@ shard_map with ``axis_name``, each against the same steps on one device."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.paths import ROOT
+from tests import scripts
 
 # Slow, `make test` skips it: starts a subprocess with 4 CPU devices and compiles three steps.
 pytestmark = pytest.mark.slow
@@ -93,21 +89,5 @@ print("ok")
 
 
 def test_sharded_jit_and_shard_map_equal_one_device() -> None:
-    env = dict(os.environ)
-    for name in list(env):
-        if name.startswith(("PYTEST_XDIST", "PYTEST_CURRENT", "CLIPJAX_TEST_DEVICES")):
-            del env[name]
-    env["XLA_FLAGS"] = (
-        f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
-    )
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = scripts.python("-c", SCRIPT, timeout=600, devices=4)
     assert proc.returncode == 0 and "ok" in proc.stdout, (proc.stdout + proc.stderr)[-6000:]

@@ -23,6 +23,29 @@ def _smartclip_scale(clipper: Any, g: float, threshold: float) -> float:
     return 1.0 if denom <= threshold else max(threshold / denom, 0.0)
 
 
+_KEY = ("global",)
+
+
+def _global_clipper(cls: Any, kwargs: dict[str, Any]) -> Any:
+    """``cls(**kwargs)`` at ``scope="global"``, the one scope these drivers drive."""
+    kwargs = dict(kwargs)
+    if kwargs.setdefault("scope", "global") != "global":
+        raise ValueError("only scope='global' is driven here")
+    return cls(**kwargs)
+
+
+def _observe(clipper: Any, g: float, out: dict[str, list]) -> None:
+    """Observes ``g``, then appends what every driver records: ``grad_norm``,
+    ``threshold``, ``scale``, ``can_clip`` and ``count``."""
+    clipper.observe(g, key=_KEY)
+    t = clipper.threshold(_KEY)
+    out["grad_norm"].append(g)
+    out["threshold"].append(t)
+    out["scale"].append(_smartclip_scale(clipper, g, t))
+    out["can_clip"].append(bool(clipper.can_clip()))
+    out["count"].append(int(clipper._gate.observations))
+
+
 def smartclip_autoclip(norms: np.ndarray, **kwargs: Any) -> dict[str, np.ndarray]:
     """Run ``smartclip.AutoClip(**kwargs)`` on ``norms`` as its JAX backend does (global scope).
 
@@ -69,11 +92,8 @@ def smartclip_autoclip(norms: np.ndarray, **kwargs: Any) -> dict[str, np.ndarray
     import smartclip
 
     x = _as_1d(norms)
-    kwargs = dict(kwargs)
-    if kwargs.setdefault("scope", "global") != "global":
-        raise ValueError("only scope='global' is driven here")
-    clipper = smartclip.AutoClip(**kwargs)
-    key = ("global",)
+    clipper = _global_clipper(smartclip.AutoClip, kwargs)
+    key = _KEY
     mode = clipper._mode
     hist = clipper._history_mode
     out: dict[str, list] = {"grad_norm": [], "threshold": [], "scale": [], "can_clip": []}
@@ -86,14 +106,7 @@ def smartclip_autoclip(norms: np.ndarray, **kwargs: Any) -> dict[str, np.ndarray
         if hist == "window":
             out["window_len"] = []
     for g in x:
-        g = float(g)
-        clipper.observe(g, key=key)
-        t = clipper.threshold(key)
-        out["grad_norm"].append(g)
-        out["threshold"].append(t)
-        out["scale"].append(_smartclip_scale(clipper, g, t))
-        out["can_clip"].append(bool(clipper.can_clip()))
-        out["count"].append(int(clipper._gate.observations))
+        _observe(clipper, float(g), out)
         if mode == "auto":
             p2 = clipper._p2_by_key.get(key)
             w = clipper._welford_by_key.get(key)
@@ -138,24 +151,14 @@ def smartclip_zscore(norms: np.ndarray, **kwargs: Any) -> dict[str, np.ndarray]:
     import smartclip
 
     x = _as_1d(norms)
-    kwargs = dict(kwargs)
-    if kwargs.setdefault("scope", "global") != "global":
-        raise ValueError("only scope='global' is driven here")
-    clipper = smartclip.ZScoreClip(**kwargs)
-    key = ("global",)
+    clipper = _global_clipper(smartclip.ZScoreClip, kwargs)
+    key = _KEY
     out: dict[str, list] = {
         k: []
         for k in ("grad_norm", "threshold", "scale", "can_clip", "count", "mean", "std", "var")
     }
     for g in x:
-        g = float(g)
-        clipper.observe(g, key=key)
-        t = clipper.threshold(key)
-        out["grad_norm"].append(g)
-        out["threshold"].append(t)
-        out["scale"].append(_smartclip_scale(clipper, g, t))
-        out["can_clip"].append(bool(clipper.can_clip()))
-        out["count"].append(int(clipper._gate.observations))
+        _observe(clipper, float(g), out)
         mom = clipper._moments_by_key.get(key)
         if mom is None:
             out["mean"].append(_NAN)

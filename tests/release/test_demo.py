@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -18,22 +16,14 @@ pytest.importorskip("tqdm")
 # Slow, `make test` skips it: runs examples/demo.py in a subprocess (13 training runs at full size).
 pytestmark = pytest.mark.slow
 
-DEMO = ROOT / "examples" / "demo.py"
-
-
-def run_demo(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return scripts.run(DEMO, *args, timeout=timeout)
-
-
-def load_demo() -> ModuleType:
-    return scripts.load(DEMO, "clipjax_demo")
+DEMO = scripts.Script(ROOT / "examples" / "demo.py", "clipjax_demo", timeout=600)
 
 
 def test_short_run_prints_table_and_writes_figure(tmp_path: Path) -> None:
     # One setting without clipjax metrics (optax), one global, one per layer,
     # and a name longer than the others' padding used to be.
     names = ["optax", "zclip", "agc", "autoclip_p95+clipped"]
-    result = run_demo("--steps", "60", "--clippers", ",".join(names), "--out", str(tmp_path))
+    result = DEMO.run("--steps", "60", "--clippers", ",".join(names), "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     lines = out.splitlines()
@@ -69,17 +59,12 @@ def test_short_run_prints_table_and_writes_figure(tmp_path: Path) -> None:
 
 
 def test_help_and_bad_setting() -> None:
-    result = run_demo("--help")
-    assert result.returncode == 0
-    for option in ("--clippers", "--steps", "--out", "--spike-steps"):
-        assert option in result.stdout
-    result = run_demo("--clippers", "nope")
-    assert result.returncode == 2
-    assert "unknown setting" in result.stderr
+    options = ("--clippers", "--steps", "--out", "--spike-steps")
+    DEMO.check_help_and_refusal(options, "--clippers", "nope")
 
 
 def test_summary_of_synthetic_rows() -> None:
-    demo = load_demo()
+    demo = DEMO.load()
     rows = [
         {
             "step": i,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
@@ -18,15 +17,11 @@ pytest.importorskip("tqdm")  # examples/lm_spikes.py, whose page header it share
 # Slow, `make test` skips it: runs examples/follow_run.py (closed-loop regressions, every row).
 pytestmark = pytest.mark.slow
 
-SCRIPT = ROOT / "examples" / "follow_run.py"
-
-
-def load_script() -> ModuleType:
-    return scripts.load(SCRIPT, "clipjax_follow_run")
+SCRIPT = scripts.Script(ROOT / "examples" / "follow_run.py", "clipjax_follow_run")
 
 
 def test_short_run_writes_the_page_with_every_row(tmp_path: Path) -> None:
-    fr = load_script()
+    fr = SCRIPT.load()
     # SGD only: one compilation per row (the adam rows are the same code).
     options = ["--steps", "60", "--change", "30", "--late", "40", "--optimizers", "sgd"]
     results = fr.main([*options, "--out", str(tmp_path)])
@@ -56,7 +51,7 @@ def test_short_run_writes_the_page_with_every_row(tmp_path: Path) -> None:
 
 
 def test_bad_step_order_is_refused() -> None:
-    fr = load_script()
+    fr = SCRIPT.load()
     with pytest.raises(SystemExit):
         fr.parse_args(["--steps", "50", "--change", "60"])
     with pytest.raises(SystemExit):

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
@@ -20,15 +18,7 @@ pytest.importorskip("tqdm")
 # Slow, `make test` skips it: trains the byte-level transformer of examples/lm_spikes.py.
 pytestmark = pytest.mark.slow
 
-SCRIPT = ROOT / "examples" / "lm_spikes.py"
-
-
-def run_script(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return scripts.run(SCRIPT, *args, timeout=timeout)
-
-
-def load_script() -> ModuleType:
-    return scripts.load(SCRIPT, "clipjax_lm_spikes")
+SCRIPT = scripts.Script(ROOT / "examples" / "lm_spikes.py", "clipjax_lm_spikes")
 
 
 @pytest.mark.slow
@@ -36,7 +26,7 @@ def test_cpu_quick_run_writes_the_page(tmp_path: Path) -> None:
     # One setting without clipjax metrics (optax's static clip, from the sweep), one
     # with, one inside skip_on_spike; --npz adds the per-step curves.
     names = ["none", "recommended", "skip"]
-    result = run_script(
+    result = SCRIPT.run(
         "--config", "cpu", "--quick", "--seeds", "2", "--only", ",".join(names),
         "--static-sweep", "1", "--npz", "--out", str(tmp_path),
     )  # fmt: skip
@@ -100,7 +90,7 @@ def test_a_loss_scale_scales_the_sweep_not_clip_1(tmp_path: Path) -> None:
     runs = {}
     for k in ("1", "10"):
         out = tmp_path / k
-        result = run_script(
+        result = SCRIPT.run(
             "--config", "cpu_long", "--quick", "--seeds", "1", "--only", "recommended,clip_1",
             "--static-sweep", "1", "--npz", "--loss-scale", k, "--out", str(out),
         )  # fmt: skip
@@ -123,7 +113,7 @@ def test_a_loss_scale_scales_the_sweep_not_clip_1(tmp_path: Path) -> None:
 
 
 def test_command_and_unavailable_rows() -> None:
-    lm = load_script()
+    lm = SCRIPT.load()
     assert lm.command(["--config", "cpu", "--out", "/x/y", "--seeds", "3"]) == (
         "python examples/lm_spikes.py --config cpu --seeds 3"
     )
@@ -156,19 +146,12 @@ def test_command_and_unavailable_rows() -> None:
 
 
 def test_help_and_bad_setting() -> None:
-    result = run_script("--help")
-    assert result.returncode == 0
-    for option in (
-        "--seeds", "--steps", "--only", "--quick", "--out", "--static-sweep", "--loss-scale"
-    ):  # fmt: skip
-        assert option in result.stdout
-    result = run_script("--only", "nope")
-    assert result.returncode == 2
-    assert "unknown setting" in result.stderr
+    options = ("--seeds", "--steps", "--only", "--quick", "--out", "--static-sweep", "--loss-scale")
+    SCRIPT.check_help_and_refusal(options, "--only", "nope")
 
 
 def test_spike_measures_on_synthetic_curves() -> None:
-    lm = load_script()
+    lm = SCRIPT.load()
     steps = 400
     loss = np.linspace(3.0, 1.5, steps)
     norm = np.ones(steps)
@@ -187,7 +170,7 @@ def test_spike_measures_on_synthetic_curves() -> None:
 
 
 def test_one_definition_of_diverged() -> None:
-    lm = load_script()
+    lm = SCRIPT.load()
     loss = np.full((4, 10), 2.0)
     loss[1, 5] = np.nan  # a batch loss not finite
     final = np.array([2.0, 2.0, np.log(256) + 0.01, np.inf])
@@ -196,7 +179,7 @@ def test_one_definition_of_diverged() -> None:
 
 
 def test_largest_jump_against_a_direct_computation() -> None:
-    lm = load_script()
+    lm = SCRIPT.load()
     rng = np.random.default_rng(0)
     loss = 2.0 + 0.05 * rng.standard_normal(300)
     loss[150] = 3.1
@@ -206,7 +189,7 @@ def test_largest_jump_against_a_direct_computation() -> None:
 
 
 def test_paired_comparison_calls_a_difference_only_when_consistent() -> None:
-    lm = load_script()
+    lm = SCRIPT.load()
     reference = np.full(6, 2.0)
     verdict, mean, low, high, worse = lm.paired(
         reference * [1.05, 1.04, 1.06, 1.05, 1.03, 1.05], reference

@@ -64,7 +64,7 @@ def generator(page: Path) -> str:
 
 def test_version_is_the_release() -> None:
     assert re.fullmatch(r"\d+\.\d+\.\d+", clipjax.__version__), clipjax.__version__
-    assert clipjax.__version__ == "0.3.0"
+    assert clipjax.__version__ == "0.4.0"
 
 
 def test_pyproject_reads_the_package_version() -> None:

@@ -24,7 +24,7 @@ class _Log:
         self.rows: dict[str, list] = {k: [] for k in fields}
         self.count = self.step = self.clipped_count = self.nonfinite_count = 0
 
-    def add(self, *, g: float, threshold: float, scale: float, observed: bool, **stats) -> None:
+    def add(self, g: float, threshold: float, scale: float, observed: bool, **stats) -> None:
         finite = math.isfinite(g)
         self.step += 1
         self.count += int(observed)

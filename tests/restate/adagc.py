@@ -47,7 +47,9 @@ def adagc(
             observed = not (fires and feedback == "skip")
             if observed:
                 obs = scale * g if feedback == "clipped" else g
-                gamma[i] = beta * gamma[i] + (1 - beta) * obs
+                # Without a warm-up, gamma starts at the first norm (+inf until then).
+                ema = beta * gamma[i] + (1 - beta) * obs
+                gamma[i] = min(gamma[i], obs) if math.isinf(gamma[i]) else ema
             log.add(g=g, threshold=threshold, scale=scale, observed=observed, mean=gamma[i])
     outs = [log.out() for log in logs]
     return {k: np.stack([o[k] for o in outs], axis=1) for k in outs[0]}

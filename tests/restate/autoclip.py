@@ -8,15 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.restate._common import (
-    COMMON,
-    INF,
-    NAN,
-    _capped,
-    _ceiling,
-    _Log,
-    _positive,
-)
+from tests.restate._common import COMMON, INF, NAN, _capped, _ceiling, _Log, _positive
 from tests.restate.p2 import P2
 
 
@@ -179,14 +171,7 @@ def _smartclip_family(
         scale, capped = _capped(g, scale, cap)
         if cap < INF:
             threshold = min(threshold, cap) if open_ else cap
-        log.add(
-            g=g,
-            threshold=threshold,
-            scale=scale,
-            observed=observed,
-            capped=capped,
-            **stats.report(),
-        )
+        log.add(g, threshold, scale, observed, capped=capped, **stats.report())
     return log.out()
 
 
@@ -197,11 +182,11 @@ def autoclip(
     percentile: float = 95.0,
     history: str | None = None,
     window_size: int | None = None,
-    quantile_lr: float = 0.2,
     warmup_steps: int = 100,
     min_history: int = 50,
     eps: float = 1e-8,
     feedback: str = "observe_first",
+    quantile_lr: float = 0.2,
     max_grad_norm: Any = "auto",
 ) -> dict[str, np.ndarray]:
     """autoclip, modes auto (history "all" / "window") / percentile window /

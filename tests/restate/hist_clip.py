@@ -8,15 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.restate._common import (
-    COMMON,
-    INF,
-    NAN,
-    _capped,
-    _ceiling,
-    _Log,
-    _observation,
-)
+from tests.restate._common import COMMON, INF, NAN, _capped, _ceiling, _Log, _observation
 
 _CLIP_FNS: dict[str, Callable[[float, float], float]] = {
     "max": lambda s, t: t,

@@ -12,11 +12,8 @@
 
 from __future__ import annotations
 
-import os
 import platform
 import re
-import subprocess
-import sys
 from typing import Any
 
 import chex
@@ -27,14 +24,12 @@ import optax
 import pytest
 
 import clipjax
+from tests import scripts
 from tests.compiled_step import bytes_accessed, compiled_train_step, full_size_copies
 from tests.conftest import version_of
-from tests.paths import ROOT
 from tests.skip_streams import (
-    MIN_HISTORY,
+    RULE,
     SHAPES,
-    SIGMA,
-    WINDOW,
     make_stream,
     run,
     tree_equal,
@@ -163,7 +158,7 @@ def spiky_stream() -> tuple[list[Any], list[float]]:
 
 
 def skipping(inner: Any) -> Any:
-    return clipjax.skip_on_spike(inner, window_size=WINDOW, min_history=MIN_HISTORY, sigma=SIGMA)
+    return clipjax.skip_on_spike(inner, **RULE)
 
 
 @pytest.mark.parametrize(
@@ -301,20 +296,8 @@ def test_compiled_without_fma_skip_on_spike_is_optax_bit_for_bit() -> None:
     So the compiled differences of test_skip_on_spike_is_the_same_as_around_optax
     are the contraction of multiply-adds alone, not a different formula.
     """
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_cpu_max_isa=SSE4_2",
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": str(ROOT),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", COMPILED_WITHOUT_FMA],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    flags = {"XLA_FLAGS": "--xla_cpu_max_isa=SSE4_2", "JAX_PLATFORMS": "cpu"}
+    proc = scripts.python("-c", COMPILED_WITHOUT_FMA, timeout=300, env=flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
 

@@ -29,9 +29,8 @@ from clipjax._metrics import state_fields
 from tests import restate as S
 from tests.conftest import version_of
 from tests.skip_streams import (
-    MIN_HISTORY,
+    RULE,
     SHAPES,
-    SIGMA,
     STEPS,
     WINDOW,
     directions,
@@ -88,9 +87,7 @@ def test_decisions_match_the_float64_restatement(
     assert min(r["margin"] for r in ref) > 1e-4, "a step too close to its threshold"
     tx = clipjax.skip_on_spike(
         optax.sgd(1.0),
-        window_size=WINDOW,
-        sigma=SIGMA,
-        min_history=MIN_HISTORY,
+        **RULE,
         max_consecutive_skips=max_skips,
         feedback=feedback,
     )
@@ -262,7 +259,7 @@ def test_state_structure_is_fixed_and_typed() -> None:
 def test_metrics_reports_its_fields_and_the_inner_clippers() -> None:
     inner = optax.chain(clipjax.zclip(warmup_steps=3), optax.adam(1e-3))
     grads, losses = make_stream("loss_spike")
-    tx = clipjax.skip_on_spike(inner, window_size=WINDOW, min_history=MIN_HISTORY, sigma=SIGMA)
+    tx = clipjax.skip_on_spike(inner, **RULE)
     _, state = run(tx, grads[:26], losses[:26])[-1]
     found = clipjax.metrics(state)
     ours = {k.rsplit("/", 1)[1] for k in found if k.startswith("skip_on_spike/global/")}

@@ -19,11 +19,9 @@ import clipjax
 from tests.compiled_step import bytes_accessed, compiled_train_step, full_size_copies
 from tests.conftest import version_of
 from tests.skip_streams import (
-    MIN_HISTORY,
+    RULE,
     SHAPES,
-    SIGMA,
     STEPS,
-    WINDOW,
     directions,
     make_stream,
     run,
@@ -35,9 +33,7 @@ from tests.skip_streams import (
 
 def test_lax_scan_traces_once_and_equals_the_loop() -> None:
     grads, losses = make_stream("both")
-    tx = clipjax.skip_on_spike(
-        optax.adam(1e-2), window_size=WINDOW, min_history=MIN_HISTORY, sigma=SIGMA
-    )
+    tx = clipjax.skip_on_spike(optax.adam(1e-2), **RULE)
     params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
     traces = []
 
@@ -125,12 +121,7 @@ def test_orbax_checkpoint_continues_bit_identically(tmp_path: Path) -> None:
     ocp = pytest.importorskip("orbax.checkpoint", reason="needs orbax-checkpoint")
 
     grads, losses = make_stream("both")
-    tx = clipjax.skip_on_spike(
-        optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
-        window_size=WINDOW,
-        min_history=MIN_HISTORY,
-        sigma=SIGMA,
-    )
+    tx = clipjax.skip_on_spike(optax.inject_hyperparams(optax.adam)(learning_rate=1e-2), **RULE)
     params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
     step = jax.jit(lambda p, s, g, v: tx.update(g, s, p, value=v))
 

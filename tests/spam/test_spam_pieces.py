@@ -167,7 +167,7 @@ def test_the_donated_step_has_no_conditional_and_no_copy(make: Any) -> None:
     """Around skip_on_spike, as clipjax.adamw (test_fold.py).
 
     The clip's limit is read by the first moment's loop and overwritten by the
-    second's: without the order clipjax._spam._after imposes, XLA copies v.
+    second's: without the order clipjax._xla.after imposes, XLA copies v.
     """
     compiled, _ = compiled_train_step(make())
     text = compiled.as_text()

@@ -1,11 +1,15 @@
-"""Optimizers that can skip a step without a conditional.
+"""The optimizers: optax's ``adam``, ``adamw`` and ``chain`` that can skip a step.
 
 ``clipjax.adam``, ``clipjax.adamw`` and ``clipjax.chain`` are optax's own
-(same state, same updates bit for bit) plus an ``update_if(pred, ...)`` that
-folds a skip into the update itself: every moment is selected element-wise
-(``where(pred, new, old)``) in the same fused loop that computes the update
-from the selected moments. :func:`clipjax.skip_on_spike` uses it instead of
-``lax.cond``, whose boundary costs about two extra passes over the updates.
+(same state, same updates bit for bit) and :class:`~clipjax.SkippableTransform`:
+their ``update_if(pred, ...)`` folds a skip into the update itself, each moment
+selected element-wise (``where(pred, new, old)``) in the loop that computes the
+update from it (:func:`adam_arithmetic`). :func:`clipjax.skip_on_spike` uses it
+instead of ``lax.cond`` (:mod:`clipjax._conditional` has the measured gain).
+``adam`` and ``adamw`` also take two clips of Adam: StableAdamW's per-tensor
+update clipping (``update_clipping=True``) and AdamWClip's element-wise
+gradient clip (``clip_grad_adapt=k``, the ``AdamWClip`` package's rule, PyPI
+``adamwclip`` 0.1.4).
 """
 
 from __future__ import annotations
@@ -17,97 +21,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _conditional, _grouping, _metrics, _state_check
+from clipjax import _checks, _conditional, _elementwise, _grouping, _kit, _metrics, _xla
+from clipjax._conditional import SkippableTransform
 
 Array = jax.Array
-
-
-class SkippableTransform(optax.GradientTransformationExtraArgs):
-    """An optax transform that can also skip a step: ``update_if``.
-
-    A ``SkippableTransform`` is an ``optax.GradientTransformationExtraArgs`` (a
-    named tuple of ``init`` and ``update``) and goes wherever optax takes a
-    transform. It adds one attribute, ``update_if(pred, updates, state,
-    params=None, **extra_args)``, where ``pred`` is a scalar bool:
-
-    * where ``pred`` is True it computes what ``update`` computes, in the
-      same order (compiled, XLA may fuse a multiply and an add into one
-      instruction differently in the two programs, so the last bit of a
-      value can differ);
-    * where ``pred`` is False it returns zero updates (each leaf in its
-      dtype) and the state as it was, bit for bit, even when the updates hold
-      NaN or infinite values.
-
-    The choice is made element-wise inside the update's own arithmetic, so
-    :func:`clipjax.skip_on_spike` around a ``SkippableTransform`` compiles to
-    one fused loop per leaf: no conditional, no extra pass over the updates.
-    :func:`clipjax.adam`, :func:`clipjax.adamw` and :func:`clipjax.chain`
-    return one.
-
-    Inside a wrapper that has no ``update_if`` of its own
-    (``optax.inject_hyperparams(clipjax.adamw)(...)``,
-    ``optax.MultiSteps(clipjax.adamw(...), k)``), the wrapper calls
-    ``update``; while :func:`clipjax.skip_on_spike` runs that wrapper,
-    ``update`` computes ``update_if`` with skip_on_spike's decision instead,
-    and skip_on_spike selects the wrapper's own state, so the skip still
-    folds in. Anywhere else ``update`` is optax's.
-
-    Examples:
-      >>> import jax.numpy as jnp, clipjax
-      >>> tx = clipjax.adam(0.1)
-      >>> state = tx.init({"w": jnp.zeros(2)})
-      >>> updates, new = tx.update_if(False, {"w": jnp.array([jnp.nan, 1.0])}, state)
-      >>> updates["w"].tolist(), int(new[0].count)
-      ([0.0, 0.0], 0)
-    """
-
-    update_if: Callable[..., tuple[Any, Any]] | None = None
-
-
-def skippable(
-    init: Callable[..., Any],
-    update: Callable[..., Any],
-    update_if: Callable[..., tuple[Any, Any]],
-    keep_state_if: Callable[..., tuple[Any, Any]] | None = None,
-) -> SkippableTransform:
-    """A ``SkippableTransform``; ``keep_state_if`` is ``update_if`` without zeroing the updates.
-
-    :func:`chain` runs its members through ``keep_state_if`` where they have
-    one and zeroes the updates once, after the last member: a select per
-    member would be compiled into every leaf's fused loop.
-    """
-
-    def update_or_fold(
-        updates: Any, state: Any, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, Any]:
-        # Inside a wrapper (inject_hyperparams, MultiSteps) that skip_on_spike
-        # runs, fold its decision in (see _conditional.FoldClaim); otherwise update.
-        return _conditional.fold_or_update(update, update_if, updates, state, params, **extra_args)
-
-    tx = SkippableTransform(init, update_or_fold)
-    tx.update_if = update_if
-    if keep_state_if is not None:
-        tx.keep_state_if = keep_state_if  # pyright: ignore[reportAttributeAccessIssue]
-    return tx
-
-
-def _zeroing(keep_state_if: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[Any, Any]]:
-    """``update_if`` from ``keep_state_if``: the same, with zero updates where ``pred`` is False."""
-
-    def update_if(
-        pred: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, Any]:
-        pred = jnp.asarray(pred, bool)
-        out, new_state = keep_state_if(pred, updates, state, params, **extra_args)
-        return _zero_unless(pred, out), new_state
-
-    return update_if
-
-
-def _zero_unless(pred: Array, tree: Any) -> Any:
-    # zeros_like keeps a weakly typed leaf weak, so that the moments it feeds
-    # promote as they do in optax's own update.
-    return jax.tree.map(lambda x: jnp.where(pred, x, jnp.zeros_like(x)), tree)
+_CLIP_ALGO = "adamw_clip"
 
 
 def selecting(tx: optax.GradientTransformation) -> SkippableTransform:
@@ -125,10 +43,10 @@ def selecting(tx: optax.GradientTransformation) -> SkippableTransform:
         pred = jnp.asarray(pred, bool)
         return _conditional.run_and_select(pred, tx, updates, state, params, **extra_args)
 
-    return skippable(tx.init, tx.update, _zeroing(keep_state_if), keep_state_if)
+    return _conditional.skippable(tx.init, tx.update, keep_state_if=keep_state_if)
 
 
-def _adam_arithmetic(
+def adam_arithmetic(
     pred: Array | None,
     grads: Any,
     state: optax.ScaleByAdamState,
@@ -224,20 +142,20 @@ def _scale_by_adam(
     )
 
     def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
-        _state_check.check_state(state, optax.ScaleByAdamState, "scale_by_adam")
+        _checks.check_state(state, optax.ScaleByAdamState, "scale_by_adam")
         return base.update(updates, state, params, **extra_args)
 
     def keep_state_if(
         pred: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
     ) -> tuple[Any, Any]:
         del extra_args
-        _state_check.check_state(state, optax.ScaleByAdamState, "scale_by_adam")
+        _checks.check_state(state, optax.ScaleByAdamState, "scale_by_adam")
         pred = jnp.asarray(pred, bool)
         # The state's dtypes after optax's own update (optax >= 0.2.6 casts nu
         # back to its dtype; 0.2.5 does not).
         out_state = _adam_state_dtypes(base.update, updates, state, params)
-        grads = _zero_unless(pred, updates)
-        out, new_state = _adam_arithmetic(
+        grads = _conditional.zero_unless(pred, updates)
+        out, new_state = adam_arithmetic(
             pred,
             grads,
             state,
@@ -250,7 +168,7 @@ def _scale_by_adam(
         )
         return out, new_state
 
-    return skippable(base.init, update, _zeroing(keep_state_if), keep_state_if)
+    return _conditional.skippable(base.init, update, keep_state_if=keep_state_if)
 
 
 class UpdateClippingState(NamedTuple):
@@ -316,7 +234,7 @@ def _scale_by_stable_adam(
         )
         metrics = {"rms": jnp.zeros((n,), dtype), "divisor": jnp.ones((n,), dtype)}
         adam = cast(optax.ScaleByAdamState, base.init(params))
-        index = _grouping.leaf_index(grouping)
+        index = _xla.leaf_index(grouping)
         return UpdateClippingState(
             adam, () if decay is None else decay.init(params), metrics, info, index
         )
@@ -326,12 +244,12 @@ def _scale_by_stable_adam(
     ) -> tuple[Any, UpdateClippingState]:
         # pred None: every step is taken (update); else the state is selected as in
         # _scale_by_adam and the updates are left for update_if to zero.
-        _state_check.check_state(state, UpdateClippingState, "update_clipping")
+        _checks.check_state(state, UpdateClippingState, "update_clipping")
         info = state.info
         grouping = _grouping.make_grouping(updates, "per_param")
         grouping.check_matches(info.leaves, info.shapes, "update_clipping")
-        grads = updates if pred is None else _zero_unless(pred, updates)
-        out, adam = _adam_arithmetic(
+        grads = updates if pred is None else _conditional.zero_unless(pred, updates)
+        out, adam = adam_arithmetic(
             pred,
             grads,
             state.adam,
@@ -381,31 +299,173 @@ def _scale_by_stable_adam(
         metrics = {"rms": rms.astype(dtype), "divisor": divisor.astype(dtype)}
         if pred is not None:
             metrics = jax.tree.map(lambda n, o: jnp.where(pred, n, o), metrics, state.metrics)
-        index = _grouping.returned_index(state.leaf_index)
+        index = _xla.returned(state.leaf_index)
         return out, state._replace(adam=adam, decay=new_decay, metrics=metrics, leaf_index=index)
 
-    def update(
-        updates: Any, state: UpdateClippingState, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, UpdateClippingState]:
-        del extra_args
-        return step(None, updates, state, params)
+    return _conditional.skippable_step(init, step)
 
-    def keep_state_if(
-        pred: Any, updates: Any, state: UpdateClippingState, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, UpdateClippingState]:
-        del extra_args
-        return step(jnp.asarray(pred, bool), updates, state, params)
 
-    return skippable(init, update, _zeroing(keep_state_if), keep_state_if)
+class AdamWClipState(NamedTuple):
+    """The metrics of ``clipjax.adam``/``adamw(clip_grad_adapt=...)``, next to optax's moments.
+
+    The moments stay in optax's ``ScaleByAdamState``: the optimizer's state is
+    ``(ScaleByAdamState, AdamWClipState)`` in the chain's first slot, and the
+    clip keeps no state of its own (it reads the second moment).
+
+    Attributes:
+      metrics: ``{field: [leaves]}``, one group per leaf: ``grad_norm`` (before
+        the clip), ``clipped_fraction`` (the share of the leaf's elements
+        clipped this step), ``clipped`` (any), and the counters ``step``,
+        ``clipped_count`` (steps with a clipped element) and
+        ``nonfinite_count`` (steps with a NaN or infinite element).
+      info: static names, ``GroupInfo(algo="adamw_clip", ...)``.
+
+    Examples:
+      >>> import jax.numpy as jnp, clipjax
+      >>> state = clipjax.adamw(1e-3, clip_grad_adapt=3.0).init({"w": jnp.zeros(2)})
+      >>> isinstance(state[0][1], clipjax.AdamWClipState), state[0][1].info.groups
+      (True, ('w',))
+    """
+
+    metrics: dict[str, Array]
+    info: _metrics.GroupInfo
+
+
+def _check_clip(clip_grad_adapt: Any, clip_grad_min: Any, clip_grad_warm_up: Any) -> None:
+    """The clip's arguments, by name."""
+    _checks.positive("clip_grad_adapt", clip_grad_adapt)
+    _checks.non_negative("clip_grad_min", clip_grad_min)
+    _checks.integer("clip_grad_warm_up", clip_grad_warm_up, static=False)
+
+
+def _clip_leaf(g: Array, v: Array, bound: Array, on: Array) -> tuple[Array, Array, Array]:
+    """The clipped gradient, the leaf's sum of squares and clipped elements (one reduction).
+
+    ``bound`` is ``sqrt(1 / (1 - b2**(t - 1)))`` times ``k``: the threshold is
+    ``max(k * sqrt(v_hat), clip_grad_min)`` with ``v_hat`` the bias-corrected
+    second moment before the step, as the reference computes it.
+    """
+    dtype = _grouping.norm_dtype([g])
+    threshold = jnp.sqrt(jnp.real(v).astype(dtype) * bound[0]) * bound[1]
+    threshold = jnp.maximum(threshold, bound[2])
+    over = on & (jnp.abs(g).astype(dtype) > threshold)
+    squares, clipped = _grouping.fused_sums(
+        _grouping.abs_squared(g, dtype), over.astype(jnp.float32)
+    )
+    out = jnp.where(on, _elementwise._clamp_leaf(g, threshold), g)
+    return out, squares, clipped
+
+
+def _clip_arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
+    fields = ("grad_norm", "clipped_fraction", "clipped")
+    counters = ("step", "clipped_count", "nonfinite_count")
+    return {"metrics": _kit.new_metrics(num_groups, dtype, fields, counters)}
+
+
+def _scale_by_adam_clip(
+    b1: Any,
+    b2: Any,
+    eps: Any,
+    eps_root: Any,
+    mu_dtype: Any,
+    nesterov: bool,
+    clip_grad_adapt: Any,
+    clip_grad_min: Any,
+    clip_grad_warm_up: Any,
+) -> SkippableTransform:
+    """optax's ``scale_by_adam`` on gradients clipped element-wise by AdamWClip's rule.
+
+    Step ``t`` (from 1), every element: ``g <- clip(g, -T, T)`` with ``T =
+    max(clip_grad_adapt * sqrt(v / (1 - b2**(t - 1))), clip_grad_min)`` and ``v``
+    the second moment before the step, once ``t > max(clip_grad_warm_up, 1)``;
+    then Adam's moments and update from the clipped gradient.
+    """
+    base = optax.scale_by_adam(
+        b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov
+    )
+
+    kit = _kit.Clipper(_CLIP_ALGO, AdamWClipState, _clip_arrays, scope="per_param", name=None)
+
+    def init(params: Any) -> tuple[Any, AdamWClipState]:
+        return base.init(params), kit.init(params)
+
+    def step(pred: Any, updates: Any, state: Any, params: Any) -> tuple[Any, Any]:
+        # pred None: every step is taken (update); else the moments are selected
+        # as in clipjax.adam and the updates are left for update_if to zero.
+        _checks.check_members(state, (optax.ScaleByAdamState, AdamWClipState), _CLIP_ALGO)
+        adam, clip_state = state
+        info = clip_state.info
+        leaves, _, treedef = _grouping.leaves_with_names(updates)
+        grouping = _grouping.make_grouping(updates, "per_param")
+        grouping.check_matches(info.leaves, info.shapes, _CLIP_ALGO)
+        _grouping.check_inexact(leaves, grouping, _CLIP_ALGO)
+        if pred is not None:
+            leaves = jax.tree.leaves(_conditional.zero_unless(pred, leaves))
+        dtype = clip_state.metrics["grad_norm"].dtype
+
+        # The reference's bias_correction_clip, 1 / (1 - b2**(t - 1)), with t - 1 the
+        # steps taken. It clips from step 1, where v is 0, to clip_grad_min; here
+        # the clip starts once v has seen a step.
+        taken = jnp.asarray(adam.count).astype(dtype)
+        on = adam.count >= jnp.maximum(jnp.asarray(clip_grad_warm_up), 1)
+        correction = 1 / jnp.where(on, 1 - jnp.asarray(b2, dtype) ** taken, 1.0)
+        bound = jnp.stack(
+            [correction, jnp.asarray(clip_grad_adapt, dtype), jnp.asarray(clip_grad_min, dtype)]
+        )
+        clip_leaf = _grouping.per_leaf(_clip_leaf, bound, on)
+        nus = jax.tree.leaves(adam.nu)
+        clipped_leaves, squares, counts, ordered = [], [], [], []
+        for g, v in zip(leaves, nus):
+            out, square, clipped = clip_leaf(g, v)
+            clipped_leaves.append(out)
+            squares.append(square)
+            counts.append(clipped)
+            # The count reads v, and the moments' loop overwrites it in place:
+            # without an order between the two, XLA copies v.
+            ordered.append(_xla.after(v, clipped.reshape(1)))
+        adam = adam._replace(nu=jax.tree.unflatten(jax.tree.structure(adam.nu), ordered))
+        grads = jax.tree.unflatten(treedef, clipped_leaves)
+        out, new_adam = adam_arithmetic(
+            pred,
+            grads,
+            adam,
+            _adam_state_dtypes(base.update, updates, state[0], params),
+            b1,
+            b2,
+            eps,
+            eps_root,
+            nesterov,
+        )
+
+        if leaves:
+            sizes = jnp.asarray([max(x.size, 1) for x in leaves], dtype)
+            norm = jnp.sqrt(jnp.stack(squares)).astype(dtype)
+            fraction = (jnp.stack(counts) / sizes).astype(dtype)
+        else:
+            norm = fraction = clip_state.metrics["grad_norm"]
+        old = clip_state.metrics
+        clipped = fraction > 0
+        metrics = {
+            "grad_norm": norm,
+            "clipped_fraction": fraction,
+            "clipped": clipped,
+            "step": old["step"] + 1,
+            "clipped_count": old["clipped_count"] + clipped,
+            "nonfinite_count": old["nonfinite_count"] + ~jnp.isfinite(norm),
+        }
+        metrics = {k: jnp.asarray(v).astype(old[k].dtype) for k, v in metrics.items()}
+        if pred is not None:
+            metrics = jax.tree.map(lambda n, o: jnp.where(pred, n, o), metrics, old)
+        return out, (new_adam, clip_state._replace(metrics=metrics))
+
+    return _conditional.skippable_step(init, step)
 
 
 def _adam_clip(
     b1: Any, b2: Any, eps: Any, eps_root: Any, mu_dtype: Any, nesterov: bool,
     update_clipping: bool, clip_grad_adapt: Any, clip_grad_min: Any, clip_grad_warm_up: Any,
 ) -> SkippableTransform:  # fmt: skip
-    """AdamWClip's Adam member (:mod:`clipjax._adamw_clip`, which builds on this module)."""
-    from clipjax import _adamw_clip
-
+    """AdamWClip's Adam member, its arguments checked and defaulted."""
     if update_clipping:
         raise ValueError(
             "update_clipping=True and clip_grad_adapt are two clips of Adam; choose one"
@@ -414,8 +474,8 @@ def _adam_clip(
     # default, and inject_hyperparams(clipjax.adamw)'s state would differ from optax's.
     clip_grad_min = 1e-10 if clip_grad_min is None else clip_grad_min
     clip_grad_warm_up = 0 if clip_grad_warm_up is None else clip_grad_warm_up
-    _adamw_clip.check(clip_grad_adapt, clip_grad_min, clip_grad_warm_up)
-    return _adamw_clip.scale_by_adam_clip(
+    _check_clip(clip_grad_adapt, clip_grad_min, clip_grad_warm_up)
+    return _scale_by_adam_clip(
         b1, b2, eps, eps_root, mu_dtype, nesterov, clip_grad_adapt, clip_grad_min,
         clip_grad_warm_up,
     )  # fmt: skip
@@ -458,14 +518,14 @@ def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
     layout = (object,) * len(members)
 
     def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
-        _state_check.check_members(state, layout, "clipjax.chain")
+        _checks.check_members(state, layout, "clipjax.chain")
         return base.update(updates, state, params, **extra_args)
 
     def keep_state_if(
         pred: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
     ) -> tuple[Any, Any]:
         pred = jnp.asarray(pred, bool)
-        _state_check.check_members(state, layout, "clipjax.chain")
+        _checks.check_members(state, layout, "clipjax.chain")
         new_state = []
         for member, member_state in zip(members, state):
             keep = getattr(member, "keep_state_if", None)
@@ -479,7 +539,7 @@ def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
             new_state.append(member_state)
         return updates, tuple(new_state)
 
-    return skippable(base.init, update, _zeroing(keep_state_if), keep_state_if)
+    return _conditional.skippable(base.init, update, keep_state_if=keep_state_if)
 
 
 def adam(
@@ -496,19 +556,18 @@ def adam(
     clip_grad_min: Any = None,
     clip_grad_warm_up: Any = None,
 ) -> SkippableTransform:
-    """``optax.adam`` that can skip a step without a conditional.
+    """``optax.adam`` that can skip a step without a conditional: :func:`adamw`
+    without the weight decay.
 
-    The same optimizer as ``optax.adam`` with the same arguments: ``init``
-    returns optax's state (checkpoints interchange) and ``update`` gives the
-    same updates and state bit for bit. It adds ``update_if`` (see
-    :class:`SkippableTransform`), which :func:`clipjax.skip_on_spike` uses:
-    ``skip_on_spike(clipjax.adam(...))`` costs the gradient norm and nothing
-    more over Adam, where ``skip_on_spike(optax.adam(...))`` pays about two
-    extra passes over the updates for its ``lax.cond``.
+    ``init`` returns ``optax.adam``'s state and ``update`` gives its updates
+    and state bit for bit; ``update_if`` (:class:`SkippableTransform`) folds
+    a skip into the moments, so ``skip_on_spike(clipjax.adam(...))`` costs the
+    gradient norm and nothing more, where ``skip_on_spike(optax.adam(...))``
+    runs Adam under ``lax.cond``. ``update_clipping`` and ``clip_grad_adapt``
+    are StableAdamW's and AdamWClip's clips, as in :func:`adamw`.
 
-    Static arguments: none; every number may be injected or scheduled with
-    ``optax.inject_hyperparams``, with no ``static_args``; ``mu_dtype`` goes in
-    ``static_args`` (inject_hyperparams would call it as a schedule).
+    Static arguments: none; every number may be injected with
+    ``optax.inject_hyperparams``; ``mu_dtype`` goes in ``static_args``.
 
     Args:
       learning_rate: a float or a schedule (``step -> float``).
@@ -518,10 +577,8 @@ def adam(
       eps_root: added inside the square root.
       mu_dtype: the first moment's dtype (None: that of the params).
       nesterov: use Nesterov momentum (NAdam).
-      update_clipping: StableAdamW's update clipping (see
-        :func:`clipjax.adamw`) on Adam without weight decay.
-      clip_grad_adapt: AdamWClip's element-wise clip at this many standard
-        deviations (see :func:`clipjax.adamw`); None: none.
+      update_clipping: StableAdamW's update clipping.
+      clip_grad_adapt: AdamWClip's clip in standard deviations, or None.
       clip_grad_min: AdamWClip's smallest threshold (None: 1e-10).
       clip_grad_warm_up: AdamWClip's steps before the clip starts (None: 0).
 
@@ -536,27 +593,16 @@ def adam(
       >>> b, _ = theirs.update(grads, theirs.init(params))
       >>> bool((a["w"] == b["w"]).all())
       True
-      >>> tx = clipjax.skip_on_spike(clipjax.adam(0.1), window_size=4, min_history=2)
 
     References:
       Kingma and Ba, `Adam: A Method for Stochastic Optimization
       <https://arxiv.org/abs/1412.6980>`_, 2014.
     """
-    if clip_grad_adapt is not None:
-        return chain(
-            _adam_clip(b1, b2, eps, eps_root, mu_dtype, nesterov, update_clipping,
-                       clip_grad_adapt, clip_grad_min, clip_grad_warm_up),
-            selecting(optax.scale_by_learning_rate(learning_rate)),
-        )  # fmt: skip
-    if update_clipping:
-        return chain(
-            _scale_by_stable_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, None),
-            selecting(optax.scale_by_learning_rate(learning_rate)),
-        )
-    return chain(
-        _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov),
-        selecting(optax.scale_by_learning_rate(learning_rate)),
-    )
+    members = _members(
+        b1, b2, eps, eps_root, mu_dtype, nesterov, update_clipping, clip_grad_adapt,
+        clip_grad_min, clip_grad_warm_up, decay=None,
+    )  # fmt: skip
+    return chain(*members, selecting(optax.scale_by_learning_rate(learning_rate)))
 
 
 def adamw(
@@ -581,56 +627,25 @@ def adamw(
     returns optax's state (checkpoints interchange) and ``update`` gives the
     same updates and state bit for bit. It adds ``update_if`` (see
     :class:`SkippableTransform`), which :func:`clipjax.skip_on_spike` uses:
-    ``skip_on_spike(clipjax.adamw(...))`` and
-    ``skip_on_spike(clipjax.chain(clipjax.zclip(), clipjax.adamw(...)))``
-    cost the gradient norm and nothing more over AdamW.
+    ``skip_on_spike(clipjax.adamw(...))`` costs the gradient norm and nothing
+    more over AdamW.
 
     ``update_clipping=True`` is StableAdamW (Wortsman et al. 2023): per
     tensor, the step (the Adam update and the weight decay) is divided by
-    ``max(1, RMS)`` with ``RMS = sqrt(mean(g**2 / max(v_hat, eps**2)))``,
-    ``g`` this step's gradient and ``v_hat`` the bias-corrected second moment
-    after this step, so a tensor whose gradient outgrows its second moment
-    (a stale ``v`` after a quiet period) takes a smaller step. The state is
-    then optax's Adam state wrapped in an :class:`UpdateClippingState`, whose
-    per-tensor ``rms`` and ``divisor`` :func:`clipjax.metrics` reads as
-    ``update_clipping/{leaf path}/rms``; ``update_if`` still folds a skip (no
-    conditional, no full-size copy), and the defaults stay optax's
-    (``b2=0.999``, ``eps=1e-8``).
-
-    It reproduces torch-optimi's ``StableAdamW`` (defaults ``b2=0.99``,
-    ``eps=1e-6``; its ``decouple_lr=True`` is ``weight_decay=wd / max_lr``
-    here) and pytorch-optimizer's ``StableAdamW`` (``eps=1e-8``; its
-    ``weight_decouple=False``, an L2 term added to the gradient, is
-    ``optax.chain(optax.add_decayed_weights(wd), clipjax.adam(lr,
-    update_clipping=True))``) step by step to float32 rounding: both refs
-    fold the bias correction into debiased betas, the same arithmetic.
-    A NaN or infinite gradient element makes its moments NaN, as in both
-    references and in optax; wrap the optimizer in
-    :func:`clipjax.skip_on_spike` to skip such steps.
-
-    Unlike pytorch-optimizer's ``StableAdamW``, where a NaN RMS (one NaN
-    gradient element) clamps to NaN and makes the tensor's whole step NaN,
-    at that step and every later one. Here, as in torch-optimi (and in Adam),
-    a NaN RMS divides by 1 and only the NaN elements' step is NaN.
-
+    ``max(1, RMS)`` with ``RMS = sqrt(mean(g**2 / max(v_hat, eps**2)))`` and
+    ``v_hat`` the bias-corrected second moment after this step. The state is
+    then optax's wrapped in an :class:`UpdateClippingState`, whose ``rms`` and
+    ``divisor`` read as ``update_clipping/{leaf path}/rms``.
     ``clip_grad_adapt=k`` is AdamWClip (PyPI ``adamwclip``): each gradient
     element is clipped to ``[-T, T]``, ``T = max(k * sqrt(v_hat),
-    clip_grad_min)`` with ``v_hat`` the bias-corrected second moment before
-    the step, and the moments and the update are computed from the clipped
-    gradient. It keeps no state beyond Adam's (its metrics,
-    :class:`clipjax.AdamWClipState`, sit next to the moments and read as
-    ``adamw_clip/{leaf path}/clipped_fraction``), and reproduces the
-    package's ``AdamWClip(clip_grad_adapt=k)`` step by step to float32
-    rounding, except on the first step: the package clips it to
-    ``clip_grad_min`` (its ``v`` is still 0), which holds the first tens of
-    steps near zero; here the clip starts at step
-    ``max(clip_grad_warm_up, 1) + 1``, as the package's with
-    ``clip_grad_warm_up=1``. See the docs' *More spike defences* page.
+    clip_grad_min)`` with ``v_hat`` before the step, before the moments;
+    metrics read as ``adamw_clip/{leaf path}/clipped_fraction``
+    (:class:`clipjax.AdamWClipState`). Both against their references:
+    :doc:`/reference_spam`.
 
-    Static arguments: none; every number may be injected or scheduled with
-    ``optax.inject_hyperparams``, with no ``static_args``; ``mu_dtype`` and a
-    callable ``mask`` go in ``static_args`` (inject_hyperparams would call them
-    as schedules).
+    Static arguments: none; every number may be injected with
+    ``optax.inject_hyperparams``; ``mu_dtype`` and a callable ``mask`` go in
+    ``static_args``.
 
     Args:
       learning_rate: a float or a schedule (``step -> float``).
@@ -648,8 +663,7 @@ def adamw(
       update_clipping: StableAdamW's per-tensor update clipping (above).
       clip_grad_adapt: AdamWClip's threshold in standard deviations (``> 0``;
         the package's default is 3), or None (default) for plain AdamW.
-      clip_grad_min: AdamWClip's smallest threshold (``>= 0``); None: the
-        package's 1e-10.
+      clip_grad_min: AdamWClip's smallest threshold (``>= 0``); None: 1e-10.
       clip_grad_warm_up: steps taken before AdamWClip's clip starts (an int
         ``>= 0``; the clip never applies to the first step); None: 0.
 
@@ -658,9 +672,7 @@ def adamw(
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
-      >>> tx = clipjax.adamw(1e-3, weight_decay=0.1)
       >>> params = {"w": jnp.ones(2)}
-      >>> updates, state = tx.update({"w": jnp.ones(2)}, tx.init(params), params)
       >>> stable = clipjax.adamw(1e-3, update_clipping=True)
       >>> state = stable.init(params)
       >>> for g in [0.01, 0.01, 5.0]:  # a quiet gradient, then a spike
@@ -671,38 +683,36 @@ def adamw(
 
     References:
       Loshchilov and Hutter, `Decoupled Weight Decay Regularization
-      <https://arxiv.org/abs/1711.05101>`_, 2019.
-      Wortsman et al., `Stable and low-precision training for large-scale
-      vision-language models <https://arxiv.org/abs/2304.13013>`_, 2023
-      (StableAdamW).
+      <https://arxiv.org/abs/1711.05101>`_, 2019. Wortsman et al., `Stable and
+      low-precision training for large-scale vision-language models
+      <https://arxiv.org/abs/2304.13013>`_, 2023 (StableAdamW).
     """
     if mask is not None and isinstance(weight_decay, (int, float)) and weight_decay == 0:
         raise ValueError(
             "mask has no effect with weight_decay=0 (no leaf is decayed): pass a "
             "weight_decay > 0, or drop mask"
         )
+    members = _members(
+        b1, b2, eps, eps_root, mu_dtype, nesterov, update_clipping, clip_grad_adapt,
+        clip_grad_min, clip_grad_warm_up, decay=optax.add_decayed_weights(weight_decay, mask),
+    )  # fmt: skip
+    return chain(*members, selecting(optax.scale_by_learning_rate(learning_rate)))
+
+
+def _members(
+    b1: Any, b2: Any, eps: Any, eps_root: Any, mu_dtype: Any, nesterov: bool,
+    update_clipping: bool, clip_grad_adapt: Any, clip_grad_min: Any, clip_grad_warm_up: Any,
+    *, decay: optax.GradientTransformation | None,
+) -> list[SkippableTransform]:  # fmt: skip
+    """The members of ``adam`` and ``adamw`` before the learning rate: Adam (or
+    AdamWClip's, or StableAdamW's, which divides the decay too), then ``decay``."""
     if clip_grad_adapt is not None:
-        return chain(
-            _adam_clip(b1, b2, eps, eps_root, mu_dtype, nesterov, update_clipping,
-                       clip_grad_adapt, clip_grad_min, clip_grad_warm_up),
-            selecting(optax.add_decayed_weights(weight_decay, mask)),
-            selecting(optax.scale_by_learning_rate(learning_rate)),
+        adam = _adam_clip(
+            b1, b2, eps, eps_root, mu_dtype, nesterov, update_clipping, clip_grad_adapt,
+            clip_grad_min, clip_grad_warm_up,
         )  # fmt: skip
-    if update_clipping:
-        return chain(
-            _scale_by_stable_adam(
-                b1,
-                b2,
-                eps,
-                eps_root,
-                mu_dtype,
-                nesterov,
-                optax.add_decayed_weights(weight_decay, mask),
-            ),
-            selecting(optax.scale_by_learning_rate(learning_rate)),
-        )
-    return chain(
-        _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov),
-        selecting(optax.add_decayed_weights(weight_decay, mask)),
-        selecting(optax.scale_by_learning_rate(learning_rate)),
-    )
+    elif update_clipping:
+        return [_scale_by_stable_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, decay)]
+    else:
+        adam = _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov)
+    return [adam] + ([] if decay is None else [selecting(decay)])
