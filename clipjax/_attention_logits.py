@@ -135,8 +135,13 @@ def max_attention_logits(
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
     if scale is None:
         scale = 1.0 / math.sqrt(dim)
-    elif not isinstance(scale, jax.core.Tracer) and not float(scale) > 0:
-        raise ValueError(f"scale must be > 0, got {scale!r}")
+    else:
+        try:
+            concrete = float(scale)
+        except (TypeError, jax.errors.ConcretizationTypeError):
+            concrete = None  # traced: checked by the caller's values, not here
+        if concrete is not None and not concrete > 0:
+            raise ValueError(f"scale must be > 0, got {scale!r}")
 
     dtype = jnp.promote_types(jnp.result_type(query, key), jnp.float32)
     group = heads // kv_heads

@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -164,7 +164,7 @@ def _specs(value: Any, label: str) -> tuple[QKHeads, ...]:
     if value is None:
         return ()
     single = isinstance(value, (str, QKHeads)) or not isinstance(value, Sequence)
-    items = [value] if single else list(value)
+    items = [value] if single else list(cast(Sequence[Any], value))
     out = []
     for item in items:
         if isinstance(item, str):
@@ -327,7 +327,7 @@ def _source(
             f"qk_clip: leaf {leaf.name} (one layer: {tuple(shape)}) has no single head axis "
             f"{sorted(axes)}"
         )
-    axis = normal.pop()
+    axis = cast(int, normal.pop())
     per_group = heads // kv_heads
     layouts = []
     for kind, spec in leaf.parts:
@@ -366,7 +366,9 @@ def _source(
         if two_d:
             value = np.broadcast_to(value[:, None], source.shape)
             columns = np.arange(shape[axis + 1])
-            in_dims = (columns >= dims[0]) & (columns < dims[1]) if along_next else columns >= 0
+            in_dims = (
+                (columns >= dims[0]) & (columns < dims[1]) if along_next and dims else columns >= 0
+            )
             covered = covered[:, None] & in_dims[None, :]
         if np.any(covered & (source >= 0)):
             raise ValueError(f"qk_clip: two parts cover the same entries of leaf {leaf.name}")
@@ -639,10 +641,10 @@ def qk_clip(
                 factor, axes = factor[0], axes
             else:
                 axes = (leaf.layer_axis, *axes)
-            order = np.argsort(axes)
+            order = [int(i) for i in np.argsort(axes)]
             factor = jnp.transpose(factor, order)
             shape = [1] * ndim
-            for a in np.asarray(axes)[order]:
+            for a in (axes[i] for i in order):
                 shape[a] = leaf.shape[a]
             i = leaf.index
             new_leaves[i] = _rescaled(leaves[i], param_leaves[i], factor.reshape(shape))
@@ -661,4 +663,4 @@ def qk_clip(
         metrics = {k: v.astype(old[k].dtype) for k, v in metrics.items()}
         return jax.tree_util.tree_unflatten(treedef, new_leaves), QKClipState(metrics, state.info)
 
-    return ClipTransform(init_fn, update_fn)
+    return ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
