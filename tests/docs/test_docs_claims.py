@@ -42,10 +42,33 @@ RECOMMENDING = re.compile(
 CURLY = re.compile("[\u2018\u2019\u201c\u201d]")
 
 
-def table_cells(page: Path, row: str, column: str) -> list[str]:
-    """The cells under ``column`` of every table row of ``page`` with a cell ``row``."""
+def section_lines(page: Path, anchor: str) -> range:
+    """The lines (1-based) of the section of ``page`` whose heading's anchor is ``anchor``."""
+    lines = page.read_text().splitlines()
+    start = end = None
+    for number, line in enumerate(lines, 1):
+        heading = re.match(r"^(#+)\s+(.*)$", line)
+        if not heading:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", heading.group(2).lower()).strip().replace(" ", "-")
+        if start is None and slug == anchor:
+            start, level = number, len(heading.group(1))
+        elif start is not None and len(heading.group(1)) <= level:
+            end = number
+            break
+    if start is None:
+        raise AssertionError(f"{page.name} has no heading #{anchor}")
+    return range(start, (end or len(lines) + 1))
+
+
+def table_cells(page: Path, row: str, column: str, anchor: str | None = None) -> list[str]:
+    """The cells under ``column`` of every table row of ``page`` (of its section
+    ``#anchor`` where given) with a cell ``row``."""
     found = []
-    for _, header, rows in tables(page):
+    within = section_lines(page, anchor) if anchor else None
+    for line, header, rows in tables(page):
+        if within is not None and line not in within:
+            continue
         header = [h.strip("`") for h in header]
         for _, cells in rows:
             cells = [c.strip("`") for c in cells]
@@ -61,10 +84,11 @@ def first_number(text: str) -> str | None:
 
 def check_span(source: str, row: str, column: str, quoted: str) -> str | None:
     """Why a marked span disagrees with its source, or None."""
-    page = ROOT / source.split("#")[0]
+    path, _, anchor = source.partition("#")
+    page = ROOT / path
     if not page.exists():
         return f"{source} does not exist"
-    cells = table_cells(page, row, column)
+    cells = table_cells(page, row, column, anchor or None)
     if not cells:
         return f"{source} has no table row {row!r} with a column {column!r}"
     values = {first_number(c) for c in cells}
@@ -165,8 +189,13 @@ def recommendation_sites() -> list[tuple[str, str]]:
     return sites
 
 
+# A paragraph may name an earlier release's recommended setting as such (the
+# GPU table of 0.3, the migration notes): "0.3's recommended setting".
+EARLIER = re.compile(r"\b0\.\d+'s recommended setting")
+
+
 def disagreeing(where: str, paragraph: str, setting: str) -> str | None:
-    if not RECOMMENDING.search(paragraph):
+    if not RECOMMENDING.search(paragraph) or EARLIER.search(re.sub(r"\s+", " ", paragraph)):
         return None
     calls = [canonical(m.group(0)) for m in CALL.finditer(paragraph)]
     if calls and setting not in calls:
@@ -176,6 +205,9 @@ def disagreeing(where: str, paragraph: str, setting: str) -> str | None:
 
 def test_every_page_and_notebook_recommends_the_one_setting() -> None:
     setting = recommended()
+    other = "We recommend `zclip(feedback=\"clipped\", max_grad_norm=1.0)`."
+    assert disagreeing("x", other, setting), "the check lets another setting through"
+    assert not disagreeing("x", other.replace("We recommend", "0.3's recommended setting,"), setting)
     problems = [d for w, p in recommendation_sites() if (d := disagreeing(w, p, setting))]
     assert not problems, "\n".join(problems)
 
@@ -243,15 +275,21 @@ def test_code_has_straight_quotes() -> None:
 
 def test_the_readme_example_prints_what_the_readme_shows(capsys: pytest.CaptureFixture) -> None:
     """The output block after the README's first example is that example's output
-    (its last lines; ``...`` stands for the first ones)."""
+    (``...`` stands for the lines it leaves out)."""
     text = (ROOT / "README.md").read_text()
     match = re.search(r"^```python\n(.*?)^```\n\n```\n(.*?)^```", text, re.S | re.M)
     assert match, "the README's first example is followed by its output"
     code, shown = match.groups()
     exec(compile(code, "README.md example", "exec"), {})
     printed = capsys.readouterr().out.strip().splitlines()
-    shown_lines = [line for line in shown.strip().splitlines() if line != "..."]
-    assert printed[-len(shown_lines) :] == shown_lines, (
+    head, _, tail = shown.strip().partition("...")
+    head_lines, tail_lines = head.strip().splitlines(), tail.strip().splitlines()
+    if not _:  # no "...": the whole output
+        head_lines, tail_lines = [], head_lines
+    assert len(head_lines) + len(tail_lines) <= len(printed) and (
+        printed[: len(head_lines)] == head_lines
+        and printed[len(printed) - len(tail_lines) :] == tail_lines
+    ), (
         "README.md's example output is not what it prints; it prints:\n" + "\n".join(printed)
     )
 
