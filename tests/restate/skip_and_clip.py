@@ -72,7 +72,7 @@ def skip_and_clip(
             g = f(g)
             finite = bool(np.isfinite(g))
             if adaptive:
-                std = np.sqrt(second) if fix else (second - mean**2) ** f(0.5)
+                std = np.sqrt(second) if fix else (second - mean * mean) ** f(0.5)
                 thresholds = {k: f(v) for k, v in drop_norm(count, mean, std).items()}
                 if fix and count == 0:
                     thresholds = dict.fromkeys(thresholds, f(math.inf))
@@ -102,12 +102,13 @@ def skip_and_clip(
             else:
                 x, observed = (min(g, boundary) if dropped else g), finite
             if adaptive and observed:
-                d = f(decay) * (1 - f(decay) ** count) / (1 - f(decay) ** (count + 1))
+                one = f(1)  # every operand a `dtype` scalar: NumPy 1.x would widen a Python one
+                d = f(decay) * (one - f(decay) ** f(count)) / (one - f(decay) ** f(count + 1))
                 if fix:
-                    second = d * second + d * (1 - d) * (x - mean) ** 2
-                    mean = d * mean + (1 - d) * x
+                    second = d * second + d * (one - d) * (x - mean) * (x - mean)
+                    mean = d * mean + (one - d) * x
                 else:
-                    mean, second = d * mean + (1 - d) * x, d * second + (1 - d) * x**2
+                    mean, second = d * mean + (one - d) * x, d * second + (one - d) * x * x
             count += int(observed)
             nonvalid += int(not valid)
             nonfinite += int(not finite)
@@ -116,7 +117,7 @@ def skip_and_clip(
                 scale = min(1.0, max_norm / (float(g) + eps))
             clipped_count += int(scale < 1)
             step += 1
-            std_after = float(np.sqrt(second) if fix else (second - mean**2) ** f(0.5))
+            std_after = float(np.sqrt(second) if fix else (second - mean * mean) ** f(0.5))
             add(
                 grad_norm=float(g), skipped=not valid, drop_norm=reported, scale=scale,
                 clipped=scale < 1, count=count, skipped_count=nonvalid,
