@@ -205,9 +205,10 @@ def disagreeing(where: str, paragraph: str, setting: str) -> str | None:
 
 def test_every_page_and_notebook_recommends_the_one_setting() -> None:
     setting = recommended()
-    other = "We recommend `zclip(feedback=\"clipped\", max_grad_norm=1.0)`."
+    other = 'We recommend `zclip(feedback="clipped", max_grad_norm=1.0)`.'
     assert disagreeing("x", other, setting), "the check lets another setting through"
-    assert not disagreeing("x", other.replace("We recommend", "0.3's recommended setting,"), setting)
+    earlier = other.replace("We recommend", "0.3's recommended setting,")
+    assert not disagreeing("x", earlier, setting)
     problems = [d for w, p in recommendation_sites() if (d := disagreeing(w, p, setting))]
     assert not problems, "\n".join(problems)
 
@@ -289,9 +290,7 @@ def test_the_readme_example_prints_what_the_readme_shows(capsys: pytest.CaptureF
     assert len(head_lines) + len(tail_lines) <= len(printed) and (
         printed[: len(head_lines)] == head_lines
         and printed[len(printed) - len(tail_lines) :] == tail_lines
-    ), (
-        "README.md's example output is not what it prints; it prints:\n" + "\n".join(printed)
-    )
+    ), "README.md's example output is not what it prints; it prints:\n" + "\n".join(printed)
 
 
 # -- Pages show the library, not how they were built ---------------------------------
