@@ -161,11 +161,6 @@ class Grads(NamedTuple):
     leaf_norms: Any = None
 
 
-@functools.lru_cache(maxsize=64)
-def _layout(arrays: Callable[..., Any], num_groups: int) -> Any:
-    return jax.eval_shape(lambda: arrays(num_groups))
-
-
 class Clipper:
     """A clipper's plumbing, bound once by its factory, and the steps that use it.
 
@@ -240,7 +235,10 @@ class Clipper:
                     f"for the groups of this tree ({groups}); was the state restored from "
                     "another model?"
                 )
-        for field, value in _layout(self.arrays, grouping.num_groups).items():
+        # Traced once per trace, never cached: under optax.inject_hyperparams ``arrays``
+        # closes over that trace's tracers, and a cache keyed by it would keep them.
+        layout = jax.eval_shape(lambda: self.arrays(grouping.num_groups))
+        for field, value in layout.items():
             _checks.check_layout(who, field, getattr(state, field), value)
         if dtypes:
             _grouping.check_inexact(leaves, grouping, who)
