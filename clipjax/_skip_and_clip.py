@@ -209,11 +209,16 @@ def skip_and_clip_by_global_norm(
     Static arguments: ``drop_norm`` when it is a rule (name it in static_args);
     every number may be injected or scheduled with ``optax.inject_hyperparams``.
 
+    At least one of ``drop_norm`` and ``max_norm`` must be given: with
+    neither, no finite step would be dropped or clipped (a ``ValueError``
+    says so; ``optax.apply_if_finite`` drops non-finite steps alone).
+
     Args:
       inner: the transform run on taken steps (``clipjax.adamw(...)`` folds).
       drop_norm: None (only non-finite steps are dropped), a number ``> 0``, or
         a rule ``(count=, mean=, stddev=) -> {name: threshold}``.
-      max_norm: clip taken steps to this global norm (``> 0``); None: no clip.
+      max_norm: clip taken steps to this global norm (``> 0``); None: no clip
+        (then ``drop_norm`` is required).
       grad_norm_ema_decay: the EMAs' decay, in (0, 1); required with a rule.
       eps: added to ``g`` in the clip's denominator (``>= 0``).
       feedback: ``"skip"`` (default), ``"clipped"`` or ``"raw"``.
@@ -261,6 +266,13 @@ def skip_and_clip_by_global_norm(
     _checks.name(name)
     if axis_name is not None and not isinstance(axis_name, (str, tuple)):
         raise ValueError(f"axis_name must be a str (or a tuple of str), got {axis_name!r}")
+    if drop_norm is None and max_norm is None:
+        raise ValueError(
+            f"{name or ALGO}: drop_norm and max_norm are both None, so no finite step would "
+            "be dropped or clipped: set drop_norm (a number, or a rule such as "
+            "clipjax.drop_norm_by_grad_norm_ema()), max_norm, or both; to drop only "
+            "non-finite steps use optax.apply_if_finite"
+        )
     inner = optax.with_extra_args_support(inner)
     who = name or ALGO
     decay = 0.0 if grad_norm_ema_decay is None else grad_norm_ema_decay

@@ -27,7 +27,9 @@ BUILD = {
     "clip_by_value": lambda: clipjax.clip_by_value(1.0),
     "clip_by_percentile": lambda: clipjax.clip_by_percentile(90),
     "skip_on_spike": lambda: clipjax.skip_on_spike(optax.identity()),
-    "skip_and_clip_by_global_norm": lambda: clipjax.skip_and_clip_by_global_norm(optax.identity()),
+    "skip_and_clip_by_global_norm": lambda: clipjax.skip_and_clip_by_global_norm(
+        optax.identity(), max_norm=1.0
+    ),
     "spam": lambda: clipjax.spam(1e-3),
     "stable_spam": lambda: clipjax.stable_spam(1e-3),
 }

@@ -66,7 +66,13 @@ def compare(got: dict, want: dict, fields: Any = None) -> None:
 
 # Every rule with and without the clip; the fast suite runs these three, and
 # test_skip_and_clip_traces.py (slow) the rest.
-TRACE_CASES = [(rule, max_norm) for rule in sorted(RULES) for max_norm in (None, 1.0)]
+# (No rule and no clip is refused at construction.)
+TRACE_CASES = [
+    (rule, max_norm)
+    for rule in sorted(RULES)
+    for max_norm in (None, 1.0)
+    if (rule, max_norm) != ("none", None)
+]
 FAST_TRACES = [("stddev", 1.0), ("ema", None), ("fixed", 1.0)]
 
 
@@ -305,6 +311,17 @@ def test_scan_carry_single_trace_donation_and_wrappers() -> None:
 def test_bad_arguments_are_named(kwargs: dict, argument: str) -> None:
     with pytest.raises(ValueError, match=argument):
         clipjax.skip_and_clip_by_global_norm(optax.sgd(0.1), **kwargs)
+
+
+def test_neither_drop_norm_nor_max_norm_is_refused_naming_both() -> None:
+    """With both None no finite step is dropped or clipped: a x1000 spike went through."""
+    with pytest.raises(ValueError, match=r"drop_norm and max_norm are both None"):
+        clipjax.skip_and_clip_by_global_norm(optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"^mine: drop_norm and max_norm"):
+        clipjax.skip_and_clip_by_global_norm(clipjax.adamw(1e-3), drop_norm=None, name="mine")
+    # Either one alone is a working configuration.
+    clipjax.skip_and_clip_by_global_norm(optax.sgd(0.1), drop_norm=5.0)
+    clipjax.skip_and_clip_by_global_norm(optax.sgd(0.1), max_norm=1.0)
 
 
 @pytest.mark.parametrize(
