@@ -89,7 +89,9 @@ def clip_by_historical_norm(
       sigma_factor: how many standard deviations above the mean (``> 0``).
       min_history: norms in the window before any clip, an int in ``[1,
         rolling_interval_length]``; default Levanter's
-        ``max(2, rolling_interval_length // 2)``.
+        ``max(2, rolling_interval_length // 2)``, which a window of length 1
+        never holds: with ``rolling_interval_length=1`` nothing is clipped, as
+        in Levanter, unless ``min_history=1`` is passed.
       scope: ``"global"`` (Levanter's), ``"per_param"``, ``"per_layer"``, a
         callable or :func:`clipjax.stacked`.
       feedback: ``"raw"`` (default), ``"clipped"`` or ``"skip"``.
@@ -119,11 +121,14 @@ def clip_by_historical_norm(
         rolling_interval_length = 128
     _checks.integer("rolling_interval_length", rolling_interval_length, 1)
     _checks.positive("sigma_factor", sigma_factor)
+    given = min_history is not None
     if min_history is None:
-        min_history = min(max(2, rolling_interval_length // 2), rolling_interval_length)
+        # Levanter's, even where it exceeds the window (length 1): its count, at
+        # most the window's length, then never reaches it and nothing is clipped.
+        min_history = max(2, rolling_interval_length // 2)
     _checks.integer("min_history", min_history, 1, static=False)
     concrete = _checks.concrete(min_history)
-    if concrete is not None and concrete > rolling_interval_length:
+    if given and concrete is not None and concrete > rolling_interval_length:
         raise ValueError(
             f"min_history must be <= rolling_interval_length ({rolling_interval_length}), "
             f"got {min_history!r}"

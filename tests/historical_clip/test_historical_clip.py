@@ -85,6 +85,18 @@ def test_per_param_and_per_layer_groups() -> None:
               FIELDS)  # fmt: skip
 
 
+@pytest.mark.parametrize("length", [1, 2, 3])
+def test_short_windows_take_levanters_default_min_history(length: int) -> None:
+    """Levanter's count, at most the window's length, must reach max(2, length // 2): a
+    window of 1 never clips (0.4's default min(max(2, length // 2), length) clipped)."""
+    seq = SPIKY[:120]
+    got, _, _ = S.run_tree(clipjax.clip_by_historical_norm(length), seq[:, None])
+    want = L.historical_clip(seq, rolling_interval_length=length, fix=False)
+    S.compare(got, want, prefix(), FIELDS)
+    clipped = got[prefix() + "clipped"]
+    assert (not clipped.any()) if length == 1 else clipped.any()
+
+
 def test_negative_controls_are_far_over_the_budget() -> None:
     got, _, _ = S.run_tree(clipjax.clip_by_historical_norm(), SPIKY[:, None])
     for kw in ({"rolling_interval_length": 100}, {"sigma_factor": 2.5}):
