@@ -76,6 +76,13 @@ def clip_by_historical_norm(
     threshold) or ``"skip"`` (nothing on a clipped step; a lasting rise can
     then be clipped for good).
 
+    What ``"raw"`` costs: a spike is clipped, but its norm then sits in the
+    window for ``rolling_interval_length`` steps and lifts the threshold to
+    about ``3 / sqrt(length)`` of itself (a quarter with the default window),
+    so a second, smaller spike in that time passes whole (measured in
+    :doc:`/defences_2025`). ``feedback="clipped"`` is one argument away and
+    catches it.
+
     A NaN or infinite norm passes unchanged and never enters the window, unlike
     Levanter's (:doc:`/defences_2025`).
 

@@ -25,6 +25,7 @@ import pytest
 import clipjax
 from tests import references as R
 from tests import restate as S
+from tests.paths import ROOT
 from tests.restate import historical_clip as L
 
 N = 400
@@ -95,6 +96,29 @@ def test_short_windows_take_levanters_default_min_history(length: int) -> None:
     S.compare(got, want, prefix(), FIELDS)
     clipped = got[prefix() + "clipped"]
     assert (not clipped.any()) if length == 1 else clipped.any()
+
+
+def test_raw_feedback_lets_the_second_spike_through() -> None:
+    """Levanter's raw window keeps a spike of norm 3000 (norms near 0.3): the threshold
+    reads 816 for 128 steps and a spike of 30 ten steps later passes whole; under
+    feedback="clipped" the threshold stays near 0.4 and clips it (docs/defences_2025.md)."""
+    norms = 0.3 * np.exp(0.1 * np.random.default_rng(0).standard_normal(300))
+    norms[150], norms[160] = 3000.0, 30.0
+    raw, (outs, ins), _ = S.run_tree(clipjax.clip_by_historical_norm(), norms[:, None])
+    threshold, scale = raw[prefix() + "threshold"], outs["g0"] / ins["g0"]
+    assert scale[150] < 2e-4 and scale[160] == 1.0  # the first caught, the second whole
+    np.testing.assert_allclose(threshold[151:279], 816.0, rtol=1e-3)
+    assert threshold[279] < 10  # the spike has left the window
+    tx = clipjax.clip_by_historical_norm(feedback="clipped")
+    clipped, (outs, ins), _ = S.run_tree(tx, norms[:, None])
+    assert clipped[prefix() + "threshold"][151:].max() < 0.41
+    np.testing.assert_allclose(outs["g0"][160] / ins["g0"][160], 0.397 / 30.0, rtol=1e-2)
+    # The page and the docstring say what the default costs, with these figures.
+    page = " ".join((ROOT / "docs" / "defences_2025.md").read_text().split())
+    assert f"the threshold reads {threshold[151]:.0f} for the next 128 steps" in page
+    assert "a second spike of norm 30 ten steps later passes whole" in page
+    doc = " ".join((clipjax.clip_by_historical_norm.__doc__ or "").split())
+    assert "passes whole" in doc and '``feedback="clipped"`` is one argument away' in doc
 
 
 def test_negative_controls_are_far_over_the_budget() -> None:
