@@ -93,6 +93,14 @@ def _cases(test: str, ids: str, reason: str) -> dict[str, str]:
 # to whichever case runs first.
 SLOW_TESTS.update(
     {
+        # Every page's code blocks (102 s for all on 2 loaded cores): the pages
+        # that train models; the fast suite keeps the other pages (about 50 s).
+        # getting_started's cells also run in the docs build (myst-nb).
+        **_cases(
+            "docs/test_docs_code_blocks.py::test_page_code_blocks_run",
+            "docs/qk_clip.md docs/flax.md docs/getting_started.md",
+            "trains models (10-30 s a page)",
+        ),
         **_cases(
             "contract/test_contract.py::test_metrics_found_in_every_wrapper",
             "zscore_normalize agc_per_layer agc zclip_per_param clip_by_value "

@@ -314,3 +314,10 @@ def test_pages_carry_no_build_notes() -> None:
         "pages state the command, machine, versions and date; not notes on how a run was "
         "obtained, kernel builds or temporary paths:\n" + "\n".join(found)
     )
+
+
+def test_make_help_and_readme_give_one_duration_for_make_test() -> None:
+    readme = re.search(r"`make test` takes about (\d+) minutes", (ROOT / "README.md").read_text())
+    makefile = re.search(r"make test .*~(\d+) min", (ROOT / "Makefile").read_text())
+    assert readme and makefile, "the README or the Makefile's help lost its figure"
+    assert readme.group(1) == makefile.group(1), (readme.group(0), makefile.group(0))

@@ -1,0 +1,179 @@
+"""Every code block of the README and the docs runs.
+
+The blocks of one page (```` ```python ```` fences and myst-nb ``{code-cell}``
+cells, in page order) run one after another in one namespace, as a reader
+would paste them: a later block uses what an earlier one defined. A block
+ends the page's test with its exception, named by page and line.
+
+A page's blocks start from :data:`READER`, what every training loop already
+has and a snippet names without defining: the imports, a small ``params``
+tree shaped like a flax model's, its ``grads``, a ``loss`` and a
+``loss_fn(params, batch)``. A snippet that needs anything else defines it.
+
+A block that cannot run here (several processes, a GPU, minutes of training)
+carries ``<!-- no-run: reason -->`` on the line before its fence, which the
+rendered page does not show. :data:`NOT_RUN` lists every such block, so a new
+one is a reviewed change, and each test prints the reasons of its page's
+blocks that did not run: nothing is left out silently. Where later blocks
+need what a block that does not run defines, :data:`STAND_IN` defines it on
+one process.
+
+Each page runs in its own temporary working directory (pages write
+checkpoints) and gets ``os.environ`` back as it was (pages set ``XLA_FLAGS``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.paths import ROOT
+
+FENCE = re.compile(r"^```(?:python|\{code-cell\} ipython3)[^\n]*\n(.*?)^```", re.S | re.M)
+NO_RUN = re.compile(r"<!--\s*no-run:\s*(.*?)\s*-->\s*$", re.S)
+
+READER = """
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import clipjax
+
+_keys = iter(jax.random.split(jax.random.PRNGKey(0), 8))
+params = {
+    "params": {
+        "Dense_0": {"kernel": jax.random.normal(next(_keys), (4, 8)), "bias": jnp.zeros(8)},
+        "Dense_1": {"kernel": jax.random.normal(next(_keys), (8, 2)), "bias": jnp.zeros(2)},
+    }
+}
+batch = (jax.random.normal(next(_keys), (16, 4)), jax.random.normal(next(_keys), (16, 2)))
+
+
+def loss_fn(params, batch):
+    x, y = batch
+    p = params["params"]
+    h = jnp.tanh(x @ p["Dense_0"]["kernel"] + p["Dense_0"]["bias"])
+    return jnp.mean((h @ p["Dense_1"]["kernel"] + p["Dense_1"]["bias"] - y) ** 2)
+
+
+loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+"""
+
+# Blocks that do not run, per page: a new marker must be added here too.
+NOT_RUN = {
+    "docs/multi_host.md": 1,
+}
+
+# What a block that does not run would have defined, on one process, so that
+# the page's later blocks still run: run in its place.
+STAND_IN = {
+    "docs/multi_host.md": """
+import os
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+mesh = Mesh(np.array(jax.devices()), ("data",))
+replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+tx = optax.chain(clipjax.zclip(), optax.adamw(1e-3))
+opt_state = jax.jit(tx.init, out_shardings=replicated)(params)
+path = os.path.abspath("checkpoint")  # orbax takes absolute paths
+""",
+}
+
+
+@dataclass(frozen=True)
+class Block:
+    page: str
+    line: int
+    source: str
+    no_run: str | None  # the marker's reason, None when the block runs
+
+
+def pages() -> list[Path]:
+    found = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    found += sorted((ROOT / "docs" / "generated").glob("*.md"))
+    return [p for p in found if blocks(p)]
+
+
+def blocks(page: Path) -> list[Block]:
+    text = page.read_text()
+    found = []
+    for match in FENCE.finditer(text):
+        before = text[: match.start()].rstrip("\n")
+        marker = NO_RUN.search(before.rsplit("\n", 1)[-1])
+        # myst-nb cell options (":tags: [...]") are not Python.
+        source = "\n".join(
+            line for line in match.group(1).splitlines() if not re.match(r"^:\w[\w-]*:", line)
+        )
+        found.append(
+            Block(
+                page=str(page.relative_to(ROOT)),
+                line=text.count("\n", 0, match.start()) + 1,
+                source=source,
+                no_run=marker.group(1) if marker else None,
+            )
+        )
+    return found
+
+
+PAGES = pages()
+
+
+def run_page(page: Path) -> list[Block]:
+    """Runs the page's blocks in order; returns those marked not to run."""
+    namespace: dict = {"__name__": "__main__"}
+    exec(compile(READER, "<reader's training loop>", "exec"), namespace)
+    skipped = []
+    for block in blocks(page):
+        if block.no_run is not None:
+            skipped.append(block)
+            if block.page in STAND_IN:
+                stand_in = compile(STAND_IN[block.page], f"<stand-in for {block.page}>", "exec")
+                exec(stand_in, namespace)
+            continue
+        where = f"{block.page}:{block.line}"
+        try:
+            exec(compile(block.source, where, "exec"), namespace)
+        except Exception as error:
+            raise AssertionError(
+                f"the block at {where} raised {type(error).__name__}: {error}"
+            ) from error
+    return skipped
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_page_code_blocks_run(
+    page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    environ = dict(os.environ)
+    try:
+        skipped = run_page(page)
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    with capsys.disabled():
+        for block in skipped:
+            print(f"\nnot run: {block.page}:{block.line}: {block.no_run}")
+
+
+def test_blocks_that_do_not_run_are_listed_with_a_reason() -> None:
+    marked = [b for page in PAGES for b in blocks(page) if b.no_run is not None]
+    counts: dict[str, int] = {}
+    for block in marked:
+        counts[block.page] = counts.get(block.page, 0) + 1
+        # A reason a reader can check: more than a word or two.
+        assert len(block.no_run.split()) >= 3, f"{block.page}:{block.line}: {block.no_run!r}"
+    assert counts == NOT_RUN, counts
+
+
+def test_the_extraction_finds_every_fence() -> None:
+    # A fence the pattern misses (```py, indented, a typo) would go untested.
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        text = page.read_text()
+        opened = len(re.findall(r"^```(?:python|py|\{code-cell\})", text, re.M))
+        assert opened == len(blocks(page)), page
