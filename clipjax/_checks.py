@@ -49,12 +49,17 @@ def concrete(value: Any) -> float | None:
 
 
 def check(name: str, value: Any, ok: Callable[[float], bool], expected: str) -> None:
-    """Raises ``ValueError`` naming ``name`` unless ``ok(value)`` holds."""
+    """Raises ``ValueError`` naming ``name`` unless ``ok(value)`` holds.
+
+    ``expected`` is a range (``"> 0"``, ``"in (0, 1)"``: a number is said for it
+    when ``value`` is none) or a noun phrase (``"a nonzero number"``, ``"an int >=
+    1"``)."""
     try:
         x = _concrete(value)
     except ValueError:
         kind = type(value).__name__
-        raise ValueError(f"{name} must be a number {expected}, got {value!r} (a {kind})") from None
+        noun = expected if expected.startswith(("a ", "an ")) else f"a number {expected}"
+        raise ValueError(f"{name} must be {noun}, got {value!r} (a {kind})") from None
     if x is not None and not ok(x):
         raise ValueError(f"{name} must be {expected}, got {value!r}")
 

@@ -69,6 +69,27 @@ def _target_sizes(info: GroupInfo) -> str:
     return f"{_count(len(info.groups), 'group')} ({groups}) and {leaves}"
 
 
+def _a(name: str) -> str:
+    return f"{'an' if name[:1] in 'AEIOU' else 'a'} {name}"
+
+
+def _saved_class(state_dict: Any, target: Any) -> str | None:
+    """The clipjax state class(es) whose fields the checkpointed state has, where those
+    are not the target's (flax keeps a NamedTuple's fields, not its class)."""
+    if not isinstance(state_dict, dict) or set(state_dict) == set(target._fields):
+        return None
+    import clipjax  # loaded by now: a restore runs after clipjax's import
+
+    names = [
+        _a(value.__name__)
+        for value in vars(clipjax).values()
+        if isinstance(value, type)
+        and issubclass(value, tuple)
+        and set(getattr(value, "_fields", ())) == set(state_dict)
+    ]
+    return " or ".join(names) or f"a state with the fields {', '.join(map(str, state_dict))}"
+
+
 def _checked_restore(restore: Any, current_path: Any) -> Any:
     """flax's NamedTuple restore, naming the clipjax state that does not fit."""
 
@@ -84,6 +105,15 @@ def _checked_restore(restore: Any, current_path: Any) -> Any:
             who = info.name or info.algo
             path = current_path()
             at = "" if path in ("", ".") else f" at {path}"
+            saved = _saved_class(state_dict, target)
+            if saved is not None:
+                raise StateMismatchError(
+                    f"{who}: the checkpointed state{at} and the restore target do not "
+                    f"match: the checkpoint holds {saved}, the target is "
+                    f"{_a(type(target).__name__)} (another transform). Restore into "
+                    f"tx.init(params) of the transform and model the checkpoint was saved "
+                    f"from."
+                ) from error
             raise StateMismatchError(
                 f"{who}: the checkpointed state{at} and the restore target do not "
                 f"match: the checkpoint holds a state for "

@@ -232,6 +232,20 @@ def test_restore_into_another_model_names_the_transform_and_the_trees(
         assert "leaf_index" not in message
 
 
+def test_restore_from_another_transform_names_both_state_classes() -> None:
+    """0.4 said 'a state for 1 group, the target ... a tree of 1 group': true of both,
+    and silent about the zclip checkpoint restored into an autoclip chain."""
+    serialization = pytest.importorskip("flax.serialization")
+    saved = optax.chain(clipjax.zclip(), optax.adam(1e-3))
+    target = optax.chain(clipjax.autoclip(), optax.adam(1e-3))
+    data = serialization.to_bytes(saved.init(PARAMS))
+    with pytest.raises(ValueError, match="do not match") as info:
+        serialization.from_bytes(target.init(PARAMS), data)
+    message = str(info.value)
+    assert message.startswith("autoclip: the checkpointed state at ./0 and the restore target")
+    assert "the checkpoint holds a ZClipState, the target is an AutoClipState" in message
+
+
 def test_restore_of_other_groups_names_them_at_update() -> None:
     serialization = pytest.importorskip("flax.serialization")
     tx = clipjax.zclip(warmup_steps=2, scope="per_layer")

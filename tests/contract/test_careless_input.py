@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import inspect
+import re
 import warnings
 
 import jax.numpy as jnp
@@ -80,8 +82,41 @@ def test_a_name_with_a_slash_is_refused(make) -> None:
     ],
 )
 def test_a_number_given_as_a_string_is_named_a_type_mistake(make, arg: str) -> None:
-    with pytest.raises(ValueError, match=rf"{arg} must be a number .*\(a str\)"):
+    with pytest.raises(ValueError, match=rf"{arg} must be a (nonzero )?number .*\(a str\)"):
         make()
+
+
+def test_a_type_mistake_reads_as_one_sentence() -> None:
+    """0.4: 'max_norm must be a number a nonzero number'. Every numeric argument of
+    every public factory, given as a string: the message says what it must be once."""
+    from tests.contract.test_inject import FACTORIES, numeric
+
+    with pytest.raises(ValueError) as error:
+        clipjax.clip_by_global_norm("1")
+    assert str(error.value).startswith("max_norm must be a nonzero number (0 would zero")
+    required = {
+        "learning_rate": 1e-3,
+        "inner": optax.identity(),
+        "max_norm": 1.0,
+        "max_abs": 1.0,
+        "percentile": 90.0,
+    }
+    messages = []
+    empty = inspect.Parameter.empty
+    for factory in FACTORIES.values():
+        parameters = inspect.signature(factory).parameters
+        given = {
+            k: v for k, v in required.items() if k in parameters and parameters[k].default is empty
+        }
+        for p in parameters.values():
+            if numeric(p):
+                try:
+                    factory(**{**given, p.name: "1"})
+                except ValueError as e:
+                    messages.append(str(e))
+    assert len(messages) > 40
+    doubled = [m for m in messages if re.search(r"\ba number an? ", m)]
+    assert not doubled, doubled
 
 
 def test_max_grad_norm_auto_is_accepted_by_every_clipper_with_a_ceiling() -> None:
