@@ -11,7 +11,7 @@ optimizer (``optax.adamw`` and ``optax.contrib.muon``), three configurations:
 * ``<opt> + logits``: the same with ``clipjax.max_attention_logits`` in every
   layer's attention (returned as the loss's aux), the optimizer alone: the
   helper's cost in the forward pass;
-* ``<opt> + qk_clip``: the same loss, ``optax.chain(<opt>, clipjax.qk_clip(...))``
+* ``<opt> + qk_clip``: the same loss, ``clipjax.qk_clip(<opt>, ...)``
   given those logits: the transform's cost (target: at most 1.02x ``<opt> + logits``).
 
 The helper's forward-pass cost is also measured on the forward alone (the loss,
@@ -45,7 +45,8 @@ def configurations(size: Size, layout: str) -> dict[str, tuple[Callable, bool, b
     the transform takes them)."""
     d = size.d
     scope = clipjax.stacked(layers="layers") if layout == "scanned" else None
-    qk_clip = lambda: clipjax.qk_clip(
+    qk_clip = lambda optimizer: clipjax.qk_clip(
+        optimizer,
         100.0,
         query=clipjax.QKHeads("attn/qkv", axis=-1, span=(0, d)),
         key=clipjax.QKHeads("attn/qkv", axis=-1, span=(d, 2 * d)),
@@ -56,7 +57,7 @@ def configurations(size: Size, layout: str) -> dict[str, tuple[Callable, bool, b
         make = lambda code=code: eval(code, {"optax": optax})
         out[name] = (make, False, False)
         out[f"{name} + logits"] = (make, True, False)
-        out[f"{name} + qk_clip"] = (lambda make=make: optax.chain(make(), qk_clip()), True, True)
+        out[f"{name} + qk_clip"] = (lambda make=make: qk_clip(make()), True, True)
     return out
 
 

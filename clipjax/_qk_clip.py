@@ -38,6 +38,7 @@ from typing import Any, NamedTuple, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from clipjax import _checks, _grouping, _kit, _metrics, _xla
 from clipjax._grouping import Stacked
@@ -77,11 +78,11 @@ class QKHeads:
         a query part may hold ``kv_heads`` blocks, each a group's query heads.
 
     Examples:
-      >>> import clipjax
+      >>> import optax, clipjax
       >>> d = 64  # a fused [d_model, 3 * d] kernel: q, k, v thirds of 4 heads each
       >>> query = clipjax.QKHeads("qkv", axis=-1, span=(0, d))
       >>> key = clipjax.QKHeads("qkv", axis=-1, span=(d, 2 * d))
-      >>> tx = clipjax.qk_clip(100.0, query=query, key=key)
+      >>> tx = clipjax.qk_clip(optax.contrib.muon(1e-2), 100.0, query=query, key=key)
     """
 
     pattern: str
@@ -130,12 +131,13 @@ HeadsSpec = str | QKHeads | Sequence[str | QKHeads]
 
 
 class QKClipState(NamedTuple):
-    """State of :func:`qk_clip`: the metrics of its attention modules.
+    """State of :func:`qk_clip`: the optimizer's state and the metrics of its attention modules.
 
     One group per attention module (per layer of a stacked module), named by
     the path before the query pattern's match (``layers/3/attn``).
 
     Attributes:
+      inner_state: the wrapped optimizer's state.
       metrics: per group ``max_logit`` (the largest of its heads' max logits),
         ``clipped`` (a head was rescaled), ``clipped_heads`` (how many query
         heads exceeded ``tau``), ``factor`` (the smallest ``gamma``, 1 when
@@ -143,13 +145,14 @@ class QKClipState(NamedTuple):
       info: static names (algorithm, prefix, groups, leaves).
 
     Examples:
-      >>> import jax.numpy as jnp, clipjax
+      >>> import jax.numpy as jnp, optax, clipjax
       >>> params = {"attn": {"query": jnp.ones((8, 2, 4)), "key": jnp.ones((8, 2, 4))}}
-      >>> state = clipjax.qk_clip().init(params)
+      >>> state = clipjax.qk_clip(optax.sgd(0.1)).init(params)
       >>> isinstance(state, clipjax.QKClipState), state.info.groups
       (True, ('attn',))
     """
 
+    inner_state: Any
     metrics: dict[str, Array]
     info: GroupInfo
 
@@ -309,9 +312,75 @@ def _plan_of(params: Any, scope: Stacked | None, specs: Any) -> tuple[_Plan, lis
     return _plan(keys, shapes, inserts, axis, specs), leaves, treedef
 
 
+def _layout(
+    leaf: _Leaf,
+    shape: tuple[int, ...],
+    axis: int,
+    kind: str,
+    spec: QKHeads,
+    heads: int,
+    kv_heads: int,
+) -> tuple[Any, ...] | str:
+    """A part's layout along ``axis`` of one layer's leaf, or why the heads do not lie there."""
+    start, stop = spec.span or (0, shape[axis])
+    count = spec.count or (kv_heads if kind == "key" else heads)
+    allowed = {kv_heads} if kind == "key" else {heads, kv_heads}
+    where = f"qk_clip: {kind} leaf {leaf.name} (one layer: {shape}, head axis {axis})"
+    if stop > shape[axis]:
+        return f"{where}: span {spec.span} exceeds the axis of {shape[axis]}"
+    if count not in allowed:
+        return f"{where}: count {count} must be one of {sorted(allowed)}"
+    if (stop - start) % count:
+        return (
+            f"{where}: {stop - start} entries do not split into {count} heads (the max "
+            f"logits have {heads} query heads, kv_heads={kv_heads})"
+        )
+    block = (stop - start) // count
+    along_next = spec.dims is not None and block == 1
+    if along_next and axis + 1 >= len(shape):
+        return f"{where}: dims {spec.dims} need an axis after the head axis"
+    limit = shape[axis + 1] if along_next else block
+    if spec.dims is not None and spec.dims[1] > limit:
+        return f"{where}: dims {spec.dims} exceed each head's {limit} dimensions"
+    return (kind, start, stop, count, block, along_next, spec.dims)
+
+
+def _inferred_axis(
+    leaf: _Leaf, shape: tuple[int, ...], kind: str, spec: QKHeads, heads: int, kv_heads: int
+) -> int:
+    """The head axis of a part given none: the one of the last two axes its heads split.
+
+    Where both split, an axis before the last of exactly ``count`` entries is flax's
+    ``[..., heads, head_dim]``, and one head (MQA's key) is the whole leaf on either; any
+    other pair (``[d_model, heads * head_dim]`` and ``[heads * head_dim, d_model]`` look
+    alike) is refused: a wrong guess rescales other rows than the heads' and passes without
+    a word."""
+    ndim = len(shape)
+    readings = {
+        a: _layout(leaf, shape, a, kind, spec, heads, kv_heads)
+        for a in (ndim - 2, ndim - 1)
+        if a >= 0
+    }
+    fits = [a for a, layout in readings.items() if not isinstance(layout, str)]
+    if len(fits) == 1:
+        return fits[0]
+    if not fits:
+        raise ValueError(str(readings[ndim - 2 if ndim > 1 else ndim - 1]))
+    count = cast(tuple[Any, ...], readings[ndim - 2])[3]
+    start, stop = spec.span or (0, shape[ndim - 2])
+    if stop - start == count or (count == 1 and spec.span is None and spec.dims is None):
+        return ndim - 2  # flax's [..., heads, head_dim]; or one head, the whole leaf either way
+    raise ValueError(
+        f"qk_clip: {kind} leaf {leaf.name} (one layer: {shape}) splits into {count} heads "
+        f"along axis -2 ({shape[-2]} entries) and along axis -1 ({shape[-1]}): give "
+        f"head_axis= (-1 for [d_model, heads * head_dim] kernels, -2 for [heads * head_dim, "
+        f"d_model]) or QKHeads(axis=...) for this leaf"
+    )
+
+
 @functools.lru_cache(maxsize=256)
 def _source(
-    leaf: _Leaf, head_axis: int, heads: int, kv_heads: int
+    leaf: _Leaf, head_axis: int | None, heads: int, kv_heads: int
 ) -> tuple[np.ndarray, tuple[int, ...]]:
     """Which factor each entry of the leaf's head axis (and the axis after it, where a
     part's ``dims`` run along it) takes: an index into ``[gamma**alpha (query), gamma**(1 -
@@ -319,39 +388,29 @@ def _source(
     shape = list(leaf.shape)
     if leaf.layer_axis is not None:
         del shape[leaf.layer_axis]
-    ndim = len(shape)
-    axes = {spec.axis if spec.axis is not None else head_axis for _, spec in leaf.parts}
+    ndim, one_layer = len(shape), tuple(shape)
+    axes = {
+        spec.axis
+        if spec.axis is not None
+        else head_axis
+        if head_axis is not None
+        else _inferred_axis(leaf, one_layer, kind, spec, heads, kv_heads)
+        for kind, spec in leaf.parts
+    }
     normal = {a % ndim if -ndim <= a < ndim else None for a in axes}
     if None in normal or len(normal) != 1:
         raise ValueError(
-            f"qk_clip: leaf {leaf.name} (one layer: {tuple(shape)}) has no single head axis "
+            f"qk_clip: leaf {leaf.name} (one layer: {one_layer}) has no single head axis "
             f"{sorted(axes)}"
         )
     axis = cast(int, normal.pop())
     per_group = heads // kv_heads
     layouts = []
     for kind, spec in leaf.parts:
-        start, stop = spec.span or (0, shape[axis])
-        count = spec.count or (kv_heads if kind == "key" else heads)
-        allowed = {kv_heads} if kind == "key" else {heads, kv_heads}
-        where = f"qk_clip: {kind} leaf {leaf.name} (one layer: {tuple(shape)}, head axis {axis})"
-        if stop > shape[axis]:
-            raise ValueError(f"{where}: span {spec.span} exceeds the axis of {shape[axis]}")
-        if count not in allowed:
-            raise ValueError(f"{where}: count {count} must be one of {sorted(allowed)}")
-        if (stop - start) % count:
-            raise ValueError(
-                f"{where}: {stop - start} entries do not split into {count} heads (the max "
-                f"logits have {heads} query heads, kv_heads={kv_heads})"
-            )
-        block = (stop - start) // count
-        along_next = spec.dims is not None and block == 1
-        if along_next and axis + 1 >= ndim:
-            raise ValueError(f"{where}: dims {spec.dims} need an axis after the head axis")
-        limit = shape[axis + 1] if along_next else block
-        if spec.dims is not None and spec.dims[1] > limit:
-            raise ValueError(f"{where}: dims {spec.dims} exceed each head's {limit} dimensions")
-        layouts.append((kind, start, stop, count, block, along_next, spec.dims))
+        layout = _layout(leaf, one_layer, axis, kind, spec, heads, kv_heads)
+        if isinstance(layout, str):
+            raise ValueError(layout)
+        layouts.append(layout)
     two_d = any(layout[5] for layout in layouts)
     source = np.full((shape[axis], shape[axis + 1]) if two_d else (shape[axis],), -1, np.int32)
     for kind, start, stop, count, block, along_next, dims in layouts:
@@ -495,7 +554,24 @@ def _checked(
         raise ValueError(f"axis_name must be a str (or a tuple of str), got {axis_name!r}")
 
 
+def _check_optimizer(optimizer: Any) -> None:
+    if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
+        return
+    hint = ""
+    if isinstance(optimizer, (int, float, np.number)) and not isinstance(optimizer, bool):
+        hint = (
+            f" (tau={optimizer!r} first, as in 0.4? qk_clip now wraps the optimizer whose new "
+            "weights it rescales, clipjax.qk_clip(optax.contrib.muon(...), tau=100.0), instead "
+            "of being chained after it, where nothing stopped it from landing before it)"
+        )
+    raise ValueError(
+        "qk_clip: optimizer must be an optax GradientTransformation, the optimizer whose "
+        f"step it rescales, got {optimizer!r}{hint}"
+    )
+
+
 def qk_clip(
+    optimizer: optax.GradientTransformation,
     tau: float = 100.0,
     *,
     query: HeadsSpec = "query",
@@ -508,12 +584,14 @@ def qk_clip(
     axis_name: str | None = None,
     name: str | None = None,
 ) -> ClipTransform:
-    """QK-Clip (MuonClip): rescale the query and key weights of heads whose logits exceed ``tau``.
+    """QK-Clip (MuonClip): ``optimizer``'s step, then the query and key weights of heads
+    whose logits exceed ``tau`` rescaled.
 
-    Placed after the optimizer, it takes each step's largest pre-softmax logit
-    ``S_h`` of every query head (``update(..., max_logits=...)``) and returns
-    updates such that ``params + updates`` is the optimizer's new weights with,
-    for every head over ``tau``::
+    It wraps the optimizer, so that the rescale cannot land before it. Each
+    ``update`` runs ``optimizer`` on the gradients, then takes each step's
+    largest pre-softmax logit ``S_h`` of every query head (``update(...,
+    max_logits=...)``) and returns updates such that ``params + updates`` is
+    the optimizer's new weights with, for every head over ``tau``::
 
         gamma = tau / S_h;   W_q[h] *= gamma**alpha;   W_k[h] *= gamma**(1 - alpha)
         MLA: W_q_rope[h] *= gamma   (the shared rotary key untouched)
@@ -523,19 +601,27 @@ def qk_clip(
     head of that group, as Megatron-LM does. The updates of heads under
     ``tau`` are the optimizer's, bit for bit.
 
-    Static arguments: ``head_axis`` and ``kv_heads`` (they shape the head
-    layout); ``tau`` and ``alpha`` may be injected or scheduled with
-    ``optax.inject_hyperparams``.
+    The heads of a leaf lie along ``head_axis``; without one, along the one
+    of its last two axes that splits into the heads of the max logits, or
+    the axis before the last where it holds exactly the heads (``[...,
+    heads, head_dim]``). A leaf both of whose last axes split (a square
+    ``[d_model, heads * head_dim]`` kernel) raises a ``ValueError`` asking
+    for ``head_axis`` at the first ``update``.
+
+    Static arguments: ``optimizer``, ``head_axis`` and ``kv_heads``; ``tau``
+    and ``alpha`` may be injected or scheduled with ``optax.inject_hyperparams``.
 
     Args:
+      optimizer: the optimizer whose new weights are rescaled (e.g.
+        ``optax.contrib.muon(lr)``); it gets the gradients and the extra args.
       tau: the logit bound (K2: 100).
       query: the query weights: path patterns or :class:`clipjax.QKHeads`
         (default ``"query"``, flax's ``MultiHeadAttention``).
       key: the key weights (default ``"key"``).
       rotary_query: MLA's per-head rotary query weights, scaled by ``gamma``.
-      head_axis: the head axis of each matched leaf (of one layer), default
-        -2. That fits flax's ``[features, heads, head_dim]`` kernels and
-        ``[heads, head_dim]`` biases; -1 fits ``[features, heads * head_dim]``.
+      head_axis: the head axis of each matched leaf (of one layer). Default:
+        inferred, as above; -2 fits flax's ``[features, heads, head_dim]``
+        and ``[heads * head_dim, features]``, -1 ``[features, heads * head_dim]``.
       kv_heads: key heads under GQA/MQA (default: as many as query heads).
       alpha: the query's share of the factor (Megatron's ``qk_clip_alpha``).
       scope: ``clipjax.stacked(layers=..., axis=...)`` for layer-stacked leaves:
@@ -544,17 +630,18 @@ def qk_clip(
       name: metrics prefix (default ``qk_clip``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform` whose ``update(updates, state, params,
+      A :class:`~clipjax.ClipTransform` whose ``update(grads, state, params,
       *, max_logits)`` needs the params and ``max_logits``: ``[groups, heads]``
       in ``state.info.groups`` order, or a tree (flax intermediates) whose
       leaves under each module's path (those named ``max_logits``, where some
-      are) are its ``[..., heads]`` maxima.
+      are) are its ``[..., heads]`` maxima, or a function that returns them
+      for the optimizer's new weights (``params + updates``).
       Its state is a :class:`QKClipState`.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
       >>> params = {"attn": {"query": jnp.ones((4, 2, 3)), "key": jnp.ones((4, 2, 3))}}
-      >>> tx = optax.chain(optax.sgd(0.0), clipjax.qk_clip(100.0))
+      >>> tx = clipjax.qk_clip(optax.sgd(0.0), tau=100.0)
       >>> state = tx.init(params)
       >>> updates, state = tx.update(params, state, params, max_logits=jnp.array([400.0, 50.0]))
       >>> new = optax.apply_updates(params, updates)
@@ -568,21 +655,25 @@ def qk_clip(
       <https://arxiv.org/abs/2507.20534>`_, 2025 (MuonClip, Algorithm 1);
       Megatron-LM ``clip_qk``; MaxText ``qk_clip_utils.py`` (module docstring).
     """
+    _check_optimizer(optimizer)
     _checked(tau, alpha, head_axis, kv_heads, scope, axis_name)
     _checks.name(name)
     specs = (_specs(query, "query"), _specs(key, "key"), _specs(rotary_query, "rotary_query"))
-    axis_of_heads = -2 if head_axis is None else int(head_axis)
+    axis_of_heads = None if head_axis is None else int(head_axis)
+    inner = optax.with_extra_args_support(optimizer)
     who = name or ALGO
 
     def init_fn(params: Any) -> QKClipState:
+        inner_state = inner.init(params)
         if _kit.is_placeholder(params):
             info = _metrics.PlaceholderInfo(ALGO, name)
-            return QKClipState(_initial_metrics(0, jnp.float32), info)
+            return QKClipState(inner_state, _initial_metrics(0, jnp.float32), info)
         plan, leaves, _ = _plan_of(params, scope, specs)
         grouping = _grouping.make_grouping(params, "global")
         info = GroupInfo(ALGO, name, plan.groups, grouping.leaf_names, grouping.leaf_shapes)
         dtype = _grouping.norm_dtype(leaves)
-        return _xla.own_buffers(QKClipState(_initial_metrics(len(plan.groups), dtype), info))
+        metrics = _xla.own_buffers(_initial_metrics(len(plan.groups), dtype))
+        return QKClipState(inner_state, metrics, info)
 
     def update_fn(
         updates: Any,
@@ -592,12 +683,11 @@ def qk_clip(
         max_logits: Any = None,
         **extra_args: Any,
     ) -> tuple[Any, QKClipState]:
-        del extra_args
         _checks.check_state(state, QKClipState, who)
         if params is None:
             raise ValueError(
-                f"{who}: update needs params (tx.update(updates, state, params, "
-                "max_logits=...)): the rescaled weights are params + updates"
+                f"{who}: update needs params (tx.update(grads, state, params, "
+                "max_logits=...)): the rescaled weights are params + the optimizer's updates"
             )
         if max_logits is None:
             raise ValueError(
@@ -612,6 +702,9 @@ def qk_clip(
                 f"{who}: the state was built for the attention modules {state.info.groups[:4]}, "
                 f"these params have {plan.groups[:4]}; was the state restored from another model?"
             )
+        updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+        if callable(max_logits):
+            max_logits = max_logits(optax.apply_updates(params, updates))
         leaves, _, treedef = _grouping.leaves_with_names(updates)
         _grouping.check_inexact(leaves, grouping, who)
         dtype = state.metrics["factor"].dtype
@@ -661,6 +754,7 @@ def qk_clip(
             "nonfinite_count": old["nonfinite_count"] + jnp.any(~finite, axis=-1),
         }
         metrics = {k: v.astype(old[k].dtype) for k, v in metrics.items()}
-        return jax.tree_util.tree_unflatten(treedef, new_leaves), QKClipState(metrics, state.info)
+        new_state = QKClipState(inner_state, metrics, state.info)
+        return jax.tree_util.tree_unflatten(treedef, new_leaves), new_state
 
     return ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]

@@ -5,7 +5,8 @@ heads, context 64, no QK norm) learns the Python standard library's sources
 (``examples/lm_model.py``'s data) with ``optax.contrib.muon`` at learning rate
 0.1 (Muon on every matrix, optax's default; its adam on the rest). Without
 QK-Clip the largest pre-softmax logit grows past 100 within about 100 steps
-and keeps growing; ``clipjax.qk_clip(100)`` after Muon pulls it back to 100.
+and keeps growing; ``clipjax.qk_clip(muon, 100)``, which rescales Muon's new
+weights, pulls it back to 100.
 Each step's max logits come from ``clipjax.max_attention_logits`` inside the
 attention, per layer and head. Three settings, the same initial weights and
 batches:
@@ -16,8 +17,8 @@ batches:
   rescale the updated weights. The logit the next step sees exceeds ``tau`` by
   what one update adds to it;
 * ``muon + qk_clip, updated logits``: the max logits of the updated weights on
-  the same batch (one more forward pass a step), so that the weights kept are
-  those whose max logit is ``tau``.
+  the same batch (one more forward pass a step, ``max_logits=`` a function of the
+  new weights), so that the weights kept are those whose max logit is ``tau``.
 
 After every step the script measures the max logit of the weights it keeps on
 that step's batch (*max logit after the step*). It writes
@@ -132,30 +133,35 @@ class Run(NamedTuple):
 
 def train(setting: str, cfg: Config, text: jax.Array) -> Run:
     muon = optax.contrib.muon(cfg.lr)
-    qk_clip = clipjax.qk_clip(cfg.tau, query="wq", key="wk", head_axis=-1)
     clip = setting != "muon"
+    # qk_clip wraps Muon, so that its rescale comes after Muon's step. The kernels are
+    # [d_model, heads * head_dim] and square: head_axis=-1 says which axis holds the heads.
+    tx = clipjax.qk_clip(muon, cfg.tau, query="wq", key="wk", head_axis=-1) if clip else muon
     params = init_params(jax.random.key(cfg.seed), cfg)
-    states = (muon.init(params), qk_clip.init(params))
+    state = tx.init(params)
 
     @jax.jit
-    def step(params: Any, states: Any, t: jax.Array) -> tuple:
+    def step(params: Any, state: Any, t: jax.Array) -> tuple:
         tokens = sample_batch(text, jax.random.fold_in(jax.random.key(cfg.seed + 1), t), cfg)
         (loss, maxima), grads = jax.value_and_grad(forward, has_aux=True)(params, tokens, cfg)
-        updates, muon_state = muon.update(grads, states[0], params)
-        clip_state, clipped = states[1], jnp.zeros((), jnp.int32)
+        clipped = jnp.zeros((), jnp.int32)
         if clip:
+            given: Any = maxima
             if setting.endswith("updated logits"):
-                _, maxima = forward(optax.apply_updates(params, updates), tokens, cfg)
-            updates, clip_state = qk_clip.update(updates, clip_state, params, max_logits=maxima)
-            clipped = jnp.sum(clip_state.metrics["clipped_heads"])
+                # A function of Muon's new weights: qk_clip calls it with them.
+                given = lambda new: forward(new, tokens, cfg)[1]
+            updates, state = tx.update(grads, state, params, max_logits=given)
+            clipped = jnp.sum(state.metrics["clipped_heads"])
+        else:
+            updates, state = tx.update(grads, state, params)
         params = optax.apply_updates(params, updates)
         _, after = forward(params, tokens, cfg)
-        return params, (muon_state, clip_state), loss, jnp.max(maxima), jnp.max(after), clipped
+        return params, state, loss, jnp.max(maxima), jnp.max(after), clipped
 
     rows = []
     start = time.perf_counter()
     for t in range(cfg.steps):
-        params, states, *row = step(params, states, jnp.asarray(t))
+        params, state, *row = step(params, state, jnp.asarray(t))
         rows.append([float(x) for x in row])
     loss, max_logit, after, clipped = np.asarray(rows).T
     return Run(loss, max_logit, after, clipped.astype(int), time.perf_counter() - start)

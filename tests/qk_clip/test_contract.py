@@ -42,7 +42,7 @@ def logits_at(t: int, rows: int = 1) -> jax.Array:
 
 def test_the_state_keeps_its_structure_shapes_and_dtypes() -> None:
     params = attention_params()
-    tx = clipjax.qk_clip(TAU)
+    tx = clipjax.qk_clip(optax.identity(), TAU)
     state = tx.init(params)
     shapes = jax.tree.map(lambda x: (x.shape, x.dtype), state)
     update = jax.jit(tx.update)
@@ -63,7 +63,7 @@ def test_the_state_keeps_its_structure_shapes_and_dtypes() -> None:
 
 def test_jit_traces_once_and_equals_eager() -> None:
     params = attention_params()
-    tx = clipjax.qk_clip(TAU)
+    tx = clipjax.qk_clip(optax.identity(), TAU)
     traces = []
 
     def update(updates: Any, state: Any, params: Any, max_logits: Any) -> Any:
@@ -86,7 +86,7 @@ def test_jit_traces_once_and_equals_eager() -> None:
 
 def test_metrics_names_and_counters() -> None:
     params = attention_params()
-    tx = optax.chain(optax.sgd(0.0), clipjax.qk_clip(TAU, name="qk"))
+    tx = clipjax.qk_clip(optax.sgd(0.0), TAU, name="qk")
     state = tx.init(params)
     for t in range(3):
         _, state = tx.update(params, state, params, max_logits=logits_at(t))
@@ -103,7 +103,7 @@ def test_metrics_names_and_counters() -> None:
 
 def test_a_nonfinite_logit_leaves_its_head_alone_and_is_counted() -> None:
     params = attention_params()
-    tx = clipjax.qk_clip(TAU)
+    tx = clipjax.qk_clip(optax.identity(), TAU)
     s = jnp.array([[jnp.nan, jnp.inf, 30.0, 1.0]])
     out, state = tx.update(params, tx.init(params), params, max_logits=s)
     kernel, given = (
@@ -140,11 +140,9 @@ def test_a_scanned_model_trained_in_a_scan_over_steps() -> None:
     layers = 2
     params = attention_params(1, layers)
     x = jax.random.normal(jax.random.key(2), (2, 6, D))
-    tx = optax.chain(
-        optax.adamw(0.05), clipjax.qk_clip(2.0, scope=clipjax.stacked(layers="layers"))
-    )
+    tx = clipjax.qk_clip(optax.adamw(0.05), 2.0, scope=clipjax.stacked(layers="layers"))
     state = tx.init(params)
-    assert state[1].info.groups == tuple(f"layers/{k}/attn" for k in range(layers))
+    assert state.info.groups == tuple(f"layers/{k}/attn" for k in range(layers))
 
     def train_step(carry: Any, _: Any) -> tuple[Any, jax.Array]:
         params, state = carry
@@ -167,14 +165,16 @@ def test_a_scanned_model_trained_in_a_scan_over_steps() -> None:
 
 def test_update_under_vmap_takes_the_max_over_axis_name() -> None:
     params = attention_params()
-    tx = clipjax.qk_clip(TAU, axis_name="data")
+    tx = clipjax.qk_clip(optax.identity(), TAU, axis_name="data")
     state = tx.init(params)
     replicas = jnp.stack([logits_at(0), 2 * logits_at(0)])  # two data shards' own maxima
     stack = lambda tree: jax.tree.map(lambda x: jnp.stack([x, x]), tree)
     out, states = jax.vmap(lambda u, s, p, m: tx.update(u, s, p, max_logits=m), axis_name="data")(
         stack(params), stack(state), stack(params), replicas
     )
-    single, _ = clipjax.qk_clip(TAU).update(params, state, params, max_logits=2 * logits_at(0))
+    single, _ = clipjax.qk_clip(optax.identity(), TAU).update(
+        params, state, params, max_logits=2 * logits_at(0)
+    )
     for replica in range(2):
         mine = jax.tree.map(lambda a, r=replica: a[r], out)
         jax.tree.map(np.testing.assert_allclose, mine, single)
@@ -193,7 +193,7 @@ def test_after_the_optimizer_heads_under_tau_keep_its_updates(optimizer: str) ->
                        "key": jax.random.normal(jax.random.key(1), shape)}}  # fmt: skip
     grads = jax.tree.map(lambda p: 0.3 * p + 0.1, params)
     make = {"adamw": lambda: optax.adamw(1e-2), "muon": lambda: optax.contrib.muon(1e-2)}[optimizer]
-    tx = optax.chain(make(), clipjax.qk_clip(TAU, head_axis=-1))
+    tx = clipjax.qk_clip(make(), TAU, head_axis=-1)
     alone = make()
     s = jnp.array([1.0, 40.0, 5.0, 12.5])
     out, state = jax.jit(tx.update)(grads, tx.init(params), params, max_logits=s)
@@ -213,8 +213,8 @@ def test_after_the_optimizer_heads_under_tau_keep_its_updates(optimizer: str) ->
 
 def test_inject_hyperparams_tau_equals_the_plain_transform() -> None:
     params = attention_params()
-    injected = optax.inject_hyperparams(clipjax.qk_clip)(tau=20.0)
-    plain = clipjax.qk_clip(20.0)
+    injected = optax.inject_hyperparams(clipjax.qk_clip)(optax.identity(), tau=20.0)
+    plain = clipjax.qk_clip(optax.identity(), 20.0)
     state, plain_state = injected.init(params), plain.init(params)
     for t in range(3):
         out, state = jax.jit(injected.update)(params, state, params, max_logits=logits_at(t))
@@ -229,9 +229,11 @@ def test_inject_hyperparams_tau_equals_the_plain_transform() -> None:
 
 def test_inject_hyperparams_static_arguments_say_so() -> None:
     with pytest.raises(ValueError, match=r"static_args=\('kv_heads',\)"):
-        optax.inject_hyperparams(clipjax.qk_clip)(tau=1.0, kv_heads=2).init(attention_params())
+        optax.inject_hyperparams(clipjax.qk_clip)(optax.identity(), tau=1.0, kv_heads=2).init(
+            attention_params()
+        )
     tx = optax.inject_hyperparams(clipjax.qk_clip, static_args=("kv_heads", "head_axis"))(
-        tau=1.0, kv_heads=2, head_axis=-2
+        optax.identity(), tau=1.0, kv_heads=2, head_axis=-2
     )
     tx.update(attention_params(), tx.init(attention_params()), attention_params(),
               max_logits=logits_at(0))  # fmt: skip
@@ -239,7 +241,7 @@ def test_inject_hyperparams_static_arguments_say_so() -> None:
 
 def test_multi_steps_clips_once_per_real_step_with_the_last_logits() -> None:
     params = attention_params()
-    inner = lambda: optax.chain(optax.sgd(0.1), clipjax.qk_clip(TAU))
+    inner = lambda: clipjax.qk_clip(optax.sgd(0.1), TAU)
     tx = optax.MultiSteps(inner(), every_k_schedule=2)
     grads = [jax.tree.map(lambda p, c=c: c * p, params) for c in (0.5, 1.5)]
     state = tx.init(params)
@@ -255,13 +257,13 @@ def test_multi_steps_clips_once_per_real_step_with_the_last_logits() -> None:
     m = clipjax.metrics(state)
     assert int(m["qk_clip/layers/attn/step"]) == 1
     assert int(m["qk_clip/layers/attn/clipped_heads"]) == int(
-        plain_state[1].metrics["clipped_heads"][0]
+        plain_state.metrics["clipped_heads"][0]
     )
 
 
 def test_multi_steps_with_a_tree_of_logits() -> None:
     params = attention_params()
-    tx = optax.MultiSteps(optax.chain(optax.sgd(0.1), clipjax.qk_clip(TAU)), every_k_schedule=2)
+    tx = optax.MultiSteps(clipjax.qk_clip(optax.sgd(0.1), TAU), every_k_schedule=2)
     state = tx.init(params)
     tree = {"intermediates": {"layers": {"attn": {"max_logits": (logits_at(3)[0],)}}}}
     for _ in range(2):
@@ -271,17 +273,17 @@ def test_multi_steps_with_a_tree_of_logits() -> None:
 
 def test_tree_map_params_keeps_the_names() -> None:
     params = attention_params()
-    tx = optax.chain(optax.adam(1e-3), clipjax.qk_clip(TAU))
+    tx = clipjax.qk_clip(optax.adam(1e-3), TAU)
     state = tx.init(params)
     mapped = optax.tree_utils.tree_map_params(tx, lambda x: x, state)
-    assert mapped[1].info.groups == ("layers/attn",)
+    assert mapped.info.groups == ("layers/attn",)
     assert sorted(clipjax.metrics(mapped)) == sorted(clipjax.metrics(state))
 
 
 def test_flax_serialization_round_trip() -> None:
     serialization = pytest.importorskip("flax.serialization")
     params = attention_params()
-    tx = clipjax.qk_clip(TAU)
+    tx = clipjax.qk_clip(optax.identity(), TAU)
     _, state = tx.update(params, tx.init(params), params, max_logits=logits_at(2))
     restored = serialization.from_bytes(tx.init(params), serialization.to_bytes(state))
     jax.tree.map(np.testing.assert_array_equal, restored, state)
@@ -297,7 +299,7 @@ def test_a_tree_of_logits_is_read_by_module_path() -> None:
             f"layers_{i}": {"attn": attention_params(i)["layers"]["attn"]} for i in (0, 1, 2, 10)
         }
     }
-    tx = clipjax.qk_clip(TAU)
+    tx = clipjax.qk_clip(optax.identity(), TAU)
     state = tx.init(params)
     assert state.info.groups == tuple(f"params/layers_{i}/attn" for i in (0, 1, 2, 10))
     batch = lambda i: jnp.stack([logits_at(i)[0], 0.5 * logits_at(i)[0]])  # [batch, heads]
@@ -315,7 +317,7 @@ def test_a_tree_of_logits_is_read_by_module_path() -> None:
 
 def test_a_stacked_module_reads_layers_by_heads_from_a_tree() -> None:
     params = attention_params(0, 3)
-    tx = clipjax.qk_clip(TAU, scope=clipjax.stacked(layers="layers"))
+    tx = clipjax.qk_clip(optax.identity(), TAU, scope=clipjax.stacked(layers="layers"))
     state = tx.init(params)
     s = jnp.stack([logits_at(t)[0] for t in range(3)])
     tree = {"layers": {"attn": {"max_logits": s[:, None, :]}}}  # [layers, batch, heads]
@@ -329,7 +331,7 @@ def test_a_stacked_module_reads_layers_by_heads_from_a_tree() -> None:
 
 def test_missing_params_and_max_logits_are_named() -> None:
     params = attention_params()
-    tx = clipjax.qk_clip(TAU)
+    tx = clipjax.qk_clip(optax.identity(), TAU)
     state = tx.init(params)
     with pytest.raises(ValueError, match="needs params"):
         tx.update(params, state, max_logits=logits_at(0))
@@ -349,7 +351,7 @@ def test_missing_params_and_max_logits_are_named() -> None:
 )
 def test_bad_max_logits_are_named(logits: Any, message: str) -> None:
     params = attention_params()
-    tx = clipjax.qk_clip(TAU)
+    tx = clipjax.qk_clip(optax.identity(), TAU)
     with pytest.raises(ValueError, match=message):
         tx.update(params, tx.init(params), params, max_logits=logits)
 
@@ -366,7 +368,7 @@ def test_bad_max_logits_are_named(logits: Any, message: str) -> None:
 )
 def test_bad_layouts_are_named(kwargs: dict[str, Any], message: str) -> None:
     params = attention_params()
-    tx = clipjax.qk_clip(TAU, **kwargs)
+    tx = clipjax.qk_clip(optax.identity(), TAU, **kwargs)
     with pytest.raises(ValueError, match=message):
         tx.update(params, tx.init(params), params, max_logits=logits_at(0))
 
@@ -375,7 +377,7 @@ def test_a_module_without_a_key_is_named() -> None:
     params = {"a": {"query": jnp.ones((2, 2, 2)), "key": jnp.ones((2, 2, 2))},
               "b": {"query": jnp.ones((2, 2, 2))}}  # fmt: skip
     with pytest.raises(ValueError, match="attention module b has no key leaf"):
-        clipjax.qk_clip(TAU).init(params)
+        clipjax.qk_clip(optax.identity(), TAU).init(params)
 
 
 @pytest.mark.parametrize(
@@ -393,7 +395,7 @@ def test_a_module_without_a_key_is_named() -> None:
 )
 def test_bad_arguments_are_named(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        clipjax.qk_clip(**kwargs)
+        clipjax.qk_clip(optax.identity(), **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -410,7 +412,7 @@ def test_bad_qkheads_are_named(kwargs: dict[str, Any], message: str) -> None:
 
 
 def test_another_models_state_is_named() -> None:
-    tx = clipjax.qk_clip(TAU)
+    tx = clipjax.qk_clip(optax.identity(), TAU)
     state = tx.init(attention_params())
     other = {"enc": attention_params()["layers"]}
     with pytest.raises(ValueError, match="does not match the tree passed to init"):
@@ -425,7 +427,7 @@ def test_qkheads_takes_lists_and_stays_hashable() -> None:
 
 def test_other_values_a_module_sowed_are_not_logits() -> None:
     params = attention_params()
-    tx = clipjax.qk_clip(TAU)
+    tx = clipjax.qk_clip(optax.identity(), TAU)
     state = tx.init(params)
     attn = {"max_logits": (logits_at(0),), "attention_weights": (jnp.full((2, 4, 3, 3), 1e6),)}
     out, state = tx.update(params, state, params, max_logits={"layers": {"attn": attn}})

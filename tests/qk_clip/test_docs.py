@@ -24,8 +24,8 @@ def run(block: str, capsys: pytest.CaptureFixture) -> tuple[dict[str, Any], str]
     return namespace, capsys.readouterr().out
 
 
-def test_the_page_has_its_five_blocks() -> None:
-    assert len(blocks()) == 5
+def test_the_page_has_its_six_blocks() -> None:
+    assert len(blocks()) == 6
 
 
 def test_the_first_example(capsys: pytest.CaptureFixture) -> None:
@@ -39,6 +39,17 @@ def test_the_layouts_build(capsys: pytest.CaptureFixture) -> None:
     run(blocks()[1], capsys)
 
 
-def test_the_helper_equals_the_materialised_logits(capsys: pytest.CaptureFixture) -> None:
+def test_the_wrong_wirings_raise(capsys: pytest.CaptureFixture) -> None:
+    if not hasattr(optax.contrib, "muon"):
+        pytest.skip("optax.contrib.muon is newer than this optax")
     _, out = run(blocks()[2], capsys)
+    assert out.splitlines() == [
+        "qk_clip: optimizer must be an optax GradientTransformation",
+        "True",
+        "2",
+    ]
+
+
+def test_the_helper_equals_the_materialised_logits(capsys: pytest.CaptureFixture) -> None:
+    _, out = run(blocks()[3], capsys)
     assert out.strip() == "True"

@@ -40,7 +40,7 @@ def test_nnx_capture_of_sown_max_logits_reaches_qk_clip() -> None:
             return x
 
     model = Model(nnx.Rngs(0))
-    tx = optax.chain(optax.sgd(0.0), clipjax.qk_clip(1.0, kv_heads=2))
+    tx = clipjax.qk_clip(optax.sgd(0.0), 1.0, kv_heads=2)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     x = jax.random.normal(jax.random.key(0), (2, 5, 16))
 
@@ -82,7 +82,7 @@ def test_linen_sow_reaches_qk_clip() -> None:
 
     model, x = Model(), jax.random.normal(jax.random.key(0), (2, 5, 16))
     params = model.init(jax.random.key(1), x)["params"]
-    tx = optax.chain(optax.sgd(0.0), clipjax.qk_clip(1.0))
+    tx = clipjax.qk_clip(optax.sgd(0.0), 1.0)
     state = tx.init(params)
     _, variables = model.apply({"params": params}, x, mutable=["intermediates"])
     _, state = jax.jit(tx.update)(params, state, params, max_logits=variables)
@@ -96,7 +96,7 @@ def test_the_docs_nnx_recipe(capsys: pytest.CaptureFixture) -> None:
     nnx = pytest.importorskip("flax.nnx")
     if not hasattr(nnx, "capture"):
         pytest.skip("nnx.capture is newer than this flax")
-    namespace, out = run(blocks()[3], capsys)
+    namespace, out = run(blocks()[4], capsys)
     assert out.strip() == "['qk_clip/layers/0', 'qk_clip/layers/1']"
     metrics = namespace["metrics"]
     assert int(metrics["qk_clip/layers/0/step"]) == 3
@@ -105,5 +105,5 @@ def test_the_docs_nnx_recipe(capsys: pytest.CaptureFixture) -> None:
 
 def test_the_docs_linen_recipe(capsys: pytest.CaptureFixture) -> None:
     pytest.importorskip("flax.linen")
-    _, out = run(blocks()[4], capsys)
+    _, out = run(blocks()[5], capsys)
     assert out.strip() == "['qk_clip/attn_0', 'qk_clip/attn_1']"

@@ -138,7 +138,7 @@ def mha_case(heads: int = 8, groups: int = 8, d: int = 12, head_dim: int = 4, al
         jax.tree.map(lambda x: 0.01 * x, random_tree(shapes, 4)),
     )
     kv = None if groups == heads else groups
-    tx = clipjax.qk_clip(TAU, kv_heads=kv, alpha=alpha)
+    tx = clipjax.qk_clip(optax.identity(), TAU, kv_heads=kv, alpha=alpha)
     s = logits_for(heads)
     new, out, state = step(tx, params, updates, jnp.asarray(s, jnp.float32)[None])
     w = f64_sum(params, updates)
@@ -212,7 +212,7 @@ def test_flattened_gqa_layout_within_the_budget() -> None:
     d, heads, groups, head_dim = 16, 8, 2, 4
     shapes = {"blocks": {"wq": (d, heads * head_dim), "wk": (d, groups * head_dim)}}
     params, updates = random_tree(shapes, 5), random_tree(shapes, 6)
-    tx = clipjax.qk_clip(TAU, query="wq", key="wk", head_axis=-1, kv_heads=groups)
+    tx = clipjax.qk_clip(optax.identity(), TAU, query="wq", key="wk", head_axis=-1, kv_heads=groups)
     s = logits_for(heads, 1)
     new, *_ = step(tx, params, updates, jnp.asarray(s, jnp.float32))
     w = f64_sum(params, updates)["blocks"]
@@ -222,6 +222,43 @@ def test_flattened_gqa_layout_within_the_budget() -> None:
     flat = lambda x: x.transpose(1, 0, 2).reshape(d, -1)
     pairs = [
         (new["blocks"][n], flat(want), params["blocks"][n], updates["blocks"][n])
+        for n, want in (("wq", q), ("wk", k))
+    ]
+    assert within_budget(pairs) <= BUDGET
+
+
+# One layer's [heads, d, head_dim] from each layout of n heads, and back (d = 13: each leaf
+# splits into its heads along one of its last two axes only, so the head axis is inferred).
+LAYOUTS = {
+    "flax": (-2, lambda n: (13, n, 4), lambda x, n: x.transpose(1, 0, 2),
+             lambda x: x.transpose(1, 0, 2)),
+    "flattened": (-1, lambda n: (13, n * 4), lambda x, n: x.reshape(13, n, 4).transpose(1, 0, 2),
+                  lambda x: x.transpose(1, 0, 2).reshape(13, -1)),
+    "transposed": (-2, lambda n: (n * 4, 13), lambda x, n: x.reshape(n, 4, 13).transpose(0, 2, 1),
+                   lambda x: x.transpose(0, 2, 1).reshape(-1, 13)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("given", [False, True], ids=["inferred", "head_axis given"])
+@pytest.mark.parametrize(("heads", "groups"), [(8, 8), (8, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
+def test_each_layout_inferred_or_given_within_the_budget(
+    layout: str, given: bool, heads: int, groups: int
+) -> None:
+    axis, shape, to_heads, back = LAYOUTS[layout]
+    shapes = {"attn": {"wq": shape(heads), "wk": shape(groups)}}
+    params = random_tree(shapes, 15)
+    updates = jax.tree.map(lambda x: 0.01 * x, random_tree(shapes, 16))
+    kv = None if groups == heads else groups
+    tx = clipjax.qk_clip(
+        optax.identity(), TAU, query="wq", key="wk", head_axis=axis if given else None, kv_heads=kv
+    )
+    s = logits_for(heads, 4)
+    new, *_ = step(tx, params, updates, jnp.asarray(s, jnp.float32))
+    w = f64_sum(params, updates)["attn"]
+    q, k, _ = R.rule(to_heads(w["wq"], heads), to_heads(w["wk"], groups), s, TAU)
+    pairs = [
+        (new["attn"][n], back(want), params["attn"][n], updates["attn"][n])
         for n, want in (("wq", q), ("wk", k))
     ]
     assert within_budget(pairs) <= BUDGET
@@ -240,7 +277,7 @@ def megatron_fused(tau: float = TAU, **kw: Any) -> tuple[Any, Any, Any, np.ndarr
     key = clipjax.QKHeads(
         "linear_qkv", axis=0, count=g, dims=(per_group * hd, (per_group + 1) * hd)
     )
-    tx = clipjax.qk_clip(tau, query=query, key=key, kv_heads=g, **kw)
+    tx = clipjax.qk_clip(optax.identity(), tau, query=query, key=key, kv_heads=g, **kw)
     s = logits_for(h, 2)
     new, *_ = step(tx, params, updates, jnp.asarray(s, jnp.float32))
     return new, params, updates, s
@@ -270,7 +307,7 @@ def mla_case(layout: str, rotary: bool = True) -> tuple[list, Any, Any, Any, np.
         rq = clipjax.QKHeads("linear_q_proj", axis=0, dims=(nope, nope + rope))
     params = random_tree(shapes, 9)
     updates = jax.tree.map(lambda x: 0.01 * x, random_tree(shapes, 10))
-    tx = clipjax.qk_clip(TAU, query=q, key=k, rotary_query=rq if rotary else None)
+    tx = clipjax.qk_clip(optax.identity(), TAU, query=q, key=k, rotary_query=rq if rotary else None)
     s = logits_for(heads, 3)
     new, *_ = step(tx, params, updates, jnp.asarray(s, jnp.float32))
     w = f64_sum(params, updates)["mla"]
@@ -299,7 +336,7 @@ def test_stacked_layers_within_the_budget() -> None:
     shapes = {"layers": {"attn": {"query": {"kernel": (layers, d, heads, head_dim)},
                                   "key": {"kernel": (layers, d, heads, head_dim)}}}}  # fmt: skip
     params, updates = random_tree(shapes, 11), random_tree(shapes, 12)
-    tx = clipjax.qk_clip(TAU, scope=clipjax.stacked(layers="layers"))
+    tx = clipjax.qk_clip(optax.identity(), TAU, scope=clipjax.stacked(layers="layers"))
     s = np.stack([logits_for(heads, seed) for seed in range(layers)])
     s[1] = 10.0  # a layer with no head over tau
     new, out, state = step(tx, params, updates, jnp.asarray(s, jnp.float32))
@@ -338,7 +375,7 @@ def test_a_layer_axis_after_the_head_axis() -> None:
         "layers": {"query": (d, layers, heads, head_dim), "key": (d, layers, heads, head_dim)}
     }
     params, updates = random_tree(shapes, 13), random_tree(shapes, 14)
-    tx = clipjax.qk_clip(TAU, scope=clipjax.stacked(layers="layers", axis=1))
+    tx = clipjax.qk_clip(optax.identity(), TAU, scope=clipjax.stacked(layers="layers", axis=1))
     s = np.stack([logits_for(heads, seed) for seed in range(layers)])
     new, *_ = step(tx, params, updates, jnp.asarray(s, jnp.float32))
     w = f64_sum(params, updates)["layers"]
@@ -362,7 +399,7 @@ def test_bfloat16_weights_keep_their_dtype() -> None:
             "key": jnp.ones((4, 2, 3), jnp.bfloat16),
         }
     }
-    tx = clipjax.qk_clip(TAU)
+    tx = clipjax.qk_clip(optax.identity(), TAU)
     out, _ = tx.update(params, tx.init(params), params, max_logits=jnp.array([400.0, 50.0]))
     assert out["attn"]["query"].dtype == jnp.bfloat16
     new = optax.apply_updates(params, out)
