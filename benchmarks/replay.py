@@ -12,7 +12,9 @@ the runs that let it through stalled.
 Each seed's stream is multiplied by k (a loss times k: k = 0.01, 0.1, 1, 10,
 100) and replayed **open loop** (clipping does not change the later norms) as
 a one-element gradient through the setting, followed by
-``optax.scale_by_adam(b1=0.9, b2=0.999)`` (inside ``skip_on_spike`` for the
+``optax.scale_by_adam(b1=0.9, b2=0.999)`` in ``clipjax.chain``, which skips
+adam on a step the setting holds (``optax.chain`` for the rows that say so;
+inside ``skip_on_spike`` for the
 skip rows, which also get the recorded loss times k as ``value``); ``v̂`` is
 adam's bias-corrected second moment after each step. Adam alone does the same
 thing at every k; a setting with an absolute number in its rule does not. The
@@ -81,13 +83,18 @@ def build(code: str) -> optax.GradientTransformation:
 
 
 # name -> (code of the clipper, or None for no clipping; wrapped in skip_on_spike).
-# Every reference default and every feedback="clipped" setting.
+# Every reference default and every feedback="clipped" setting, in clipjax.chain
+# (which skips adam on the steps a clipper holds); OPTAX_CHAIN rows in optax.chain.
+OPTAX_CHAIN = " through optax.chain"
+
+
 def settings() -> dict[str, tuple[str | None, bool]]:
     rec = recommended()
     table: dict[str, tuple[str | None, bool]] = {
         "none": (None, False),
         "recommended": (rec, False),
         "skip_on_spike(recommended)": (rec, True),
+        "recommended" + OPTAX_CHAIN: (rec, False),
         "skip_on_spike(adam)": (None, True),
     }
     for code in (
@@ -100,6 +107,8 @@ def settings() -> dict[str, tuple[str | None, bool]]:
         'zclip(feedback="clipped")',
         'zclip(feedback="clipped", max_grad_norm=1.0)',
         'zclip(feedback="clipped", max_grad_norm=None, relative_ceiling=None)',
+        'zclip(feedback="clipped", start="weight")',
+        'zclip(feedback="clipped", start=None)',
         "hist_clip()",
         'hist_clip(feedback="clipped")',
         "adagc()",
@@ -151,10 +160,14 @@ def _recorder() -> optax.GradientTransformation:
     )
 
 
-def replay(code: str | None, skip: bool, norms: np.ndarray, losses: np.ndarray) -> tuple:
-    """``(sqrt(v̂), |received|)``, each ``[seeds, steps]``, of one setting."""
+def replay(
+    code: str | None, skip: bool, norms: np.ndarray, losses: np.ndarray, route: str = "clipjax"
+) -> tuple:
+    """``(sqrt(v̂), |received|)``, each ``[seeds, steps]``, of one setting, in
+    ``clipjax.chain`` (``route="clipjax"``) or ``optax.chain``."""
     clipper = optax.identity() if code is None else build(code)
-    inner = optax.chain(clipper, _recorder(), optax.scale_by_adam(b1=B1, b2=B2))
+    chain = clipjax.chain if route == "clipjax" else optax.chain
+    inner = chain(clipper, _recorder(), optax.scale_by_adam(b1=B1, b2=B2))
     tx = clipjax.skip_on_spike(inner) if skip else inner
     params = {"w": jnp.zeros((1,), jnp.float32)}
 
@@ -166,6 +179,10 @@ def replay(code: str | None, skip: bool, norms: np.ndarray, losses: np.ndarray) 
             adam = optax.tree_utils.tree_get(state, "ScaleByAdamState")
             v_hat = adam.nu["w"][0] / (1 - B2 ** adam.count.astype(jnp.float32))
             received = jnp.abs((state.inner_state if skip else state)[1][0])
+            # A step the clipper held reached no optimizer (clipjax.chain skipped it).
+            held = None if code is None else clipjax.metrics(state).get("zclip/global/held")
+            if held is not None and route == "clipjax":
+                received = jnp.where(held > 0, 0.0, received)
             if skip:
                 skipped = clipjax.metrics(state)["skip_on_spike/global/skipped"]
                 received = jnp.where(skipped > 0, 0.0, received)
@@ -209,7 +226,8 @@ def evaluate(
         code, skip = table[name]
         results[name] = {}
         for k in scales:
-            rms, received = replay(code, skip, k * norms, k * losses)
+            route = "optax" if name.endswith(OPTAX_CHAIN) else "clipjax"
+            rms, received = replay(code, skip, k * norms, k * losses, route)
             # Divided by k: at every scale the reference is the k = 1 one, times k.
             results[name][k] = measure(rms / k, received / k, norms, reference)
     return results

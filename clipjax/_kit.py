@@ -34,7 +34,7 @@ SpikeFeedback = Literal["raw", "clipped", "skip"]
 TargetFeedback = Literal["raw", "clipped", "clip_target", "skip"]
 
 COUNTERS = ("count", "step", "clipped_count", "nonfinite_count")
-FLAGS = ("clipped", "spike", "capped")  # boolean metrics
+FLAGS = ("clipped", "spike", "capped", "held")  # boolean metrics
 # The ceiling of the spike-defence setting (feedback="clipped") where the
 # reference has none: the field's standard clip, ZClip's default.
 DEFAULT_CEILING = 1.0

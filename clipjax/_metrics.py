@@ -199,6 +199,18 @@ def _skipped(node: Any, idle: Any) -> Any:
     return skipped if idle is None else idle | skipped
 
 
+def held(tree: Any) -> Any:
+    """Whether a clipjax clipper of ``tree`` (not one inside a wrapper's inner
+    state) held this step (``zclip(start="hold")``): a scalar bool, or None
+    where no clipper in it holds."""
+    flags = [
+        jnp.any(node.metrics["held"])
+        for node in jax.tree_util.tree_leaves(tree, is_leaf=is_clipjax_state)
+        if is_clipjax_state(node) and "held" in node.metrics
+    ]
+    return functools.reduce(jnp.logical_or, flags) if flags else None
+
+
 def _states(tree: Any, idle: Any = None) -> list[tuple[Any, Any]]:
     """The clipjax states of one naming scope, in tree order, with their idle masks.
 

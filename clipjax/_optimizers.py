@@ -494,6 +494,13 @@ def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
     without a conditional, while a chain holding ``optax.adam`` still works at
     the cost of the conditional.
 
+    A clipper that holds a step (``zclip(start="hold")``, the recommended
+    setting's start: the warm-up steps its rule cannot judge) makes the chain
+    run the members after it as ``update_if(False, ...)`` on that step: zero
+    updates, their states untouched, so the optimizer's moments never see the
+    start of the run and no later step is enlarged (``optax.chain`` cannot skip:
+    there the held steps reach the optimizer).
+
     Args:
       *transforms: the transforms to apply in order.
 
@@ -517,27 +524,45 @@ def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
     # A state per member; each member checks its own.
     layout = (object,) * len(members)
 
-    def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
-        _checks.check_members(state, layout, "clipjax.chain")
-        return base.update(updates, state, params, **extra_args)
-
-    def keep_state_if(
-        pred: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, Any]:
-        pred = jnp.asarray(pred, bool)
+    def run(
+        pred: Any, updates: Any, state: Any, params: Any, **extra_args: Any
+    ) -> tuple[Any, Any, Any]:
+        """The members in order, each under ``pred`` (None: every member updates),
+        which a clipper's held step turns False for the members after it."""
         _checks.check_members(state, layout, "clipjax.chain")
         new_state = []
         for member, member_state in zip(members, state):
             keep = getattr(member, "keep_state_if", None)
-            if keep is not None:
-                # Zeroed once, by update_if after the last member.
+            if pred is None:
+                updates, member_state = member.update(updates, member_state, params, **extra_args)
+            elif keep is not None:
+                # Zeroed once, after the last member.
                 updates, member_state = keep(pred, updates, member_state, params, **extra_args)
             else:
                 updates, member_state = _conditional.run_if(
                     pred, member, updates, member_state, params, **extra_args
                 )
+            held = _metrics.held(member_state)
+            if held is not None:
+                pred = ~held if pred is None else pred & ~held
             new_state.append(member_state)
-        return updates, tuple(new_state)
+        return updates, tuple(new_state), pred
+
+    def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        updates, new_state, pred = run(None, updates, state, params, **extra_args)
+        if pred is not None:
+            updates = _conditional.zero_unless(pred, updates)
+        return updates, new_state
+
+    def keep_state_if(
+        pred: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, Any]:
+        pred = jnp.asarray(pred, bool)
+        updates, new_state, held_pred = run(pred, updates, state, params, **extra_args)
+        if held_pred is not pred:
+            # update_if zeroes where its own pred is False; the held steps here.
+            updates = _conditional.zero_unless(held_pred, updates)
+        return updates, new_state
 
     return _conditional.skippable(base.init, update, keep_state_if=keep_state_if)
 

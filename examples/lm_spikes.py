@@ -12,7 +12,7 @@ Each setting is one optax transform; every setting trains the same seeds (a
 seed sets the initial weights and the batches), all seeds at once under
 ``jax.vmap``.
 
-Three configurations (``CONFIGS``): ``--config gpu`` (the default; the
+Four configurations (``CONFIGS``): ``--config gpu`` (the default; the
 configuration the comment above ``Config`` describes: unclipped, or with a warm-up that lets its
 first steps through, 2 of 3 runs stall on a plateau; about six minutes for
 the table on one H200), ``--config cpu`` (2 layers, d_model 64, 300 steps,
@@ -20,7 +20,9 @@ adamw b2 0.9999 warmed up over 50 steps to lr 0.3, for two CPU cores:
 unclipped, it blows up by itself some 100 steps later; at half the learning
 rate it trains) and ``--config cpu_long`` (the GPU configuration's optimizer
 on the 2-layer model, 1000 steps: unclipped it loses a few percent on most
-seeds; the comment above ``CONFIGS`` says why it does not stall).
+seeds; the comment above ``CONFIGS`` says why it does not stall) and
+``--config cpu_cosine`` (the 2-layer model, adamw with a 30-step warm-up and a
+cosine decay over 300 steps, the schedule most recipes use).
 
 The model, its data, its configurations (``Config``, ``CONFIGS``) and its
 training loop are in ``examples/lm_model.py``: the model's loss and gradient
@@ -137,8 +139,11 @@ class Setting(NamedTuple):
 
 
 def schedule(cfg: Config, lr: float | None = None) -> optax.Schedule:
-    """Linear warm-up to the peak learning rate, then constant."""
+    """Linear warm-up to the peak learning rate, then constant, or (``decay="cosine"``)
+    a cosine decay to 0 at the last step."""
     peak = cfg.lr if lr is None else lr
+    if cfg.decay == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, peak, max(cfg.warmup, 1), cfg.steps)
     return optax.join_schedules(
         [optax.linear_schedule(0.0, peak, max(cfg.warmup, 1)), optax.constant_schedule(peak)],
         [max(cfg.warmup, 1)],
@@ -226,7 +231,31 @@ ROWS: list[tuple[str, Setting]] = [
     # The field's untuned default, at 1.0 whatever the loss scale (the sweep's
     # static_1 is 1.0 x the loss scale).
     ("clip_1", static(1.0, scaled=False)),
-    ("recommended", clipper(f"{RECOMMENDED} (the recommended setting)", recommended, "clipped")),
+    (
+        "recommended",
+        Setting(
+            lambda cfg: clipjax.chain(recommended(), skippable_adamw(cfg)),
+            f"clipjax.chain({RECOMMENDED}, clipjax.adamw) (the recommended setting: "
+            "adamw skips the steps the clipper holds)",
+            panel="clipped",
+        ),
+    ),
+    (
+        "recommended_optax_chain",
+        clipper(
+            f"{RECOMMENDED} in optax.chain (the held steps reach adamw: the first zeroed)",
+            recommended,
+            "clipped",
+        ),
+    ),
+    (
+        "zclip_fb_weight",
+        clipper(
+            'zclip(feedback="clipped", start="weight") (0.4\'s recommended setting: a time weight)',
+            lambda: clipjax.zclip(feedback="clipped", start="weight"),
+            "clipped",
+        ),
+    ),
     (
         "skip_recommended",
         skipping(
@@ -768,7 +797,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="gpu: 4 layers, d_model 256, 2000 steps (one GPU); cpu: 2 layers, d_model 64, "
         "300 steps at a learning rate where adamw alone blows up (two CPU cores); cpu_long: "
         "the GPU configuration's optimizer on a 2-layer d_model 64 model, 1000 steps (two "
-        "CPU cores, about 100 s a setting)",
+        "CPU cores, about 100 s a setting); cpu_cosine: the 2-layer model, adamw with a "
+        "30-step warm-up and a cosine decay over 300 steps",
     )
     parser.add_argument("--seeds", type=int, default=6, help="seeds per setting (0, 1, ...)")
     parser.add_argument("--steps", type=int, default=None, help="steps per run (config's)")

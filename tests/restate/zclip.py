@@ -32,6 +32,7 @@ def zclip(
     feedback: str = "clip_target",
     relative_ceiling: float | str | None = "auto",
     ceiling_window: int = 100,
+    start: str | None = "auto",
 ) -> dict[str, np.ndarray]:
     """zclip; ``threshold`` is the boundary ``min(B, ceiling)``, ``clip_to`` the norm it
     leaves with.
@@ -39,8 +40,10 @@ def zclip(
     ``"auto"`` ceilings: an absolute 1.0, except under ``feedback="clipped"``, where a
     relative ceiling of 1.5: every step bounded at 1.5 x the smallest positive norm so
     far during the warm-up, then 1.5 x the median of the last ``ceiling_window``
-    positive norms; step t weighed by ``min(1, (t + 1) / warmup_steps)``; no absolute
-    number anywhere (eps relative to the mean, multipliers T / g).
+    positive norms; no absolute number anywhere (eps relative to the mean,
+    multipliers T / g). ``start`` (``"auto"``: ``"hold"`` with a relative ceiling):
+    ``"hold"`` marks the finite warm-up steps ``held`` and zeroes the first one that
+    no norm bounds; ``"weight"`` weighs step t by ``min(1, (t + 1) / warmup_steps)``.
     """
     if max_grad_norm == "auto":
         max_grad_norm = None if feedback == "clipped" else 1.0
@@ -48,9 +51,11 @@ def zclip(
         relative_ceiling = 1.5 if feedback == "clipped" and max_grad_norm is None else None
     cap = INF if max_grad_norm is None else float(max_grad_norm)
     relative = relative_ceiling is not None
+    if start == "auto":
+        start = "hold" if relative else None
     ceiling = cap < INF or relative
     fields = [*COMMON, "clip_to", "mean", "std", "z", *(["capped"] if ceiling else [])]
-    log = _Log([*fields, *(["weight"] if relative else [])])
+    log = _Log([*fields, *([{"hold": "held"}.get(start, start)] if start else [])])
     div = 0.0 if relative else _ZCLIP_DIV
     samples: list[float] = []
     window: list[float] = []
@@ -68,8 +73,8 @@ def zclip(
         if relative and window:
             level = low if warming else float(np.median(window))
             limit = min(cap, float(relative_ceiling) * level)
-        weight = min(1.0, (log.step + 1) / warmup_steps) if relative else 1.0
-        extra = {"weight": 1.0} if relative else {}
+        weight = min(1.0, (log.step + 1) / warmup_steps) if start == "weight" else 1.0
+        extra = {"weight": 1.0} if start == "weight" else {"held": False} if start else {}
         if not math.isfinite(g):
             log.nonfinite(g, **stats(), **extra)
             continue
@@ -109,6 +114,9 @@ def zclip(
         # The ceiling is the bound where it lies at or below the rule's own scale.
         capped = g > limit and limit / (g + div) <= rule
         scale *= weight
+        held = start == "hold" and warming
+        if held and relative and not window:
+            scale = 0.0  # no norm seen yet bounds it
         if g > 0:
             window = [*window, g][-ceiling_window:]
             low = min(low, g)
@@ -118,9 +126,9 @@ def zclip(
             scale=scale,
             observed=observed,
             z=z,
-            clip_to=applied * weight if scale < 1 else g,
+            clip_to=(scale * (g + div) if start else applied) if scale < 1 else g,
             capped=capped,
             **stats(),
-            **({"weight": weight} if relative else {}),
+            **({"weight": weight} if start == "weight" else {"held": held} if start else {}),
         )
     return log.out()

@@ -1,4 +1,4 @@
-"""zclip(feedback="clipped"): a relative ceiling and a time weight, no absolute number.
+"""zclip(feedback="clipped"): a relative ceiling and a held start, no absolute number.
 
 The same run at any gradient scale (a loss times k), against adam itself and a
 float64 restatement; what the relative ceiling bounds and learns; the
@@ -33,11 +33,22 @@ def test_matches_the_float64_restatement() -> None:
     got = drive.run(clipjax.zclip(feedback="clipped"), NORMS)
     want = S.zclip(NORMS, feedback="clipped")
     S.compare(got, want, "")
-    assert want["weight"][0] == pytest.approx(1 / 25) and (want["weight"][25:] == 1).all()
+    finite = np.isfinite(NORMS)
+    assert want["scale"][0] == 0 and want["held"][0]
+    # The first 25 finite steps are held, none after.
+    held_at = np.flatnonzero(want["held"])
+    assert len(held_at) == 25 and finite[held_at].all() and held_at[-1] < 27
 
 
 @pytest.mark.parametrize(
-    "config", [{"relative_ceiling": 3.0, "ceiling_window": 10}, {"warmup_steps": 5}]
+    "config",
+    [
+        {"relative_ceiling": 3.0, "ceiling_window": 10},
+        {"warmup_steps": 5},
+        {"start": "weight"},
+        {"start": None},
+        {"start": "hold", "max_grad_norm": 2.0},
+    ],
 )
 def test_other_settings_match_the_restatement(config: dict) -> None:
     got = drive.run(clipjax.zclip(feedback="clipped", **config), NORMS)
@@ -64,17 +75,24 @@ def _gradients() -> np.ndarray:
 
 
 @pytest.mark.parametrize("k", [0.01, 100.0])
-@pytest.mark.parametrize("skip", [False, True], ids=["chain", "skip_on_spike"])
-def test_a_loss_times_k_is_the_same_run(k: float, skip: bool) -> None:
+@pytest.mark.parametrize(
+    "route", ["clipjax.chain", "skip_on_spike", "optax.chain"], ids=lambda r: r
+)
+def test_a_loss_times_k_is_the_same_run(k: float, route: str) -> None:
     """With adam's eps at 0 the updates agree to float32 rounding; with its default
     1e-8 (the only absolute number left) to 1e-4 at k = 0.01, where the first steps'
     weighted elements are ~1e-4 and eps is 1e-4 of them."""
     grads = _gradients()
-    for eps, rtol in ((0.0, 2e-5), (1e-8, 1e-4)):
+    # Through optax.chain adam sees the zeroed first step, which eps = 0 makes 0 / 0.
+    cases = ((0.0, 2e-5), (1e-8, 1e-4)) if route != "optax.chain" else ((1e-8, 1e-4),)
+    for eps, rtol in cases:
 
         def make(eps: float = eps) -> optax.GradientTransformation:
-            inner = optax.chain(clipjax.zclip(feedback="clipped"), optax.adam(1e-3, eps=eps))
-            return clipjax.skip_on_spike(inner) if skip else inner
+            clipper = clipjax.zclip(feedback="clipped")
+            if route == "optax.chain":
+                return optax.chain(clipper, optax.adam(1e-3, eps=eps))
+            inner = clipjax.chain(clipper, clipjax.adam(1e-3, eps=eps))
+            return clipjax.skip_on_spike(inner) if route == "skip_on_spike" else inner
 
         base = _updates(make(), grads)
         scaled = _updates(make(), grads * np.float32(k))
@@ -94,14 +112,26 @@ def test_an_absolute_ceiling_is_not_the_same_run() -> None:
     assert np.abs(scaled - base).max() > 0.1 * np.abs(base).max()
 
 
-def test_step_zero_is_weighed_by_time() -> None:
+def test_step_zero_is_held() -> None:
+    """No norm bounds the first step: held (zeroed where it still reaches an optimizer)."""
     tx = clipjax.zclip(feedback="clipped")
+    g = {"w": jnp.full(4, 300.0)}
+    out, state = tx.update(g, tx.init(g))
+    np.testing.assert_array_equal(out["w"], np.zeros(4))
+    m = clipjax.metrics(state)
+    assert bool(m["zclip/global/held"]) and float(m["zclip/global/scale"]) == 0
+    assert float(m["zclip/global/clip_to"]) == 0
+    assert bool(m["zclip/global/clipped"]) and not bool(m["zclip/global/capped"])
+
+
+def test_step_zero_is_weighed_by_time_with_0_4s_start() -> None:
+    tx = clipjax.zclip(feedback="clipped", start="weight")
     g = {"w": jnp.full(4, 300.0)}
     out, state = tx.update(g, tx.init(g))
     np.testing.assert_allclose(out["w"], g["w"] / 25, rtol=1e-6)
     m = clipjax.metrics(state)
     assert float(m["zclip/global/weight"]) == pytest.approx(0.04)
-    assert bool(m["zclip/global/clipped"]) and not bool(m["zclip/global/capped"])
+    assert "zclip/global/held" not in m
 
 
 def test_a_short_rise_is_bounded_and_a_lasting_one_learnt() -> None:
@@ -118,9 +148,12 @@ def test_a_short_rise_is_bounded_and_a_lasting_one_learnt() -> None:
 
 
 def test_a_zero_norm_carries_no_scale() -> None:
-    """A group whose norm is once 0 (a frozen layer's first step) is not capped at 0."""
+    """A group whose norm is once 0 (a frozen layer's first step) is not capped at 0:
+    the first positive norm is the one no norm bounds (held, zeroed), the rest pass."""
     norms = np.array([0.0, 1.0, 1.1, 0.9, 1.0, 0.0, 1.0])
     got = drive.run(clipjax.zclip(feedback="clipped", warmup_steps=3), norms)
+    assert got["applied"][1] == 0 and (got["applied"][2:] > 0.3).all()
+    got = drive.run(clipjax.zclip(feedback="clipped", warmup_steps=3, start="weight"), norms)
     assert (got["applied"][1:] > 0.3).all()
 
 
