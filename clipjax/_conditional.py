@@ -7,7 +7,7 @@ clip, a chain's members. A :class:`SkippableTransform` (:func:`clipjax.adam`,
 :mod:`clipjax._optimizers`) folds the predicate into its own arithmetic; a
 clipjax clipper runs and has its small state selected; any other transform
 runs under ``lax.cond``. On a step a transform did not run, its clipjax state
-reports :func:`idle_metrics`.
+is left as it was, and :func:`clipjax.metrics` reports it as skipped.
 
 The fold's gain over the conditional, from the compiled HLO of one donated
 step (``skip_on_spike`` around AdamW on 25 layers of [256, 256] float32
@@ -304,13 +304,15 @@ def run_and_select(
 
 
 def idle_metrics(metrics: dict[str, Array]) -> dict[str, Array]:
-    """The metrics of a step on which the transform did not run.
+    """The metrics of a step on which the transform did not run (hist_clip's warm-up
+    clip on the groups past their warm-up).
 
-    The one rule, also what :func:`clipjax.metrics` reports for the clippers
-    inside a skipped ``skip_on_spike`` step: the per-step fields of
-    :data:`clipjax._metrics.IDLE_VALUES` take the values of a step that
-    changed nothing (``grad_norm`` 0, ``scale`` 1, ``clipped`` False, ...);
-    thresholds, statistics and counters read as they stand.
+    The per-step fields of :data:`clipjax._metrics.IDLE_VALUES` take the values
+    of a step that changed nothing (``grad_norm`` 0, ``scale`` 1, ``clipped``
+    False, ...); thresholds, statistics and counters read as they stand. A
+    clipper inside a skipped ``skip_on_spike`` step reads as skipped instead
+    (:data:`clipjax._metrics.SKIPPED_VALUES`: ``grad_norm`` NaN, ``skipped``
+    True), in :func:`clipjax.metrics`' view.
     """
     return {
         key: jnp.full_like(value, IDLE_VALUES[key]) if key in IDLE_VALUES else value

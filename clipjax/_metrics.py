@@ -139,9 +139,8 @@ def _split(values: Any, n: int) -> list[Any]:
 
 
 # What a transform that did not run this step reports for its per-step fields
-# (skip_on_spike's inner transforms on a skipped step, hist_clip's warm-up clip
-# on the groups past their warm-up); thresholds, statistics and counters read
-# as they stand (clipjax._conditional.idle_metrics).
+# (hist_clip's warm-up clip on the groups past their warm-up); thresholds,
+# statistics and counters read as they stand (clipjax._conditional.idle_metrics).
 IDLE_VALUES = {
     "grad_norm": 0,
     "scale": 1,
@@ -150,15 +149,42 @@ IDLE_VALUES = {
     "clipped_fraction": 0,
     "z": 0,
 }
+# What clipjax.metrics reports for a clipjax transform inside a wrapper that
+# skipped this step (skip_on_spike, skip_and_clip_by_global_norm), on every
+# route: it saw no gradient, so its norm and z-score read NaN (a 0 would chart
+# as a calm step at exactly the bad one) and it scaled and clipped nothing; its
+# ``skipped`` field, reported inside such a wrapper only, reads True.
+SKIPPED_VALUES = {
+    **IDLE_VALUES,
+    "grad_norm": np.nan,
+    "z": np.nan,
+    "spike": False,
+    "held": False,
+}
 
 
 def _idle_view(values: Any, field: str, idle: Any) -> Any:
-    if idle is None or field not in IDLE_VALUES:
+    if idle is None or field not in SKIPPED_VALUES:
         return values
     values, idle = _host(values), _host(idle)
     if isinstance(values, np.ndarray) and isinstance(idle, np.ndarray):
-        return np.where(idle, np.asarray(IDLE_VALUES[field], values.dtype), values)
-    return jnp.where(idle, jnp.asarray(IDLE_VALUES[field], values.dtype), values)
+        return np.where(idle, np.asarray(SKIPPED_VALUES[field], values.dtype), values)
+    return jnp.where(idle, jnp.asarray(SKIPPED_VALUES[field], values.dtype), values)
+
+
+def _skipped_view(fields: dict[str, Any], idle: Any) -> dict[str, Any]:
+    """``fields`` with ``skipped`` ([..., groups]): whether the wrapper around skipped
+    this step (or, for a wrapper inside another, either skipped it)."""
+    if idle is None or not fields:
+        return fields
+    shape = np.shape(_host(next(iter(fields.values()))))
+    idle = _host(idle)
+    own = fields.get("skipped")
+    if isinstance(idle, np.ndarray) and (own is None or isinstance(_host(own), np.ndarray)):
+        skipped = np.broadcast_to(idle if own is None else idle | _host(own), shape)
+    else:
+        skipped = jnp.broadcast_to(idle if own is None else idle | own, shape)
+    return {**fields, "skipped": skipped}
 
 
 def sqrt(x: Any) -> Any:
@@ -179,7 +205,7 @@ def state_fields(state: Any) -> dict[str, Any]:
 
 def _emit(state: Any, prefix: str, out: dict[str, Any], idle: Any = None) -> None:
     info: GroupInfo = state.info
-    for field, values in state_fields(state).items():
+    for field, values in _skipped_view(state_fields(state), idle).items():
         values = _idle_view(values, field, idle)
         for group, value in zip(info.groups, _split(values, len(info.groups))):
             out[f"{prefix}/{group}/{field}"] = value

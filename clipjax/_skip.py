@@ -128,7 +128,8 @@ def skip_on_spike(
     when a buffer holds at least ``min_history`` values and ``x > T_x = mean +
     sigma * std`` (population std) for ``x = g`` or the loss. A skipped step
     returns zero updates (each leaf in its dtype) and leaves the inner state
-    bit-identical; the clipjax transforms inside report idle metrics.
+    bit-identical; the clipjax transforms inside report it as skipped
+    (``grad_norm`` NaN, ``skipped`` True in :func:`clipjax.metrics`).
 
     ``feedback`` is what a step teaches the buffers (a NaN never enters):
     ``min(x, T_x)`` on every step (``"clipped"``, the default: a spike cannot

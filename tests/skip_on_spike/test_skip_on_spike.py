@@ -28,6 +28,7 @@ import clipjax
 from clipjax._metrics import state_fields
 from tests import restate as S
 from tests.conftest import version_of
+from tests.registry import clipjax_states
 from tests.skip_streams import (
     RULE,
     SHAPES,
@@ -309,29 +310,59 @@ def test_a_lasting_shift_is_learnt_within_the_steps_the_restatement_predicts(
     assert all(r["skipped"] for r in stalled[200:])
 
 
-def test_a_skipped_step_reports_the_inner_clippers_as_idle() -> None:
-    inner = optax.chain(clipjax.zclip(warmup_steps=3, max_grad_norm=None), optax.adam(1e-3))
+# One zclip inside skip_on_spike, on each route a skipped step can take.
+ROUTES = {
+    "fold": lambda z: clipjax.chain(z, clipjax.adam(1e-3)),
+    "select": lambda z: z,
+    "cond": lambda z: optax.chain(z, optax.adam(1e-3)),
+}
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_a_skipped_step_reads_as_skipped_on_every_route(route: str) -> None:
+    """0.4 reported grad_norm 0, scale 1, clipped False there: a calm step on a chart.
+    The clipper saw no gradient: grad_norm and z NaN, skipped True, nothing clipped;
+    thresholds, statistics and counters as they stand; the state untouched."""
+    inner = ROUTES[route](clipjax.zclip(warmup_steps=3, max_grad_norm=None))
+    tx = clipjax.skip_on_spike(inner, window_size=8, min_history=4)
     params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
-    steps = spike_run(inner, params)
-    (_, before), (_, at) = steps[11], steps[12]
-    assert bool(at.metrics["skipped"][0])
-    found = clipjax.metrics(at)
-    assert float(found["zclip/global/grad_norm"]) == 0.0
-    assert float(found["zclip/global/scale"]) == 1.0
-    assert not bool(found["zclip/global/clipped"])
-    # Thresholds, statistics and counters as they stand; the state is untouched.
-    zclip_state = at.inner_state[0]
-    assert tree_equal(zclip_state, before.inner_state[0])
-    for field in ("threshold", "mean", "std", "step", "count"):
-        np.testing.assert_array_equal(
-            found[f"zclip/global/{field}"], state_fields(zclip_state)[field][0]
-        )
-    # A taken step reports what the clipper did.
-    taken = clipjax.metrics(steps[13][1])
+    # A spike at step 12, a NaN gradient at step 14.
+    grads = [
+        {k: jnp.asarray((100.0 if t == 12 else 1.0) * d[k], jnp.float32) for k in SHAPES}
+        for t, d in enumerate(directions(16))
+    ]
+    grads[14] = jax.tree.map(lambda g: jnp.full_like(g, jnp.nan), grads[14])
+    steps = [state for _, state in run(tx, grads, [1.0] * len(grads), params)]
+    assert tx.route == route
+    assert [bool(s.metrics["skipped"][0]) for s in steps[11:16]] == [
+        False,
+        True,
+        False,
+        True,
+        False,
+    ]
+    for state, previous in ((steps[12], steps[11]), (steps[14], steps[13])):
+        for found in (clipjax.metrics(state), jax.jit(clipjax.metrics)(state)):
+            assert np.isnan(float(found["zclip/global/grad_norm"]))
+            assert np.isnan(float(found["zclip/global/z"]))
+            assert bool(found["zclip/global/skipped"])
+            assert float(found["zclip/global/scale"]) == 1.0
+            assert not bool(found["zclip/global/clipped"])
+            # Thresholds, statistics and counters as they stand; the state is untouched.
+            zclip_state = clipjax_states(state.inner_state)[0]
+            assert tree_equal(zclip_state, clipjax_states(previous.inner_state)[0])
+            for field in ("threshold", "mean", "std", "step", "count"):
+                np.testing.assert_array_equal(
+                    found[f"zclip/global/{field}"], state_fields(zclip_state)[field][0]
+                )
+    # A taken step reports what the clipper did, and that it was not skipped.
+    taken = clipjax.metrics(steps[13])
     assert float(taken["zclip/global/grad_norm"]) > 0.0
-    # Inside jit too.
-    jitted = jax.jit(clipjax.metrics)(at)
-    assert float(jitted["zclip/global/grad_norm"]) == 0.0
+    assert not bool(taken["zclip/global/skipped"])
+    # A clipper outside any skipping wrapper reports no skipped field.
+    alone = clipjax.zclip(warmup_steps=3)
+    _, state = alone.update(params, alone.init(params), params)
+    assert "zclip/global/skipped" not in clipjax.metrics(state)
 
 
 # --------------------------------------------------------------------------- arguments
