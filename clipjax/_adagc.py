@@ -7,7 +7,7 @@ from typing import Any, NamedTuple, get_args
 import jax
 import jax.numpy as jnp
 
-from clipjax import _checks, _kit
+from clipjax import _checks, _grouping, _kit
 from clipjax._grouping import Scope
 from clipjax._kit import ClipTransform, SpikeFeedback
 from clipjax._metrics import GroupInfo
@@ -144,7 +144,7 @@ def adagc(
         warming = count < warmup_steps
 
         # The rule: one global clip in warm-up, then each group against its gamma.
-        total = jnp.sqrt(jnp.sum(jnp.where(finite, g * g, 0.0)))
+        total = _grouping.vector_norm(jnp.where(finite, g, 0.0))
         global_scale = jnp.minimum(1.0, absolute_threshold / (total + eps))
         threshold = relative_threshold * gamma
         relative_scale = jnp.minimum(1.0, threshold / (g + eps))

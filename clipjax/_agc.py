@@ -58,9 +58,23 @@ def unit_axes(x: Any, axis: Axis = None) -> Any:
     )
 
 
-def _unit_norm(x: jax.Array, dtype: Any, axis: Axis) -> jax.Array:
+def _unit_norm(x: jax.Array, dtype: Any, axis: Axis, exponent: int = 0) -> jax.Array:
+    # exponent: the norm of x * 2**-exponent (see _grouping.overflow_exponent).
+    if exponent:
+        x = x.astype(jnp.result_type(x.dtype, dtype)) * jnp.asarray(2.0**-exponent, dtype)
     sq = jnp.real(x * jnp.conj(x)).astype(dtype) if jnp.iscomplexobj(x) else x.astype(dtype) ** 2
     return jnp.sqrt(jnp.sum(sq, axis=unit_axes(x, axis), keepdims=True))
+
+
+def _unit_norms(leaves: list[jax.Array], dtype: Any, axis: Axis) -> list[jax.Array]:
+    """Each leaf's unit norms, finite where the unit's elements are (a unit whose sum
+    of squares overflowed is recomputed from its leaf scaled by a power of two)."""
+    e = _grouping.overflow_exponent(2.0, dtype)
+    unit_norm = _grouping.per_leaf(_unit_norm, dtype, axis)
+    scaled_norm = _grouping.per_leaf(_unit_norm, dtype, axis, e)
+    return _grouping.rescued(
+        [unit_norm(x) for x in leaves], lambda: [scaled_norm(x) * 2.0**e for x in leaves]
+    )
 
 
 def _unit_scale(g_unit: jax.Array, w_unit: jax.Array, clipping: Any, eps: Any) -> jax.Array:
@@ -126,13 +140,19 @@ def _leaf_metrics(
     )
     w_norm = jnp.sqrt(w_sq)
     return {
-        "grad_norm": jnp.sqrt(g_sq),
+        "grad_norm": _grouping.rescued(jnp.sqrt(g_sq), lambda: _leaf_norms(g_units)),
         "weight_norm": w_norm,
         "target": clipping * jnp.maximum(w_norm, eps),
         "scale": smallest,
         "clipped": smallest < 1,
         "clipped_fraction": clipped_units / np.asarray([g.size for g in g_units], g_sq.dtype),
     }
+
+
+def _leaf_norms(units: list[jax.Array]) -> jax.Array:
+    """``[leaves]`` L2 norms from each leaf's unit norms, scaled by the largest of
+    each leaf's (finite when the unit norms are: for a leaf whose sum overflowed)."""
+    return jnp.stack([_grouping.vector_norm(u.reshape(-1)) for u in units])
 
 
 def agc(
@@ -270,15 +290,14 @@ def _grouped(
             keep = [bool(_exclude_small(p, x)) for p, x in zip(paths, views)]
         partial = _grouping.leaf_power_sums(leaves, 2.0, grouping)
         kept = partial if keep is None else [s * k for s, k in zip(partial, keep)]
-        g = _grouping.group_norms(leaves, grouping, 2.0, kept)
         if keep is not None:
+            leaves_kept = [x if k else jnp.zeros((), x.dtype) for x, k in zip(leaves, keep)]
             p_leaves = [p if k else jnp.zeros((), p.dtype) for p, k in zip(p_leaves, keep)]
+        g = _grouping.group_norms(leaves if keep is None else leaves_kept, grouping, 2.0, kept)
         weight_norm = _grouping.group_norms(p_leaves, grouping)
         per_leaf = None
         if leaf_norms:
-            # A stacked leaf's per-slice sums add up to the whole leaf's.
-            squares = [jnp.sum(s) if jnp.ndim(s) else s for s in partial]
-            per_leaf = jnp.sqrt(jnp.stack(squares)) if squares else state.leaf_metrics["grad_norm"]
+            per_leaf = _grouping.leaf_norms(leaves, partial)
         if axis_name is not None:
             g, weight_norm, per_leaf = jax.lax.pmean((g, weight_norm, per_leaf), axis_name)
 
@@ -339,9 +358,9 @@ def _unitwise(
         leaves = grads.leaves
         p_leaves = _param_leaves(params, scope, state.info, kit.who)
         _grouping.check_inexact(leaves, grads.grouping, kit.who)
-        unit_norm = _grouping.per_leaf(_unit_norm, _grouping.norm_dtype(leaves), axis)
-        g_units = [unit_norm(x) for x in leaves]
-        w_units = [unit_norm(p) for p in p_leaves]
+        dtype = _grouping.norm_dtype(leaves)
+        g_units = _unit_norms(leaves, dtype, axis)
+        w_units = _unit_norms(p_leaves, dtype, axis)
         if unit_axis_name is not None:
             # Every replica decides from the same (averaged) unit norms.
             g_units = jax.lax.pmean(g_units, unit_axis_name)

@@ -4,7 +4,8 @@ No statistics carry over between steps; each state records the metrics of the
 last step and the counters.
 
 Non-finite input: a group whose L2 norm is NaN or infinite (any NaN or inf
-element; also a float32 norm that overflows above ~1.8e19) increments
+element; finite elements give a finite norm, their sum of squares taken
+again scaled where it overflows) increments
 ``nonfinite_count`` and does not increment ``count``. ``clip_by_value`` still
 clamps it element-wise, as ``optax.clip`` does (``±inf`` become ``±max_abs``,
 NaN stays NaN); ``clip_by_percentile`` passes such a group through unchanged
@@ -110,8 +111,10 @@ def _norms_and_clipped(
         square, count = one(x, b)
         squares.append(square)
         over.append(count)
+    # Where a sum overflowed, group_norms takes it again from scaled leaves.
     norm = jnp.sqrt(_group_sum(squares, grouping, dtype))
-    leaf_norm = jnp.sqrt(jnp.stack(squares)) if squares else jnp.zeros((0,), dtype)
+    norm = _grouping.rescued(norm, lambda: _grouping.group_norms(leaves, grouping))
+    leaf_norm = _grouping.leaf_norms(leaves, squares)
     return norm, _group_sum(over, grouping, dtype), leaf_norm
 
 

@@ -336,14 +336,21 @@ def abs_squared(x: jax.Array, dtype: Any) -> jax.Array:
     return magnitude * magnitude
 
 
-def _power_sum(x: jax.Array, p: float, dtype: jnp.dtype, keep_axis: int | None = None) -> jax.Array:
+def _power_sum(
+    x: jax.Array, p: float, dtype: jnp.dtype, keep_axis: int | None = None, exponent: int = 0
+) -> jax.Array:
     # keep_axis: a stacked leaf's layer axis, summed over the others (one value per slice).
+    # exponent: the sum of |x * 2**-exponent|**p (exact: a power of two), see overflow_exponent.
     axes = None if keep_axis is None else tuple(a for a in range(jnp.ndim(x)) if a != keep_axis)
+    unit = jnp.asarray(2.0**-exponent, dtype)
     if jnp.iscomplexobj(x):
-        sq = jnp.real(x).astype(dtype) ** 2 + jnp.imag(x).astype(dtype) ** 2
+        real, imag = jnp.real(x).astype(dtype), jnp.imag(x).astype(dtype)
+        if exponent:
+            real, imag = real * unit, imag * unit
+        sq = real * real + imag * imag
         magnitude = None
     else:
-        magnitude = x.astype(dtype)
+        magnitude = x.astype(dtype) * unit if exponent else x.astype(dtype)
         sq = magnitude * magnitude
     if p == 2.0:
         return jnp.sum(sq, axis=axes)
@@ -356,18 +363,84 @@ def _power_sum(x: jax.Array, p: float, dtype: jnp.dtype, keep_axis: int | None =
 
 
 def leaf_power_sums(
-    leaves: Sequence[jax.Array], ord: float = 2.0, grouping: Grouping | None = None
+    leaves: Sequence[jax.Array],
+    ord: float = 2.0,
+    grouping: Grouping | None = None,
+    exponent: int = 0,
 ) -> list[jax.Array]:
     """Each leaf's sum of ``|x|**ord`` (its max for ``inf``), one fused reduction each.
 
     With a ``grouping`` that has stacked leaves (:class:`Stacked`), a stacked
     leaf gives one value per slice (``[layers]``), from the same one read.
+    ``exponent``: the sums of ``|x * 2**-exponent|**ord`` instead (see
+    :func:`overflow_exponent`).
     """
     dtype = norm_dtype(leaves)
     stacks = stacks_of(grouping, len(leaves))
     return [
-        _power_sum(x, ord, dtype, None if st is None else st[0]) for x, st in zip(leaves, stacks)
+        _power_sum(x, ord, dtype, None if st is None else st[0], exponent)
+        for x, st in zip(leaves, stacks)
     ]
+
+
+def overflow_exponent(ord: float, dtype: Any) -> int | None:
+    """``e`` such that the sum of ``|x * 2**-e|**ord`` is finite for every finite
+    ``x`` whose ``ord``-norm is finite in ``dtype``; None where no such sum
+    overflows before its norm does (``ord <= 1`` or ``inf``).
+
+    The float32 sum of squares overflows once the norm passes ~1.8e19 (an
+    element of 3e19 alone does it): the norm is then recomputed from leaves
+    scaled by ``2**-e`` (exact, a power of two) and scaled back. Elements
+    that underflow there are below ``2**-e`` times an overflowing norm.
+    """
+    if math.isinf(ord) or ord <= 1.0:
+        return None
+    top = jnp.finfo(dtype).maxexp
+    return math.ceil(top - (top - 1) / ord)
+
+
+def rescued(norms: Any, recompute: Callable[[], Any]) -> Any:
+    """``norms`` (an array or a list of arrays) with each infinite entry replaced by
+    ``recompute()``'s, computed only on a step where one is (a ``lax.cond`` on a
+    scalar: an ordinary step pays one comparison of the norms, no further read
+    of the leaves).
+
+    A norm is infinite here when its sum overflowed or an element is
+    infinite; ``recompute`` (the norms from scaled leaves) gives the true
+    norm of the first and infinity again for the second.
+    """
+    parts = jax.tree.leaves(norms)
+    if not any(jnp.size(x) for x in parts):
+        return norms
+    overflow = jax.tree.map(jnp.isinf, norms)
+    anywhere = functools.reduce(jnp.logical_or, [jnp.any(o) for o in jax.tree.leaves(overflow)])
+    return jax.lax.cond(
+        anywhere, lambda: jax.tree.map(jnp.where, overflow, recompute(), norms), lambda: norms
+    )
+
+
+def leaf_norms(leaves: Sequence[jax.Array], squares: Sequence[jax.Array]) -> jax.Array:
+    """``[leaves]`` L2 norms from each leaf's sum of squares (a stacked leaf's
+    per-slice sums added up), finite whenever the leaf's elements and norm are."""
+    dtype = norm_dtype(leaves)
+    totals = [jnp.sum(s) if jnp.ndim(s) else s for s in squares]
+    norms = jnp.sqrt(jnp.stack(totals)) if totals else jnp.zeros((0,), dtype)
+    e = overflow_exponent(2.0, dtype)
+    assert e is not None
+
+    def recompute() -> jax.Array:
+        return jnp.sqrt(jnp.stack(leaf_power_sums(leaves, 2.0, None, e))) * 2.0**e
+
+    return rescued(norms, recompute)
+
+
+def vector_norm(values: jax.Array) -> jax.Array:
+    """The L2 norm of a small vector (``[groups]``), finite for finite values: where
+    the sum of squares overflows, it is taken over the values divided by the largest."""
+    plain = jnp.sqrt(jnp.sum(values * values))
+    largest = jnp.max(jnp.abs(values), initial=0.0)
+    unit = jnp.where((largest > 0) & jnp.isfinite(largest), largest, 1.0)
+    return jnp.where(jnp.isinf(plain), unit * jnp.sqrt(jnp.sum((values / unit) ** 2)), plain)
 
 
 def stacks_of(grouping: Grouping | None, n: int) -> Sequence[tuple[int, tuple[int, ...]] | None]:
@@ -423,14 +496,55 @@ def group_norms(
     raised to ``ord`` and summed, all in one fused reduction, so float16 and
     bfloat16 gradients of large magnitude neither overflow nor lose precision.
     Empty groups have norm 0. ``partial`` (from :func:`leaf_power_sums`) lets
-    a caller that also wants per-leaf norms share the one pass.
+    a caller that also wants per-leaf norms share the one pass (they must be
+    the power sums of ``leaves``).
+
+    Finite elements give a finite norm (unless the norm itself passes the
+    dtype's largest value): where a sum overflowed, the group is recomputed
+    from the leaves scaled by a power of two (:func:`overflow_exponent`,
+    :func:`rescued`), a second read on such a step only.
     """
     dtype = norm_dtype(leaves)
-    num_groups = grouping.num_groups
     if not leaves:
-        return jnp.zeros((num_groups,), dtype)
+        return jnp.zeros((grouping.num_groups,), dtype)
     if partial is None:
         partial = leaf_power_sums(leaves, ord, grouping)
+    norms = _roots(partial, grouping, ord, dtype)
+    e = overflow_exponent(ord, dtype)
+    if e is None:
+        return norms
+    return rescued(
+        norms,
+        lambda: _roots(leaf_power_sums(leaves, ord, grouping, e), grouping, ord, dtype) * 2.0**e,
+    )
+
+
+def group_and_leaf_norms(
+    leaves: Sequence[jax.Array], grouping: Grouping, ord: float, partial: Sequence[jax.Array]
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`group_norms` and :func:`leaf_norms` (L2) together, from ``partial`` (the
+    leaves' ``ord`` power sums), with one recompute where either overflowed."""
+    dtype = norm_dtype(leaves)
+    if not leaves:
+        return jnp.zeros((grouping.num_groups,), dtype), jnp.zeros((0,), dtype)
+
+    def both(exponent: int | None, leaf_exponent: int) -> tuple[jax.Array, jax.Array]:
+        sums = partial if not exponent else leaf_power_sums(leaves, ord, grouping, exponent)
+        squares = sums if ord == 2.0 else leaf_power_sums(leaves, 2.0, None, leaf_exponent)
+        totals = [jnp.sum(s) if jnp.ndim(s) else s for s in squares]
+        return (
+            _roots(sums, grouping, ord, dtype) * 2.0 ** (exponent or 0),
+            jnp.sqrt(jnp.stack(totals)) * 2.0**leaf_exponent,
+        )
+
+    e, e2 = overflow_exponent(ord, dtype), overflow_exponent(2.0, dtype)
+    assert e2 is not None
+    return rescued(both(None, 0), lambda: both(e, e2))
+
+
+def _roots(partial: Sequence[jax.Array], grouping: Grouping, ord: float, dtype: Any) -> jax.Array:
+    """The ``[groups]`` norms from the leaves' power sums."""
+    num_groups = grouping.num_groups
     if grouping.leaf_stacks:
         sums = _stacked_sums(partial, grouping, ord, dtype)
         if math.isinf(ord):
@@ -444,7 +558,7 @@ def group_norms(
     elif num_groups == 1:
         total = jnp.sum(jnp.stack(partial)) if len(partial) > 1 else partial[0]
         sums = total[None]
-    elif num_groups == len(leaves) and grouping.leaf_groups == tuple(range(num_groups)):
+    elif num_groups == len(partial) and grouping.leaf_groups == tuple(range(num_groups)):
         sums = jnp.stack(partial)
     else:
         sums = jax.ops.segment_sum(

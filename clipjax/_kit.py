@@ -250,13 +250,11 @@ class Clipper:
         grads = self.leaves(updates, state)
         leaves, grouping = grads.leaves, grads.grouping
         partial = _grouping.leaf_power_sums(leaves, self.p, grouping)
-        norm = _grouping.group_norms(leaves, grouping, self.p, partial)
         per_leaf = None
         if self.leaf_norms:
-            squares = partial if self.p == 2.0 else _grouping.leaf_power_sums(leaves)
-            # A stacked leaf's per-slice sums add up to the whole leaf's.
-            squares = [jnp.sum(s) if jnp.ndim(s) else s for s in squares]
-            per_leaf = jnp.sqrt(jnp.stack(squares)) if squares else state.leaf_metrics["grad_norm"]
+            norm, per_leaf = _grouping.group_and_leaf_norms(leaves, grouping, self.p, partial)
+        else:
+            norm = _grouping.group_norms(leaves, grouping, self.p, partial)
         if self.axis_name is not None:
             norm, per_leaf = jax.lax.pmean((norm, per_leaf), self.axis_name)
         return grads._replace(norm=norm, leaf_norms=per_leaf)
@@ -334,8 +332,9 @@ def observation(
     * ``"clip_target"``: ``target`` where it fires (the reference zclip rule);
     * ``"skip"``: the norm, but nothing is observed where it fires.
 
-    A non-finite norm is never observed, unless ``guard_nans=False`` (smartclip
-    unguarded: it is observed, and the statistic floors it, a NaN as ``eps``).
+    A non-finite norm, or a value whose square overflows, is never observed,
+    unless ``guard_nans=False`` (smartclip unguarded: it is observed, and the
+    statistic floors it, a NaN as ``eps``).
     """
     fires = jnp.zeros(jnp.shape(norm), bool) if fires is None else fires
     value = norm
@@ -345,7 +344,13 @@ def observation(
     elif feedback == "clip_target":
         assert target is not None
         value = jnp.where(fires, target, norm)
-    observed = jnp.isfinite(norm) if guard_nans else jnp.ones(jnp.shape(norm), bool)
+    # Statistics square what they observe: a value whose square overflows (a finite
+    # norm past ~1.8e19 in float32) would make them infinite, so it is not observed.
+    observed = (
+        jnp.isfinite(norm) & jnp.isfinite(value * value)
+        if guard_nans
+        else jnp.ones(jnp.shape(norm), bool)
+    )
     if feedback == "skip":
         observed = observed & ~fires
     return value, observed

@@ -215,7 +215,9 @@ def skip_on_spike(
         grad_threshold = _threshold(
             state.grad_norm_window, state.grad_norm_seen, sigma, min_history
         )
-        finite = jnp.isfinite(norm)
+        # A norm whose float32 square overflows counts as non-finite: the gradient's
+        # sum of squares overflowed, and so would an optimizer's second moment.
+        finite = jnp.isfinite(norm * norm)
         spike = norm > grad_threshold
         if has_value:
             value_threshold = _threshold(state.value_window, state.value_seen, sigma, min_history)

@@ -21,6 +21,21 @@ def full_size_copies(hlo: str, shapes: set[tuple[int, ...]]) -> int:
     return count
 
 
+def full_size_conditionals(hlo: str, shapes: set[tuple[int, ...]]) -> int:
+    """The ``conditional`` instructions of compiled HLO text with an operand or result of
+    one of ``shapes`` (a conditional route around an optimizer; the overflow-safe
+    norms' scalar-predicate recompute returns norms only)."""
+    count = 0
+    for line in hlo.splitlines():
+        if " conditional(" not in line:
+            continue
+        head = line.split(" conditional(")[0]
+        dims = re.findall(r"\[([\d,]*)\]", head)
+        found = {tuple(int(x) for x in d.split(",") if x) for d in dims}
+        count += bool(found & shapes)
+    return count
+
+
 def compiled_train_step(tx: optax.GradientTransformation) -> Any:
     """A donated training step: gradients of a small regression, update, apply."""
     params = {f"layer{i}": {"w": jnp.full((64, 64), 0.01), "b": jnp.zeros(64)} for i in range(4)}
