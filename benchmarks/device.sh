@@ -7,6 +7,8 @@
 #    (lm_spikes_gpu.md, .png, .npz);
 # 1b. the same model with the loss times 0.1 and 10 (--loss-scale; SCALE_ROWS, the static
 #    sweep scaled with the loss): lm_spikes_gpu_loss_x0.1.md, lm_spikes_gpu_loss_x10.md;
+# 1c. (PARTS=lm_lr, a second call) the same model at 3x its learning rate (LR_ROWS):
+#    lm_spikes_gpu_lr0.03.md;
 # 2. the whole training step: benchmarks/train_step.py at --size gpu (TRAIN_STEP_GPU.md);
 # 3. the optimizer step: benchmarks/run.py --only traffic,steptime (RESULTS_GPU.md; the
 #    smartclip section too when smartclip is importable: carry its wheel in .whl/).
@@ -46,9 +48,12 @@ LM_ROWS=${LM_ROWS:-none,static_0.25,static_0.5,static_1,static_2,recommended,ski
 # At loss x 0.1 and x 10: the sweep's best at x 1 (scaled), optax's clip at 1.0 (not scaled),
 # the recommended setting alone and inside skip_on_spike, 0.3's absolute ceiling.
 SCALE_ROWS=${SCALE_ROWS:-static_1,clip_1,recommended,skip_recommended,zclip_fb_cap1}
+# At 3x the model's learning rate (PARTS=lm_lr, a call of its own): adamw alone, the
+# static sweep, the recommended setting, 0.4's and zclip's defaults (SPEC 9.8).
+LR_ROWS=${LR_ROWS:-none,static_0.25,static_0.5,static_1,recommended,zclip_fb_weight,zclip}
 PARTS=${PARTS:-lm,lm_scales}
 DEADLINE=${DEADLINE:-600}
-LM_S=280 SCALES_S=280 STEP_S=150 RUN_S=60
+LM_S=280 SCALES_S=280 LR_S=280 STEP_S=150 RUN_S=60
 
 if [ ! -f benchmarks/device.sh ] || [ ! -d clipjax ]; then
     echo "device.sh: run it from the repository root (bash benchmarks/device.sh)" >&2
@@ -100,18 +105,20 @@ after() {
     done
     echo "$total"
 }
-part lm "$(smaller $LM_S "$(left "$(after lm_scales:$SCALES_S train_step:$STEP_S run:$RUN_S)")")" \
+part lm "$(smaller $LM_S "$(left "$(after lm_scales:$SCALES_S lm_lr:$LR_S train_step:$STEP_S run:$RUN_S)")")" \
     "$PY" examples/lm_spikes.py --config gpu --only "$LM_ROWS" --npz --out "$OUT"
-part lm_scales "$(smaller $SCALES_S "$(left "$(after train_step:$STEP_S run:$RUN_S)")")" \
+part lm_scales "$(smaller $SCALES_S "$(left "$(after lm_lr:$LR_S train_step:$STEP_S run:$RUN_S)")")" \
     bash -c 'for k in 0.1 10; do "$0" examples/lm_spikes.py --config gpu --only "$1" \
         --loss-scale "$k" --out "$2" || exit; done' "$PY" "$SCALE_ROWS" "$OUT"
+part lm_lr "$(smaller $LR_S "$(left "$(after train_step:$STEP_S run:$RUN_S)")")" \
+    "$PY" examples/lm_spikes.py --config gpu --only "$LR_ROWS" --lr 3e-2 --out "$OUT"
 limit=$(smaller $STEP_S "$(left "$(after run:$RUN_S)")")
 part train_step "$limit" \
     "$PY" benchmarks/train_step.py --out "$OUT" --budget $((limit > 90 ? limit - 45 : limit / 2))
 part run "$(smaller $RUN_S "$(left 0)")" \
     "$PY" benchmarks/run.py --only "$sections" --quick --out "$OUT/RESULTS_GPU.md"
 
-for name in lm lm_scales train_step run; do
+for name in lm lm_scales lm_lr train_step run; do
     if [ -f "$logs/$name.log" ]; then
         { echo "===== $name"; cat "$logs/$name.log"; } >>"$OUT/device.log"
     fi

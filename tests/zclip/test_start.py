@@ -36,7 +36,7 @@ def boosts() -> dict[str, start.Boost]:
 
 
 def test_the_recommended_route_never_enlarges_adams_step(boosts) -> None:
-    for name in ("hold, in clipjax.chain (recommended)", "hold, skip_on_spike(clipjax.chain)"):
+    for name in ("hold, in clipjax.chain", "hold, in skip_on_spike(clipjax.chain)"):
         b = boosts[name]
         assert start.meets(b, "optimizer"), (name, b)
         assert (b.held == WARMUP).all()
