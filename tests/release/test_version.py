@@ -4,7 +4,8 @@
 (``version = { attr = "clipjax.__version__" }``), so a build's metadata
 carries it; the installed distribution must say the same (an editable
 install made before a version change keeps the old metadata until it is
-reinstalled); the CHANGELOG's newest heading is that version; and every
+reinstalled); the CHANGELOG's newest release heading is that version (an
+``## Unreleased`` section above it holds the work on main since); and every
 generated page (``docs/generated/*.md``, ``benchmarks/*.md``) whose header
 states a clipjax version states this one. A page generated before the
 release says the previous version until its script runs again: that check is
@@ -92,7 +93,11 @@ def test_changelog_newest_heading_is_the_version_with_its_date() -> None:
     assert newest == clipjax.__version__
     assert re.fullmatch(r" \(\d{4}-\d{2}-\d{2}\)", rest), f"dated heading, got {rest!r}"
     text = (ROOT / "CHANGELOG.md").read_text()
-    assert "Unreleased" not in text.split(f"## {newest}")[0]
+    # Work on main since the release sits under one "## Unreleased" heading, above it.
+    above = text.split(f"## {newest}")[0]
+    assert above.count("Unreleased") <= 1 and (
+        "Unreleased" not in above or "\n## Unreleased\n" in above
+    ), "at most one '## Unreleased' section, above the newest release"
     # The release section says how to move from the previous one.
     section = text.split(f"## {newest}")[1].split("\n## ")[0]
     previous = versions[1][0].rsplit(".", 1)[0]
