@@ -494,12 +494,15 @@ def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
     without a conditional, while a chain holding ``optax.adam`` still works at
     the cost of the conditional.
 
-    A clipper that holds a step (``zclip(start="hold")``, the recommended
-    setting's start: the warm-up steps its rule cannot judge) makes the chain
-    run the members after it as ``update_if(False, ...)`` on that step: zero
-    updates, their states untouched, so the optimizer's moments never see the
-    start of the run and no later step is enlarged (``optax.chain`` cannot skip:
-    there the held steps reach the optimizer).
+    A clipper that holds a step (``zclip(start="hold")``, the start of the
+    recommended ``zclip(feedback="clipped")``: the warm-up steps its rule
+    cannot judge) makes the chain run the members after it as
+    ``update_if(False, ...)`` on that step: zero updates, their states
+    untouched, so the optimizer's moments never see the start of the run and
+    no later step is enlarged. ``optax.chain`` cannot skip: there the held
+    steps reach the optimizer, the first zeroed, the others bounded by the
+    warm-up ceiling. The recommended wiring is therefore
+    ``clipjax.chain(clipjax.zclip(feedback="clipped"), clipjax.adamw(...))``.
 
     Args:
       *transforms: the transforms to apply in order.

@@ -279,7 +279,7 @@ def zclip(
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
-      >>> tx = optax.chain(clipjax.zclip(feedback="clipped", warmup_steps=5), optax.adam(1e-3))
+      >>> tx = clipjax.chain(clipjax.zclip(feedback="clipped", warmup_steps=5), clipjax.adam(1e-3))
       >>> params = {"w": jnp.zeros(4)}
       >>> state = tx.init(params)
       >>> for g in [0.10, 0.11, 0.09, 0.10, 0.105, 5.0]:  # global norms; a spike last

@@ -37,6 +37,10 @@ BUILD = {
 # Rows whose fields depend on an argument: each setting is run, and its fields
 # must be in the row (the common ones as the row says).
 ALSO = {
+    "zclip": [
+        lambda: clipjax.zclip(feedback="clipped"),
+        lambda: clipjax.zclip(feedback="clipped", start="weight"),
+    ],
     "skip_and_clip_by_global_norm": [
         lambda: clipjax.skip_and_clip_by_global_norm(
             optax.identity(),
