@@ -61,6 +61,22 @@ def run(model: str, factor: float, seeds: int, out: str, rows: tuple[str, ...]) 
     return {name: np.asarray(r.eval_loss[:, -1], np.float64) for name, r in runs.items()}
 
 
+def collect(model: str, factor: float, out: str) -> dict | None:
+    """The same from the page ``examples/lm_spikes.py`` wrote in ``out`` (its loss
+    table's per-seed column), or None where it is missing."""
+    cfg = lm_spikes.replace(lm_spikes.CONFIGS[model], lr=float(f"{TUNED[model] * factor:g}"))
+    path = os.path.join(out, lm_spikes.page_stem(model, cfg) + ".md")
+    if not os.path.exists(path):
+        return None
+    finals = {}
+    with open(path) as f:
+        for line in f:
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) == len(lm_spikes.LOSS_HEADER) and "/" in cells[3]:
+                finals[cells[0]] = np.array([float(v) for v in cells[3].split("/")])
+    return finals or None
+
+
 def verdicts(final: np.ndarray, reference: np.ndarray) -> str:
     verdict, mean, low, high, _ = lm_spikes.paired(final, reference)
     cap = lambda x: np.where(np.isfinite(x), np.minimum(x, lm_spikes.DIVERGED_LOSS), np.inf)
@@ -111,13 +127,25 @@ def main() -> None:
     parser.add_argument("--rows", default=",".join(ROWS), help="settings besides the sweep")
     parser.add_argument("--out", default=None, help="folder of the per-model pages")
     parser.add_argument("--update-docs", action="store_true", help=f"write {PAGE}")
+    parser.add_argument(
+        "--collect",
+        action="store_true",
+        help="train nothing: read the per-model pages already in --out (of earlier runs)",
+    )
     args = parser.parse_args()
     out = args.out or tempfile.mkdtemp(prefix="lr_table_")
     rows = tuple(r for r in args.rows.split(",") if r)
     results = {}
     for model in args.models.split(","):
         for factor in (float(f) for f in args.factors.split(",")):
-            results[(model, factor)] = run(model, factor, args.seeds, out, rows)
+            if args.collect:
+                found = collect(model, factor, out)
+                if found is None:
+                    print(f"no page for {model} at {factor:g}x in {out}", file=sys.stderr)
+                    continue
+                results[(model, factor)] = found
+            else:
+                results[(model, factor)] = run(model, factor, args.seeds, out, rows)
             text = table(results)
             print(text, flush=True)
             if args.update_docs:  # after each model and rate, so that a long run leaves a page

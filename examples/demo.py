@@ -2,7 +2,9 @@
 
 Trains a small flax.nnx MLP on a synthetic regression task, on the CPU, once per
 setting: no clipping, optax's static ``clip_by_global_norm``, and the clipjax
-clippers, each as ``optax.chain(clipper, optax.adam(1e-3))``. Every setting
+clippers, each as ``clipjax.chain(clipper, clipjax.adam(1e-3))`` (optax's chain
+and adam, which skip adam on the steps a clipper holds: the recommended
+setting's warm-up; for every other clipper the same as optax's). Every setting
 sees the same initial weights and the same batches, among which a few are
 corrupted (inputs and targets multiplied by ``--spike-scale``): the gradient
 spikes that would wreck an unprotected run.
@@ -81,7 +83,7 @@ class Setting(NamedTuple):
       about: one line for the legend.
       static_max_norm: for optax's clip_by_global_norm, which keeps no metrics:
         the demo computes the same fields itself so that every run plots alike.
-      optimizer: a whole optimizer that replaces ``chain(make(), adam)`` (the
+      optimizer: a whole optimizer that replaces ``clipjax.chain(make(), adam)`` (the
         spike-aware optimizers SPAM, Stable-SPAM, StableAdamW).
     """
 
@@ -312,7 +314,7 @@ def train(
     if setting.optimizer is not None:
         tx = setting.optimizer()
     else:
-        tx = optax.chain(setting.make(), optax.adam(LEARNING_RATE))
+        tx = clipjax.chain(setting.make(), clipjax.adam(LEARNING_RATE))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     # cached_partial skips re-walking the model graph on every call.
     step_fn = nnx.cached_partial(train_step, model, optimizer)
