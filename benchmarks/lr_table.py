@@ -17,8 +17,9 @@ sweep. **Decision rule**, printed with every table: a setting is *worse* or
 *better* than its reference where the 95% bootstrap interval (over seeds) of
 the mean per-seed log ratio of final losses excludes 0, else a *tie*; a seed
 is *worse beyond noise* where its loss exceeds the reference's by more than
-``NOISE`` (3%, about twice the seed-to-seed spread of one setting's final
-loss at the tuned rates).
+the noise of that model and rate: twice the standard deviation over seeds of
+the per-seed log ratio between the two best static clips of the sweep (two
+settings that differ by a factor of two in one number), at least 1%.
 
 Run: ``python benchmarks/lr_table.py [--models cpu_cosine,cpu] [--factors 1,3,10]
 [--seeds 6] [--update-docs]``; the per-model pages go to ``--out`` (default a
@@ -47,7 +48,7 @@ TUNED = {"cpu_cosine": 3e-3, "cpu": 0.15, "cpu_long": 1.5e-2}
 FACTORS = (1.0, 3.0, 10.0)
 SWEEP = (0.25, 0.5, 1.0)
 ROWS = ("none", "recommended")
-NOISE = 0.03
+MIN_NOISE = 0.01
 
 
 def run(model: str, factor: float, seeds: int, out: str, rows: tuple[str, ...]) -> dict:
@@ -77,10 +78,26 @@ def collect(model: str, factor: float, out: str) -> dict | None:
     return finals or None
 
 
-def verdicts(final: np.ndarray, reference: np.ndarray) -> str:
+def capped(x: np.ndarray) -> np.ndarray:
+    """Final losses, a diverged run's as ln 256 (as lm_spikes' paired comparison)."""
+    return np.where(np.isfinite(x), np.minimum(x, lm_spikes.DIVERGED_LOSS), lm_spikes.DIVERGED_LOSS)
+
+
+def noise(finals: dict[str, np.ndarray]) -> float:
+    """Twice the standard deviation over seeds of the log ratio of the two best static
+    clips' final losses, at least MIN_NOISE."""
+    statics = sorted(
+        (n for n in finals if n.startswith("static_")), key=lambda n: capped(finals[n]).mean()
+    )
+    if len(statics) < 2:
+        return MIN_NOISE
+    d = np.log(capped(finals[statics[1]]) / capped(finals[statics[0]]))
+    return max(MIN_NOISE, float(np.expm1(2 * np.std(d))))
+
+
+def verdicts(final: np.ndarray, reference: np.ndarray, tolerance: float) -> str:
     verdict, mean, low, high, _ = lm_spikes.paired(final, reference)
-    cap = lambda x: np.where(np.isfinite(x), np.minimum(x, lm_spikes.DIVERGED_LOSS), np.inf)
-    beyond = int(np.sum(cap(final) > (1 + NOISE) * cap(reference)))
+    beyond = int(np.sum(capped(final) > (1 + tolerance) * capped(reference)))
     pct = lambda x: f"{np.expm1(x):+.1%}"
     return f"{verdict}: {pct(mean)} [{pct(low)}, {pct(high)}]; {beyond}/{len(final)} beyond noise"
 
@@ -88,27 +105,33 @@ def verdicts(final: np.ndarray, reference: np.ndarray) -> str:
 def table(results: dict[tuple[str, float], dict[str, np.ndarray]]) -> str:
     per = lambda x: " / ".join("div." if v > lm_spikes.DIVERGED_LOSS else f"{v:.2f}" for v in x)
     out = [
-        "| model | lr | setting | final held-out loss per seed | vs adamw alone | vs best static |",
-        "|---|---|---|---|---|---|",
+        "| model | lr | noise | setting | final held-out loss per seed | vs adamw alone "
+        "| vs best static |",
+        "|---|---|---:|---|---|---|---|",
     ]
     for (model, factor), finals in results.items():
         statics = {n: f for n, f in finals.items() if n.startswith("static_")}
-        best = min(statics, key=lambda n: np.mean(np.minimum(statics[n], 99.0)))
+        best = min(statics, key=lambda n: capped(statics[n]).mean())
         lr = f"{TUNED[model] * factor:g} ({factor:g}x)"
+        tolerance = noise(finals)
         for name in (*ROWS, best):
             if name not in finals:
                 continue
             f = finals[name]
             label = f"{name} (best static)" if name == best else name
-            vs_none = "-" if name == "none" else verdicts(f, finals["none"])
-            vs_best = "-" if name == best else verdicts(f, finals[best])
-            out.append(f"| {model} | {lr} | {label} | {per(f)} | {vs_none} | {vs_best} |")
+            vs_none = "-" if name == "none" else verdicts(f, finals["none"], tolerance)
+            vs_best = "-" if name == best else verdicts(f, finals[best], tolerance)
+            out.append(
+                f"| {model} | {lr} | {tolerance:.1%} | {label} | {per(f)} | {vs_none} | {vs_best} |"
+            )
     out += [
         "",
         "Rule: *worse* / *better* where the 95% bootstrap interval over seeds of the mean "
         "per-seed log ratio of final held-out losses excludes 0, else *tie* (a diverged run "
-        f"counts as ln 256); a seed is *beyond noise* where its loss exceeds the reference's "
-        f"by more than {NOISE:.0%}. `div.`: diverged (final held-out loss above ln 256 or a "
+        "counts as ln 256); a seed is *beyond noise* where its loss exceeds the reference's "
+        "by more than the row's *noise*: twice the standard deviation over seeds of the "
+        f"per-seed log ratio of the two best static clips, at least {MIN_NOISE:.0%}. "
+        "`div.`: diverged (final held-out loss above ln 256 or a "
         "loss not finite). Settings: `none` adamw alone; `recommended` "
         '`clipjax.chain(clipjax.zclip(feedback="clipped"), clipjax.adamw(...))`; '
         '`zclip_fb_weight` 0.4\'s `zclip(feedback="clipped", start="weight")` in '
