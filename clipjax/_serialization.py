@@ -114,6 +114,20 @@ def _checked_restore(restore: Any, current_path: Any) -> Any:
                     f"tx.init(params) of the transform and model the checkpoint was saved "
                     f"from."
                 ) from error
+            saved_fields = state_dict.get("metrics") if isinstance(state_dict, dict) else None
+            if isinstance(saved_fields, dict) and set(saved_fields) != set(target.metrics):
+                extra = sorted(set(saved_fields) - set(target.metrics))
+                missing = sorted(set(target.metrics) - set(saved_fields))
+                raise StateMismatchError(
+                    f"{who}: the checkpointed state{at} and the restore target do not "
+                    f"match: both are {_a(type(target).__name__)}, but the checkpoint's "
+                    f"metrics have {extra or 'no other field'} where the target's have "
+                    f"{missing or 'none'}: the same transform with other arguments (a "
+                    f"0.4 zclip(feedback='clipped') checkpoint has 'weight', today's "
+                    f"'held': pass start='weight' to restore it). Restore into "
+                    f"tx.init(params) of the transform, arguments and model the "
+                    f"checkpoint was saved from."
+                ) from error
             raise StateMismatchError(
                 f"{who}: the checkpointed state{at} and the restore target do not "
                 f"match: the checkpoint holds a state for "

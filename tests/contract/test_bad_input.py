@@ -246,6 +246,22 @@ def test_restore_from_another_transform_names_both_state_classes() -> None:
     assert "the checkpoint holds a ZClipState, the target is an AutoClipState" in message
 
 
+def test_restore_of_a_0_4_recommended_checkpoint_names_the_start_rule() -> None:
+    """0.4's zclip(feedback="clipped") kept a `weight` metric, today's a `held` one: the
+    message names the fields and the argument that restores it."""
+    serialization = pytest.importorskip("flax.serialization")
+    old = optax.chain(clipjax.zclip(feedback="clipped", start="weight"), optax.adam(1e-3))
+    new = optax.chain(clipjax.zclip(feedback="clipped"), optax.adam(1e-3))
+    data = serialization.to_bytes(old.init(PARAMS))
+    with pytest.raises(ValueError, match="do not match") as info:
+        serialization.from_bytes(new.init(PARAMS), data)
+    message = str(info.value)
+    assert "both are a ZClipState" in message and "['weight'] where the target's" in message
+    assert "start='weight'" in message
+    restored = serialization.from_bytes(old.init(PARAMS), data)
+    assert "weight" in restored[0].metrics
+
+
 def test_restore_of_other_groups_names_them_at_update() -> None:
     serialization = pytest.importorskip("flax.serialization")
     tx = clipjax.zclip(warmup_steps=2, scope="per_layer")
