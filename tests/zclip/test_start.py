@@ -114,3 +114,30 @@ def test_start_is_checked() -> None:
 def test_the_reference_default_has_no_start_rule() -> None:
     m = clipjax.metrics(clipjax.zclip().init({"w": jnp.zeros(2)}))
     assert "zclip/global/held" not in m and "zclip/global/weight" not in m
+
+
+def test_the_hold_costs_no_bytes_and_no_copy_in_clipjax_chain() -> None:
+    """adamw's skip of a held step is folded into its loops as selects: the compiled
+    step accesses the bytes of the same clipper in optax.chain, with no full-size copy
+    and no full-size conditional (optax.adamw inside clipjax.chain runs under one)."""
+    from tests.compiled_step import (
+        bytes_accessed,
+        compiled_train_step,
+        full_size_conditionals,
+        full_size_copies,
+    )
+
+    shapes = {(64, 64), (64,)}
+    plain, _ = compiled_train_step(
+        optax.chain(clipjax.zclip(feedback="clipped"), optax.adamw(1e-3))
+    )
+    held, _ = compiled_train_step(
+        clipjax.chain(clipjax.zclip(feedback="clipped"), clipjax.adamw(1e-3))
+    )
+    text = held.as_text()
+    assert full_size_copies(text, shapes) == 0 and full_size_conditionals(text, shapes) == 0
+    assert bytes_accessed(held) <= bytes_accessed(plain) * 1.001
+    cond, _ = compiled_train_step(
+        clipjax.chain(clipjax.zclip(feedback="clipped"), optax.adamw(1e-3))
+    )
+    assert full_size_conditionals(cond.as_text(), shapes) == 1
