@@ -9,8 +9,8 @@ The recommended setting and ``skip_on_spike`` around it stay within 1.25x on
 every seed at every k in {0.01, 0.1, 1, 10, 100}, changing the same share of
 steps; the unclipped run, the same rule without a ceiling, and 0.3's
 recommendation (an absolute ceiling of 1.0) do not. A synthetic start of a run
-(norm 15 falling to 0.5, a x30 spike at step 16) checks the bound of every
-early step of the recommended setting.
+(norm 15 falling to 0.5, a x30 spike at step 16) checks that the recommended
+setting holds every early step and what it passes on through optax.chain.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import sys
 
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from tests.paths import ROOT
@@ -88,21 +89,30 @@ def test_reference_bound() -> None:
     assert bounded[0, 101] == 2.0 and bounded[0, 100] == 1.0
 
 
-def test_the_recommended_setting_bounds_every_step_of_a_synthetic_start() -> None:
-    """Norm 15 falling to 0.5 over 20 steps, a x30 spike at step 16: step t of the
-    first 25 leaves at most (t + 1) / 25 of the smaller of its norm and 1.5x the
-    smallest norm before it (the docs' rule), and the spike is reported as capped."""
+def test_the_recommended_setting_holds_every_step_of_a_synthetic_start() -> None:
+    """Norm 15 falling to 0.5 over 20 steps, a x30 spike at step 16: every one of the
+    first 25 steps is held, so clipjax.chain keeps it from adam (whose count stays
+    0); alone, the clipper zeroes step 0 and leaves each later one at most the smaller
+    of its norm and 1.5x the smallest norm before it (what optax.chain passes on),
+    and the spike is reported as capped."""
     steps = np.arange(25)
     norms = np.maximum(15.0 * 0.85**steps, 0.5)
     norms[16] *= 30
-    tx = replay.build(replay.recommended())
+    clipper = replay.build(replay.recommended())
+    chained = clipjax.chain(replay.build(replay.recommended()), clipjax.adam(1e-3))
     params = {"w": jnp.zeros(3)}
-    state = tx.init(params)
+    state, chain_state = clipper.init(params), chained.init(params)
     direction = np.array([1.0, 2.0, 2.0]) / 3.0
     for t, g in enumerate(norms):
-        out, state = tx.update({"w": jnp.asarray(g * direction, jnp.float32)}, state, params)
+        grads = {"w": jnp.asarray(g * direction, jnp.float32)}
+        out, state = clipper.update(grads, state, params)
         leaving = float(clipjax.global_norm(out))
-        bound = min(g, 1.5 * norms[:t].min()) if t else g
-        assert leaving <= (t + 1) / 25 * bound * (1 + 1e-5), (t, g, leaving)
-        capped = clipjax.metrics(state)["zclip/global/capped"]
-        assert bool(capped) == (t > 0 and g > 1.5 * norms[:t].min()), (t, g)
+        bound = min(g, 1.5 * norms[:t].min()) if t else 0.0
+        assert leaving <= bound * (1 + 1e-5), (t, g, leaving)
+        m = clipjax.metrics(state)
+        assert bool(m["zclip/global/held"]), t
+        assert bool(m["zclip/global/capped"]) == (t > 0 and g > 1.5 * norms[:t].min()), (t, g)
+        chain_out, chain_state = chained.update(grads, chain_state, params)
+        assert float(clipjax.global_norm(chain_out)) == 0.0, t
+    adam = optax.tree_utils.tree_get(chain_state, "ScaleByAdamState")
+    assert int(adam.count) == 0

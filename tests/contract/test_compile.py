@@ -110,8 +110,12 @@ def _optax_agc() -> Any:
 
 
 # Bound on the ratio of HLO instructions a leaf; agc's metrics once added a small
-# reduction to every leaf (1.3x optax's instructions, 2x its compile time).
-PER_LEAF_BOUND = {"agc vs optax.adaptive_grad_clip": 1.1}
+# reduction to every leaf (1.3x optax's instructions, 2x its compile time). Since the
+# overflow-safe norms (SPEC 9.8) agc's unit norms carry a recompute of every leaf's
+# unit norms in the branch an overflowing step takes: 225.5 instructions a leaf
+# against optax's 106.0 (jax 0.10.2), bounded here so that it cannot grow further;
+# folding that branch into fewer instructions is open work.
+PER_LEAF_BOUND = {"agc vs optax.adaptive_grad_clip": 2.2}
 PER_LEAF = {
     "agc vs optax.adaptive_grad_clip": (
         (_adamw(lambda: clipjax.agc(0.01)), False),
