@@ -1,7 +1,7 @@
 """A learning-rate table: is the recommended setting ever worse than no clipping?
 
 A spike defence is a safety device: where it does not help, it must not hurt
-(SPEC 9.8). Each language model of ``examples/lm_spikes.py`` that two CPU
+Each language model of ``examples/lm_spikes.py`` that two CPU
 cores can train is run at its tuned learning rate and at 3x and 10x it
 (``TUNED``: ``cpu_cosine``, adamw with a warm-up and a cosine decay, its best
 of 1e-3 ... 3e-2 for adamw alone; ``cpu``, the blow-up model, at half its
@@ -179,7 +179,12 @@ def write_page(text: str) -> None:
     import common
 
     argv = sys.argv[1:]
-    kept = [a for i, a in enumerate(argv) if a != "--out" and (i == 0 or argv[i - 1] != "--out")]
+    # --collect rebuilds the page of the runs this command made: the same page.
+    kept = [
+        a
+        for i, a in enumerate(argv)
+        if a not in ("--out", "--collect") and (i == 0 or argv[i - 1] != "--out")
+    ]
     meta = common.header(" ".join(["python benchmarks/lr_table.py", *kept]), load=False)
     doc = "\n\n".join(__doc__.split("\n\n")[1:3]).strip()
     title = "# The recommended setting at 1x, 3x and 10x the learning rate"
