@@ -1,6 +1,6 @@
 """A learning-rate table: is the recommended setting ever worse than no clipping?
 
-A spike defence is a safety device: where it does not help, it must not hurt
+A spike defence is a safety device: where it does not help, it must not hurt.
 Each language model of ``examples/lm_spikes.py`` that two CPU
 cores can train is run at its tuned learning rate and at 3x and 10x it
 (``TUNED``: ``cpu_cosine``, adamw with a warm-up and a cosine decay, its best
