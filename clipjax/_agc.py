@@ -70,6 +70,7 @@ def _unit_norms(leaves: list[jax.Array], dtype: Any, axis: Axis) -> list[jax.Arr
     """Each leaf's unit norms, finite where the unit's elements are (a unit whose sum
     of squares overflowed is recomputed from its leaf scaled by a power of two)."""
     e = _grouping.overflow_exponent(2.0, dtype)
+    assert e is not None  # an L2 norm's sum of squares can overflow
     unit_norm = _grouping.per_leaf(_unit_norm, dtype, axis)
     scaled_norm = _grouping.per_leaf(_unit_norm, dtype, axis, e)
     return _grouping.rescued(

@@ -144,14 +144,14 @@ def _checked(
     )
 
 
-def _start(start: Any, relative: bool) -> str | None:
+def _start(start: Any, relative: bool) -> StartRule | None:
     """The start rule, ``"auto"`` resolved: ``"hold"`` with a relative ceiling
     (no norm bounds the first step), else None (the reference's warm-up)."""
     if start == "auto":
         return "hold" if relative else None
     if start is not None:
         _checks.choice("start", start, ("hold", "weight"))
-    return start
+    return cast("StartRule | None", start)
 
 
 # The relative ceiling of feedback="clipped": a multiple of the run's own level.
@@ -298,12 +298,12 @@ def zclip(
         alpha, z_thresh, max_grad_norm, eps, warmup_steps, mode, clip_option, clip_factor,
         skip_update_on_spike, feedback, relative_ceiling, ceiling_window,
     )  # fmt: skip
-    start = _start(start, relative_ceiling is not None)
+    start_rule = _start(start, relative_ceiling is not None)
     window_size = DEFAULT_CEILING_WINDOW if ceiling_window is None else ceiling_window
     absolute = max_grad_norm is not None
     relative = relative_ceiling is not None
     cap = max_grad_norm if absolute else math.inf
-    fields = ("clip_to", "z") + ((start,) if start else ()) + ("headroom",) * absolute
+    fields = ("clip_to", "z") + ((start_rule,) if start_rule else ()) + ("headroom",) * absolute
     fields = tuple("held" if f == "hold" else f for f in fields)
     statistic = _stats.WarmupEma(alpha=alpha, warmup_steps=warmup_steps)
 
@@ -363,7 +363,7 @@ def zclip(
         if absolute or relative:
             scale, capped = _kit.ceiling_scale(scale, g, limit, eps=div_eps)
         weight, held = None, None
-        if start == "weight":
+        if start_rule == "weight":
             # 0.4's ramp: step t's gradient weighs (t + 1) / warmup_steps. It leaves
             # adam's second moment short of the later gradients (SPEC 9.8).
             steps = (state.metrics["step"] + 1).astype(g.dtype)
@@ -371,7 +371,7 @@ def zclip(
                 finite, jnp.minimum(1.0, steps / jnp.asarray(warmup_steps, g.dtype)), 1.0
             )
             scale = scale * weight
-        elif start == "hold":
+        elif start_rule == "hold":
             # The warm-up's steps cannot be judged: held, for clipjax.chain and
             # skip_on_spike to skip the optimizer on (no deficit in its moments).
             # What optax.chain gets: no norm seen yet bounds the first one, so 0.
@@ -408,7 +408,9 @@ def zclip(
             scale=scale,
             spike=spike & finite,
             capped=capped,
-            clip_to=jnp.where(finite & (scale < 1), scale * (g + div_eps) if start else applied, g),
+            clip_to=jnp.where(
+                finite & (scale < 1), scale * (g + div_eps) if start_rule else applied, g
+            ),
             z=jnp.where(warming, jnp.zeros_like(z), z),
             **more,
         )
