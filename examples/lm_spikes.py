@@ -87,6 +87,7 @@ from lm_model import (  # the model, its data and its training loop
 
 # --quick: the same model as --config cpu, 40 steps: a smoke test, numbers mean nothing.
 QUICK_STEPS = 40
+DEFAULT_SEEDS = 6  # a page of another count is named lm_spikes_<config>..._seeds<n>
 
 # A gradient spike: a step whose global gradient norm exceeds GRAD_SPIKE times
 # the median of the SPIKE_WINDOW norms before it.
@@ -800,7 +801,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "CPU cores, about 100 s a setting); cpu_cosine: the 2-layer model, adamw with a "
         "30-step warm-up and a cosine decay over 300 steps",
     )
-    parser.add_argument("--seeds", type=int, default=6, help="seeds per setting (0, 1, ...)")
+    parser.add_argument(
+        "--seeds", type=int, default=DEFAULT_SEEDS, help="seeds per setting (0, 1, ...)"
+    )
     parser.add_argument("--steps", type=int, default=None, help="steps per run (config's)")
     parser.add_argument("--only", default=None, help="comma-separated settings (default: all)")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate (config's)")
@@ -890,13 +893,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def page_stem(config: str, cfg: Config) -> str:
-    """lm_spikes_<config>, with _lr<lr> for a learning rate other than the config's and
-    _loss_x<k> for a loss scale other than 1."""
+def page_stem(config: str, cfg: Config, seeds: int = DEFAULT_SEEDS) -> str:
+    """lm_spikes_<config>, with _lr<lr> for a learning rate other than the config's,
+    _loss_x<k> for a loss scale other than 1 and _seeds<n> for other than 6 seeds."""
     stem = f"lm_spikes_{config}"
     if cfg.lr != CONFIGS[config].lr:
         stem += f"_lr{cfg.lr:g}"
-    return stem + ("" if cfg.loss_scale == 1 else f"_loss_x{cfg.loss_scale:g}")
+    stem += "" if cfg.loss_scale == 1 else f"_loss_x{cfg.loss_scale:g}"
+    return stem + ("" if seeds == DEFAULT_SEEDS else f"_seeds{seeds}")
 
 
 def write_page(
@@ -912,7 +916,7 @@ def write_page(
     the figure and, with --npz, the curves."""
     cfg, seeds = args.cfg, list(range(args.seeds))
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = page_stem(args.config, args.cfg)
+    stem = page_stem(args.config, args.cfg, args.seeds)
     if figure and runs:
         plot(args.out / f"{stem}.png", runs, args.settings, cfg)
     summaries = {name: summarize(run, cfg) for name, run in runs.items()}
@@ -994,7 +998,7 @@ def main(argv: list[str] | None = None) -> dict[str, Run]:
     print(table_notes())
 
     total_s = sum(r.seconds for r in runs.values())
-    stem = page_stem(args.config, args.cfg)
+    stem = page_stem(args.config, args.cfg, args.seeds)
     print(f"\nWrote {stem}.md and .png under {args.out} ({total_s:.0f} s).")
     return runs
 
