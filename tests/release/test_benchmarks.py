@@ -13,6 +13,7 @@ import sys
 import jax
 import pytest
 
+from tests.compiled_step import ordinary_path
 from tests.paths import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -47,11 +48,12 @@ SECTIONS = (
 @pytest.fixture(scope="module")
 def figures() -> dict[str, float]:
     groups = {g.title: g for g in common.groups(("global",))}
-    return {
-        **traffic.extra(groups["clip_by_global_norm"], SHAPES),
-        **traffic.extra(groups["zclip"], SHAPES),
-        **traffic.extra(groups["agc"], SHAPES),
-    }
+    with ordinary_path():  # what an ordinary step reads (tests/compiled_step.py)
+        return {
+            **traffic.extra(groups["clip_by_global_norm"], SHAPES),
+            **traffic.extra(groups["zclip"], SHAPES),
+            **traffic.extra(groups["agc"], SHAPES),
+        }
 
 
 @traffic_bounds
@@ -77,7 +79,8 @@ def test_agc_reads_gradients_and_params_once(figures: dict[str, float]) -> None:
 def test_unitwise_agc_traffic_target_on_the_benchmark_tree() -> None:
     # Unit norms weigh more on the small tree; the target is set on the benchmark's.
     group = {g.title: g for g in common.groups(("global",))}["agc"]
-    full = traffic.extra(group, common.transformer_shapes(**common.FULL.model))
+    with ordinary_path():
+        full = traffic.extra(group, common.transformer_shapes(**common.FULL.model))
     assert (
         full["clipjax.agc[unitwise] + adam"]
         <= full[common.OPTAX_AGC] + common.TARGETS["agc_traffic"]

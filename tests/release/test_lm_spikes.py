@@ -31,7 +31,7 @@ def test_cpu_quick_run_writes_the_page(tmp_path: Path) -> None:
         "--static-sweep", "1", "--npz", "--out", str(tmp_path),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    page = (tmp_path / "lm_spikes_cpu.md").read_text()
+    page = (tmp_path / "lm_spikes_cpu_seeds2.md").read_text()  # not 6 seeds: named so
     # What produced it, and nothing about where: no machine paths, no output folder.
     command = "python examples/lm_spikes.py --config cpu --quick --seeds 2"
     assert f"Command: `{command}" in page
@@ -71,9 +71,9 @@ def test_cpu_quick_run_writes_the_page(tmp_path: Path) -> None:
     assert share.count(" / ") == 1 and share.count("%") == 2
     assert "ln 256" in page
     assert "Best static clip: `static_1`" in page
-    assert "(lm_spikes_cpu.png)" in page
-    assert (tmp_path / "lm_spikes_cpu.png").stat().st_size > 10_000
-    curves = np.load(tmp_path / "lm_spikes_cpu.npz")
+    assert "(lm_spikes_cpu_seeds2.png)" in page
+    assert (tmp_path / "lm_spikes_cpu_seeds2.png").stat().st_size > 10_000
+    curves = np.load(tmp_path / "lm_spikes_cpu_seeds2.npz")
     assert curves["recommended/loss"].shape == (2, 40)
     assert np.isfinite(curves["recommended/eval_loss"]).all()
     # Read from the optimizer state every step: at most one per step and seed.
@@ -96,6 +96,7 @@ def test_a_loss_scale_scales_the_sweep_not_clip_1(tmp_path: Path) -> None:
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
         stem = "lm_spikes_cpu_long" if k == "1" else "lm_spikes_cpu_long_loss_x10"
+        stem += "_seeds1"  # a page of other than 6 seeds says its count
         runs[k] = np.load(out / f"{stem}.npz")
         page = (out / f"{stem}.md").read_text()
     assert "loss x 10" in page and "--loss-scale 10" in page and "clip_1 stays at 1.0" in page
