@@ -111,11 +111,20 @@ def _norms_and_clipped(
         square, count = one(x, b)
         squares.append(square)
         over.append(count)
-    # Where a sum overflowed, group_norms takes it again from scaled leaves.
-    norm = jnp.sqrt(_group_sum(squares, grouping, dtype))
-    norm = _grouping.rescued(norm, lambda: _grouping.group_norms(leaves, grouping))
-    leaf_norm = _grouping.leaf_norms(leaves, squares)
-    return norm, _group_sum(over, grouping, dtype), leaf_norm
+    count = _group_sum(over, grouping, dtype)
+    if not leaves:
+        return jnp.sqrt(_group_sum(squares, grouping, dtype)), count, jnp.zeros((0,), dtype)
+    e = _grouping.overflow_exponent(2.0, dtype)
+    assert e is not None
+
+    def norms(sums: list[Array], scale: float = 1.0) -> tuple[Array, Array]:
+        group = jnp.sqrt(_group_sum(sums, grouping, dtype)) * scale
+        return group, jnp.sqrt(jnp.stack(sums)) * scale
+
+    # Where a sum overflowed, both are taken again, in one pass, from scaled leaves.
+    scaled = lambda: norms(_grouping.leaf_power_sums(leaves, 2.0, None, e), 2.0**e)
+    norm, leaf_norm = _grouping.rescued(norms(squares), scaled)
+    return norm, count, leaf_norm
 
 
 def _clamp_leaf(x: Array, b: Array) -> Array:

@@ -303,8 +303,8 @@ def zclip(
     absolute = max_grad_norm is not None
     relative = relative_ceiling is not None
     cap = max_grad_norm if absolute else math.inf
-    fields = ("clip_to", "z") + ((start_rule,) if start_rule else ()) + ("headroom",) * absolute
-    fields = tuple("held" if f == "hold" else f for f in fields)
+    start_field = {"hold": ("held",), "weight": ("weight",), None: ()}[start_rule]
+    fields = ("clip_to", "z", *start_field) + ("headroom",) * absolute
     statistic = _stats.WarmupEma(alpha=alpha, warmup_steps=warmup_steps)
 
     def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
