@@ -28,7 +28,7 @@ DOCS_OUT ?= build/docs
 help:
 	@echo "make demo       train a small model with injected gradient spikes (examples/demo.py)"
 	@echo "make notebooks  run notebooks/*.ipynb top to bottom; executed copies in build/notebooks/"
-	@echo "make test       ruff check, then pytest -m 'not slow' (tests/ and doctests; ~9 min on 2 cores, install included)"
+	@echo "make test       ruff check, then pytest -m 'not slow' (tests/ and doctests; ~13 min on 2 cores, install included)"
 	@echo "make test-all   ruff check, then every test: also notebooks, docs site, reference traces,"
 	@echo "                8-device and multi-process runs, long scans, examples, wheel (what CI runs)"
 	@echo "make test-min   the fast suite on the oldest declared jax, optax, chex, numpy ($(VENV_MIN))"
