@@ -284,6 +284,178 @@ class Clipper:
         return jax.tree_util.tree_unflatten(grads.treedef, leaves), new_state
 
 
+# --------------------------------------------------------------------------- plain steps
+
+
+class Setup(NamedTuple):
+    """A clipper's grouping settings, checked once by its factory (:func:`setup`).
+
+    Attributes:
+      algo: the factory's name, the default metrics prefix.
+      scope: how leaves become groups.
+      name: the metrics prefix given, or None.
+      axis_name: average the group norms over this mapped axis, or None.
+      leaf_norms: also record each leaf's L2 norm.
+      p: the order of the group norms (a leaf's own norm stays L2).
+    """
+
+    algo: str
+    scope: Scope
+    name: str | None
+    axis_name: str | None = None
+    leaf_norms: bool = False
+    p: float = 2.0
+
+    @property
+    def who(self) -> str:
+        """The clipper as its errors and metrics name it."""
+        return self.name or self.algo
+
+
+def setup(
+    algo: str,
+    *,
+    scope: Scope,
+    name: str | None,
+    axis_name: str | None = None,
+    leaf_norms: bool = False,
+    p: float = 2.0,
+    scopes: tuple[str, ...] = _grouping.SCOPES,
+    stacked: bool = True,
+) -> Setup:
+    """A :class:`Setup`, once ``scope`` (one of ``scopes``; no :func:`clipjax.stacked`
+    with ``stacked=False``) and ``name`` are checked."""
+    _grouping.validate_scope(scope, scopes)
+    _checks.name(name)
+    if not stacked and isinstance(scope, _grouping.Stacked):
+        raise ValueError(
+            f"{algo}: clipjax.stacked scopes apply to the norm-based clippers; "
+            f"{algo} changes elements, use scope='per_param' or 'per_layer'"
+        )
+    return Setup(algo, scope, name, axis_name, leaf_norms, p)
+
+
+class Common(NamedTuple):
+    """What ``init`` needs of ``params`` for every clipper (:func:`common`).
+
+    Attributes:
+      num_groups: the number of groups.
+      dtype: the dtype of norms and statistics (float32, or float64 for float64 leaves).
+      info: the new state's ``info``.
+      leaf_index: the new state's ``leaf_index`` (:func:`clipjax._xla.leaf_index`).
+      leaf_metrics: the new state's ``leaf_metrics``: ``grad_norm`` zeros per leaf
+        with ``leaf_norms``, else empty.
+    """
+
+    num_groups: int
+    dtype: Any
+    info: _metrics.GroupInfo
+    leaf_index: Any
+    leaf_metrics: dict[str, Array]
+
+
+def common(setup: Setup, params: Any) -> Common:
+    """The :class:`Common` fields of a new state for ``params``."""
+    placeholder = is_placeholder(params)
+    leaves, _, _ = _grouping.leaves_with_names(params)
+    grouping = _grouping.make_grouping(params, setup.scope)
+    dtype = _grouping.norm_dtype(leaves)
+    leaf_metrics = {"grad_norm": jnp.zeros((len(leaves),), dtype)} if setup.leaf_norms else {}
+    return Common(
+        grouping.num_groups,
+        dtype,
+        group_info(params, setup.scope, setup.algo, setup.name, grouping),
+        _xla.leaf_index(grouping, placeholder),
+        leaf_metrics,
+    )
+
+
+def owned(params: Any, state: Any) -> Any:
+    """A new ``state`` whose leaves have buffers of their own (:func:`clipjax._xla.own_buffers`)."""
+    return state if is_placeholder(params) else _xla.own_buffers(state)
+
+
+def grads_of(
+    setup: Setup,
+    updates: Any,
+    state: Any,
+    state_class: type,
+    init: Callable[[Any], Any],
+    *,
+    dtypes: bool = True,
+) -> Grads:
+    """``updates`` flattened and grouped, once ``state`` is checked against them and
+    against what ``init`` builds for them (an error says what was expected and how
+    to restore a checkpoint). With ``dtypes`` every leaf must be a float (a clipper
+    that needs ``params`` checks them first and passes False)."""
+    who = setup.who
+    _checks.check_state(state, state_class, who)
+    leaves, paths, treedef = _grouping.leaves_with_names(updates)
+    grouping = _grouping.make_grouping(updates, setup.scope)
+    grouping.check_matches(state.info.leaves, state.info.shapes, who)
+    for field, value in state.metrics.items():
+        if jnp.shape(_metrics.unwrap(value))[:1] != (grouping.num_groups,):
+            groups = ", ".join(grouping.names[:4]) + (", ..." * (grouping.num_groups > 4))
+            raise ValueError(
+                f"{who}: the state does not fit the tree passed to update: its metric "
+                f"{field!r} has shape {jnp.shape(value)}, expected [{grouping.num_groups}] "
+                f"for the groups of this tree ({groups}); was the state restored from "
+                "another model?"
+            )
+    # Traced once per trace, never cached: under optax.inject_hyperparams ``init``
+    # closes over that trace's tracers, and a cache keyed by it would keep them.
+    expected = jax.eval_shape(init, updates)
+    for field, got, want in zip(state._fields, state, expected):
+        if field not in ("info", "leaf_index", "leaf_metrics"):
+            _checks.check_layout(who, field, got, want)
+    if dtypes:
+        _grouping.check_inexact(leaves, grouping, who)
+    return Grads(leaves, paths, treedef, grouping)
+
+
+def norms(
+    setup: Setup, updates: Any, state: Any, state_class: type, init: Callable[[Any], Any]
+) -> Grads:
+    """:func:`grads_of` with each group's ``p``-norm (one read of each leaf, summed in
+    float32 or float64) and each leaf's L2 norm; averaged over ``axis_name``."""
+    grads = grads_of(setup, updates, state, state_class, init)
+    leaves, grouping = grads.leaves, grads.grouping
+    partial = _grouping.leaf_power_sums(leaves, setup.p, grouping)
+    per_leaf = None
+    if setup.leaf_norms:
+        norm, per_leaf = _grouping.group_and_leaf_norms(leaves, grouping, setup.p, partial)
+    else:
+        norm = _grouping.group_norms(leaves, grouping, setup.p, partial)
+    if setup.axis_name is not None:
+        norm, per_leaf = jax.lax.pmean((norm, per_leaf), setup.axis_name)
+    return grads._replace(norm=norm, leaf_norms=per_leaf)
+
+
+def new_leaf_metrics(grads: Grads, state: Any) -> dict[str, Array]:
+    """The new state's ``leaf_metrics``: this step's leaf norms, where recorded."""
+    if grads.leaf_norms is None:
+        return state.leaf_metrics
+    return {"grad_norm": grads.leaf_norms.astype(state.leaf_metrics["grad_norm"].dtype)}
+
+
+def kept_index(state: Any) -> Any:
+    """The new state's ``leaf_index``: a copy, not the input passed through
+    (:func:`clipjax._xla.returned`)."""
+    return _xla.returned(state.leaf_index)
+
+
+def scaled(grads: Grads, scale: Array, leaf_index: Any) -> Any:
+    """The updates: each group's leaves times its ``scale``."""
+    scales = _xla.computed_once(scale)
+    leaves = _grouping.apply_scales(grads.leaves, grads.grouping, scales, leaf_index)
+    return jax.tree_util.tree_unflatten(grads.treedef, leaves)
+
+
+def rebuilt(grads: Grads, leaves: list[Array]) -> Any:
+    """The updates: ``leaves`` in the tree of ``grads``."""
+    return jax.tree_util.tree_unflatten(grads.treedef, leaves)
+
+
 # --------------------------------------------------------------------------- a step
 
 

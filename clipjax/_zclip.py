@@ -307,28 +307,30 @@ def zclip(
     fields = ("clip_to", "z", *start_field) + ("headroom",) * absolute
     statistic = _stats.WarmupEma(alpha=alpha, warmup_steps=warmup_steps)
 
-    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-        mean, var, sample = statistic.init(num_groups, dtype)
+    setup = _kit.setup(
+        "zclip", scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms
+    )
+
+    def init_fn(params: Any) -> ZClipState:
+        common = _kit.common(setup, params)
+        n, dtype = common.num_groups, common.dtype
+        mean, var, sample = statistic.init(n, dtype)
         window, low = None, None
         if relative:
-            window = _stats.window_init(num_groups, window_size, dtype)
-            low = jnp.full((num_groups,), jnp.inf, dtype)
-        metrics = _kit.norm_metrics(
-            num_groups, dtype, fields, spike=True, ceiling=absolute or relative
-        )
-        return {"mean": mean, "var": var, "sample": sample, "window": window, "low": low,
-                "metrics": metrics}  # fmt: skip
-
-    kit = _kit.Clipper(
-        "zclip", ZClipState, arrays,
-        scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms,
-    )  # fmt: skip
+            window = _stats.window_init(n, window_size, dtype)
+            low = jnp.full((n,), jnp.inf, dtype)
+        metrics = _kit.norm_metrics(n, dtype, fields, spike=True, ceiling=absolute or relative)
+        state = ZClipState(
+            mean, var, sample, window, low, metrics,
+            common.info, common.leaf_index, common.leaf_metrics,
+        )  # fmt: skip
+        return _kit.owned(params, state)
 
     def update_fn(
         updates: Any, state: ZClipState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, ZClipState]:
         del params, extra_args
-        grads = kit.norms(updates, state)
+        grads = _kit.norms(setup, updates, state, ZClipState, init_fn)
         g = grads.norm
         count = state.metrics["count"]
         warming = count < warmup_steps
@@ -414,10 +416,11 @@ def zclip(
             z=jnp.where(warming, jnp.zeros_like(z), z),
             **more,
         )
-        return kit.finish(
-            grads, state, metrics, scale=scale, mean=stats.mean, var=stats.var,
-            sample=stats.warmup, window=window, low=low,
+        new_state = ZClipState(
+            stats.mean, stats.var, stats.warmup, window, low, metrics,
+            state.info, _kit.kept_index(state), _kit.new_leaf_metrics(grads, state),
         )  # fmt: skip
+        return _kit.scaled(grads, scale, state.leaf_index), new_state
 
     # optax types a state as OptState (an array tree), not as ZClipState.
-    return ClipTransform(kit.init, update_fn)  # pyright: ignore[reportArgumentType]
+    return ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
