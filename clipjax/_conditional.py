@@ -19,10 +19,8 @@ has the step times.
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -49,10 +47,13 @@ class SkippableTransform(optax.GradientTransformationExtraArgs):
     :func:`clipjax.skip_on_spike` around one compiles to one fused loop per
     leaf: no conditional, no extra pass over the updates.
     :func:`clipjax.adam`, :func:`clipjax.adamw` and :func:`clipjax.chain`
-    return one. Inside a wrapper with no ``update_if`` of its own
-    (``optax.inject_hyperparams(clipjax.adamw)(...)``), ``update`` computes
-    ``update_if`` with skip_on_spike's decision while skip_on_spike runs the
-    wrapper, and is optax's anywhere else.
+    return one. A wrapper around one (``optax.inject_hyperparams``,
+    ``optax.MultiSteps``) is an ordinary optax transform: a skip reaches it
+    through ``lax.cond``.
+
+    ``keep_state_if`` (or None) is ``update_if`` without zeroing the updates:
+    :func:`clipjax.chain` runs its members through it and zeroes once, after
+    the last member.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -63,7 +64,22 @@ class SkippableTransform(optax.GradientTransformationExtraArgs):
       ([0.0, 0.0], 0)
     """
 
-    update_if: Callable[..., tuple[Any, Any]] | None = None
+    update_if: Callable[..., tuple[Any, Any]]
+    keep_state_if: Callable[..., tuple[Any, Any]] | None
+
+    def __new__(
+        cls,
+        init: Callable[..., Any],
+        update: Callable[..., Any],
+        update_if: Callable[..., tuple[Any, Any]],
+        keep_state_if: Callable[..., tuple[Any, Any]] | None = None,
+    ) -> SkippableTransform:
+        tx = super().__new__(cls, init, update)
+        tx.update_if, tx.keep_state_if = update_if, keep_state_if
+        return tx
+
+    def __getnewargs__(self) -> tuple[Any, ...]:
+        return (self.init, self.update, self.update_if, self.keep_state_if)
 
 
 def skippable_step(init: Callable[..., Any], step: Callable[..., Any]) -> SkippableTransform:
@@ -91,28 +107,11 @@ def skippable(
     update_if: Callable[..., tuple[Any, Any]] | None = None,
 ) -> SkippableTransform:
     """A ``SkippableTransform`` from its ``update_if``, or from ``keep_state_if``:
-    ``update_if`` without zeroing the updates where ``pred`` is False.
-
-    :func:`clipjax.chain` runs its members through ``keep_state_if`` where they
-    have one and zeroes the updates once, after the last member: a select per
-    member would be compiled into every leaf's fused loop.
-    """
+    ``update_if`` without zeroing the updates where ``pred`` is False."""
     if update_if is None:
         assert keep_state_if is not None
         update_if = _zeroing(keep_state_if)
-
-    def update_or_fold(
-        updates: Any, state: Any, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, Any]:
-        # Inside a wrapper (inject_hyperparams, MultiSteps) that skip_on_spike
-        # runs, fold its decision in (see FoldClaim); otherwise update.
-        return fold_or_update(update, update_if, updates, state, params, **extra_args)
-
-    tx = SkippableTransform(init, update_or_fold)
-    tx.update_if = update_if
-    if keep_state_if is not None:
-        tx.keep_state_if = keep_state_if  # pyright: ignore[reportAttributeAccessIssue]
-    return tx
+    return SkippableTransform(init, update, update_if, keep_state_if)
 
 
 def _zeroing(keep_state_if: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[Any, Any]]:
@@ -134,66 +133,38 @@ def zero_unless(pred: Array, tree: Any) -> Any:
     return jax.tree.map(lambda x: jnp.where(pred, x, jnp.zeros_like(x)), tree)
 
 
-class FoldClaim:
-    """A predicate handed to the :class:`clipjax.SkippableTransform` inside a wrapper.
-
-    ``optax.inject_hyperparams(clipjax.adamw)`` or
-    ``optax.MultiSteps(clipjax.adamw(...))`` has no ``update_if`` of its own,
-    but it calls its inner optimizer's ``update``. While a claim is active
-    (``with claim:``), a ``SkippableTransform``'s ``update`` runs its
-    ``update_if(claim.pred, ...)`` instead, records that it did and which
-    state leaves it returned (already selected), and the wrapper's own
-    bookkeeping around it is then selected by :func:`run_if`.
-    """
-
-    def __init__(self, pred: Any) -> None:
-        self.pred = pred
-        self.claimed = False
-        self.selected: list[Any] = []
-        self.previous: Any = None
-
-    def __enter__(self) -> FoldClaim:
-        self.previous = getattr(_PENDING, "claim", None)
-        _PENDING.claim = self
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        _PENDING.claim = self.previous
+Route = Literal["fold", "select", "cond"]
 
 
-_PENDING = threading.local()
-
-
-def fold_or_update(
-    update: Callable[..., Any], update_if: Callable[..., Any], *args: Any, **kwargs: Any
-) -> Any:
-    """A ``SkippableTransform``'s ``update``: ``update_if`` under an active claim."""
-    claim = getattr(_PENDING, "claim", None)
-    if claim is None:
-        return update(*args, **kwargs)
-    claim.claimed = True
-    _PENDING.claim = None  # the members inside fold through their own update_if
-    try:
-        out, new_state = update_if(claim.pred, *args, **kwargs)
-    finally:
-        _PENDING.claim = claim
-    claim.selected.extend(jax.tree.leaves(new_state))
-    return out, new_state
+def route_of(tx: Any) -> Route:
+    """How :func:`run_if` skips ``tx``, from what ``tx`` is: ``"fold"`` for a
+    :class:`SkippableTransform`, ``"select"`` for a clipjax clipper, ``"cond"``
+    for any other transform (a wrapper around a ``SkippableTransform`` too: its
+    ``update_if`` is hidden inside)."""
+    if isinstance(tx, SkippableTransform):
+        return "fold"
+    if isinstance(tx, ClipTransform):
+        return "select"
+    return "cond"
 
 
 def run_if(
-    pred: Array, tx: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
+    route: Route,
+    pred: Array,
+    tx: Any,
+    updates: Any,
+    state: Any,
+    params: Any = None,
+    **extra_args: Any,
 ) -> tuple[Any, Any]:
     """``tx.update`` on the steps where ``pred`` holds; elsewhere its state stays as it was.
 
+    ``route`` is :func:`route_of` ``(tx)``, taken when the caller is built.
     Where ``pred`` is False the returned updates are not ``tx``'s: the caller
     masks them. Each route is free of full-size copies in the compiled step:
 
     * ``"fold"``: a :class:`SkippableTransform` folds ``pred`` into its
-      arithmetic (its ``update_if``); a transform that calls one's ``update``
-      (``optax.inject_hyperparams(clipjax.adamw)(...)``, ``optax.MultiSteps``)
-      runs every step under a :class:`FoldClaim`, found by tracing its update
-      once (the same trace then runs), and the rest of its state is selected;
+      arithmetic (its ``update_if``);
     * ``"select"``: a clipjax clipper holds small ``[groups]`` arrays: it runs
       every step and its state is selected (its norms are the ones the caller
       computes anyway, and XLA merges the identical reductions);
@@ -202,58 +173,23 @@ def run_if(
       operands as they are: only then does XLA elide the buffer copies. Zeros,
       or the update computed unconditionally with the moments selected after,
       copy the state or the updates every step. The branches return the inner
-      update's own output types (from ``jax.make_jaxpr``): where it changes a
+      update's own output types (``jax.eval_shape``): where it changes a
       dtype, the pass-through branch casts its operands to them.
     """
-    _, out, new_state = run_if_routed(pred, tx, updates, state, params, **extra_args)
-    return out, new_state
-
-
-def run_if_routed(
-    pred: Array, tx: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
-) -> tuple[str, Any, Any]:
-    """:func:`run_if`, also saying which route it took: ``fold``, ``select`` or ``cond``."""
-    if isinstance(tx, SkippableTransform):
+    if route == "fold":
         # Folded into its own arithmetic (clipjax.adam: _optimizers.adam_arithmetic).
-        assert tx.update_if is not None
-        return ("fold", *tx.update_if(pred, updates, state, params, **extra_args))
-    if isinstance(tx, ClipTransform):
-        return ("select", *run_and_select(pred, tx, updates, state, params, **extra_args))
+        return tx.update_if(pred, updates, state, params, **extra_args)
+    if route == "select":
+        return run_and_select(pred, tx, updates, state, params, **extra_args)
 
-    # One trace of the update, under a claim: a SkippableTransform inside it
-    # (a wrapper's optimizer) folds pred in and marks the state it selected.
     operands, in_tree = jax.tree.flatten((updates, state))
-    claim = FoldClaim(pred)
-    folded: list[bool] = []
 
-    def run(*leaves: Any) -> Any:
+    def run(leaves: list[Any]) -> list[Any]:
         out = tx.update(*jax.tree.unflatten(in_tree, leaves), params, **extra_args)
-        active = getattr(_PENDING, "claim", None)
-        selected = {id(leaf) for leaf in active.selected} if active is not None else set()
-        folded[:] = [id(leaf) in selected for leaf in jax.tree.leaves(out[1])]
-        return out
+        return jax.tree.leaves(out)
 
-    with claim:
-        traced, out_types = jax.make_jaxpr(run, return_shape=True)(*operands)
+    out_types = jax.eval_shape(lambda u, s: tx.update(u, s, params, **extra_args), updates, state)
     out_tree = jax.tree.structure(out_types)
-    update = _jaxpr_as_fun(traced)
-    if jax.config.jax_disable_jit:  # pyright: ignore[reportAttributeAccessIssue]
-        # Op by op, as the transform's own update runs there (its Python may
-        # compute on concrete values where the traced program cannot).
-        def update(*leaves: Any) -> list[Any]:
-            with FoldClaim(pred) if claim.claimed else contextlib.nullcontext():
-                return jax.tree.leaves(run(*leaves))
-
-    if claim.claimed:
-        # A wrapper around a SkippableTransform runs every step; the rest of
-        # its state (its count, hyperparameters, accumulators) is selected.
-        out, new_state = jax.tree.unflatten(out_tree, update(*operands))
-        kept = iter(folded)
-        new_state = jax.tree.map(
-            lambda n, o: n if next(kept) else _select(pred, n, o), new_state, state
-        )
-        return "fold", out, new_state
-
     # The branches must return the same types: the inner update's, which may
     # differ from its inputs' (optax.adam(mu_dtype=float32) on bfloat16
     # gradients returns float32 updates; bfloat16 params with float32
@@ -266,26 +202,11 @@ def run_if_routed(
             "it does not run cannot pass its inputs through"
         )
 
-    def taken(leaves: list[Any]) -> list[Any]:
-        return update(*leaves)
-
     def pass_through(leaves: list[Any]) -> list[Any]:
         return [_cast_like(x, t) for x, t in zip(leaves, jax.tree.leaves(out_types))]
 
-    out_leaves = jax.lax.cond(pred, taken, pass_through, operands)
-    return ("cond", *jax.tree.unflatten(out_tree, out_leaves))
-
-
-def _jaxpr_as_fun(closed: Any) -> Callable[..., Any]:
-    try:
-        from jax.extend.core import jaxpr_as_fun
-    except ImportError:  # jax < 0.4.38
-        from jax.core import jaxpr_as_fun  # type: ignore[no-redef]
-    return jaxpr_as_fun(closed)
-
-
-def _select(pred: Array, new: Any, old: Any) -> Array:
-    return jnp.where(pred, new, jnp.asarray(old, jnp.result_type(new)))
+    out_leaves = jax.lax.cond(pred, run, pass_through, operands)
+    return jax.tree.unflatten(out_tree, out_leaves)
 
 
 def _cast_like(x: Any, like: jax.ShapeDtypeStruct) -> Any:

@@ -499,7 +499,8 @@ def _run_warmup(
         idle = _conditional.idle_metrics(metrics)
         return new._replace(metrics=_kit.select_groups(warming, metrics, idle))
 
-    out, new_nested = _conditional.run_if(jnp.any(warming), warmup, updates, nested, params)
+    route = _conditional.route_of(warmup)
+    out, new_nested = _conditional.run_if(route, jnp.any(warming), warmup, updates, nested, params)
     mask = _grouping.leaf_scales(grouping, warming, index)
     # A select with a per-leaf mask that fuses into the scaling multiply.
     leaves = [jnp.where(m, w, s) for m, w, s in zip(mask, jax.tree.leaves(out), scaled)]

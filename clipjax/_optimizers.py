@@ -526,6 +526,8 @@ def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
     base = optax.chain(*members)
     # A state per member; each member checks its own.
     layout = (object,) * len(members)
+    # How each member skips a step, from what it is (_conditional.route_of).
+    routes = [_conditional.route_of(member) for member in members]
 
     def run(
         pred: Any, updates: Any, state: Any, params: Any, **extra_args: Any
@@ -534,16 +536,17 @@ def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
         which a clipper's held step turns False for the members after it."""
         _checks.check_members(state, layout, "clipjax.chain")
         new_state = []
-        for member, member_state in zip(members, state):
-            keep = getattr(member, "keep_state_if", None)
+        for member, route, member_state in zip(members, routes, state):
             if pred is None:
                 updates, member_state = member.update(updates, member_state, params, **extra_args)
-            elif keep is not None:
+            elif route == "fold" and member.keep_state_if is not None:
                 # Zeroed once, after the last member.
-                updates, member_state = keep(pred, updates, member_state, params, **extra_args)
+                updates, member_state = member.keep_state_if(
+                    pred, updates, member_state, params, **extra_args
+                )
             else:
                 updates, member_state = _conditional.run_if(
-                    pred, member, updates, member_state, params, **extra_args
+                    route, pred, member, updates, member_state, params, **extra_args
                 )
             held = _metrics.held(member_state)
             if held is not None:

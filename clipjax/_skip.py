@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple, get_args
 
 import jax
@@ -10,7 +11,6 @@ import jax.numpy as jnp
 import optax
 
 from clipjax import _checks, _conditional, _grouping, _kit, _xla
-from clipjax._conditional import SkippableTransform
 from clipjax._kit import SpikeFeedback
 from clipjax._metrics import GroupInfo
 from clipjax._static import global_norm
@@ -26,8 +26,9 @@ class ConditionalRouteWarning(UserWarning):
 
     The step is correct, but the conditional's boundary costs about two extra
     passes over the updates. :func:`clipjax.adam`, :func:`clipjax.adamw` and
-    :func:`clipjax.chain` (also inside ``optax.inject_hyperparams`` or
-    ``optax.MultiSteps``) fold the skip in instead. Silence it with
+    :func:`clipjax.chain`, passed directly (a wrapper such as
+    ``optax.inject_hyperparams`` hides their ``update_if``), fold the skip in
+    instead. Silence it with
     ``warnings.filterwarnings("ignore", category=clipjax.ConditionalRouteWarning)``.
     """
 
@@ -38,11 +39,21 @@ class SkipOnSpikeTransform(optax.GradientTransformationExtraArgs):
     An ``optax.GradientTransformationExtraArgs`` with one more attribute,
     ``route``: how a skipped step leaves the inner transform's state as it
     was (``"fold"``, ``"select"`` or ``"cond"``, see
-    :func:`clipjax.skip_on_spike`), or ``None`` while it is not known yet
-    (an inner transform whose route its first ``update`` finds).
+    :func:`clipjax.skip_on_spike`), decided when it is built from what the
+    inner transform is.
     """
 
-    route: str | None = None
+    route: _conditional.Route
+
+    def __new__(
+        cls, init: Callable[..., Any], update: Callable[..., Any], route: _conditional.Route
+    ) -> SkipOnSpikeTransform:
+        tx = super().__new__(cls, init, update)
+        tx.route = route
+        return tx
+
+    def __getnewargs__(self) -> tuple[Any, ...]:
+        return (self.init, self.update, self.route)
 
 
 class SkipOnSpikeState(NamedTuple):
@@ -139,9 +150,9 @@ def skip_on_spike(
     and Levanter's). After ``max_consecutive_skips`` skips the next finite
     step is taken and enters the buffers as it is.
 
-    The inner transform skips by its ``route``: :func:`clipjax.adam`,
-    :func:`clipjax.adamw`, :func:`clipjax.chain` (and optax wrappers around
-    them) fold the decision into their moments (``"fold"``), clipjax clippers
+    The inner transform skips by its ``route``, decided here from what it is:
+    :func:`clipjax.adam`, :func:`clipjax.adamw`, :func:`clipjax.chain` fold
+    the decision into their moments (``"fold"``), clipjax clippers
     run and have their state selected (``"select"``), any other transform
     runs under ``lax.cond`` (``"cond"``; warned once with
     :class:`clipjax.ConditionalRouteWarning` around full-size state). The
@@ -238,8 +249,9 @@ def skip_on_spike(
         if has_value:
             inner_args["value"] = value
         new_updates, inner_state = run_inner(
-            tx, take, inner, updates, state.inner_state, params, name or ALGO, **inner_args
-        )
+            tx.route, take, inner, updates, state.inner_state, params, name or ALGO, warned,
+            **inner_args,
+        )  # fmt: skip
 
         x, enters = _observation(norm, grad_threshold, skip, forced, feedback)
         grad_norm_window, grad_norm_seen = _push(
@@ -267,44 +279,40 @@ def skip_on_spike(
         )
         return new_updates, new_state
 
+    warned = [False]
     tx = wrapper(init_fn, update_fn, inner)
     return tx
 
 
 def wrapper(init: Any, update: Any, inner: Any) -> SkipOnSpikeTransform:
-    """A skipping wrapper around ``inner``, its ``route`` set where known already."""
-    tx = SkipOnSpikeTransform(init, update)
-    if isinstance(inner, SkippableTransform):
-        tx.route = "fold"
-    elif isinstance(inner, _kit.ClipTransform):
-        tx.route = "select"
-    return tx
+    """A skipping wrapper around ``inner``, with the route :func:`run_inner` takes."""
+    return SkipOnSpikeTransform(init, update, _conditional.route_of(inner))
 
 
 def run_inner(
-    tx: SkipOnSpikeTransform,
+    route: _conditional.Route,
     take: jax.Array,
     inner: Any,
     updates: Any,
     inner_state: Any,
     params: Any,
     who: str,
+    warned: list[bool],
     **extra_args: Any,
 ) -> tuple[Any, Any]:
     """``inner``'s update where ``take`` holds, with zero updates and its state as
-    it was where not; ``tx.route`` says how (warned once where a conditional
-    runs an optimizer with full-size state)."""
-    route, new_updates, new_state = _conditional.run_if_routed(
-        take, inner, updates, inner_state, params, **extra_args
+    it was where not, by ``route`` (warned once, through ``warned``, where a
+    conditional runs an optimizer with full-size state)."""
+    if route == "cond" and not warned[0] and _has_full_size(inner_state, updates):
+        warned[0] = True
+        _warn_conditional(who)
+    new_updates, new_state = _conditional.run_if(
+        route, take, inner, updates, inner_state, params, **extra_args
     )
-    if tx.route != route:
-        tx.route = route
-        if route == "cond" and _has_full_size(inner_state, updates):
-            _warn_conditional(who)
     # On a skipped step the updates passed through: zero them. The select fuses
     # into whatever consumes the updates (apply_updates), and, unlike a multiply
     # by 0, keeps a NaN gradient out. An inner update_if has zeroed them already.
-    if not isinstance(inner, SkippableTransform):
+    if route != "fold":
         new_updates = jax.tree.map(
             lambda u: jnp.where(take, u, jnp.zeros((), u.dtype)), new_updates
         )
@@ -411,8 +419,8 @@ def _warn_conditional(who: str) -> None:
         f"{who}: the inner transform has full-size state and no update_if, "
         "so a skipped step goes through lax.cond (route 'cond'), which costs about "
         "two extra passes over the updates per step. clipjax.adam, clipjax.adamw and "
-        "clipjax.chain (also inside optax.inject_hyperparams or optax.MultiSteps) "
-        "fold the skip into the update instead (route 'fold').",
+        "clipjax.chain, passed directly (not inside optax.inject_hyperparams or "
+        "optax.MultiSteps), fold the skip into the update instead (route 'fold').",
         ConditionalRouteWarning,
         stacklevel=3,
     )

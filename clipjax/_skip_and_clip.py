@@ -334,8 +334,9 @@ def skip_and_clip_by_global_norm(
             factor = _xla.computed_once(scale[0])
             clipped_updates = jax.tree.map(lambda u: u * factor.astype(jnp.result_type(u)), updates)
         new_updates, inner_state = _skip.run_inner(
-            tx, take, inner, clipped_updates, state.inner_state, params, who, **extra_args
-        )
+            tx.route, take, inner, clipped_updates, state.inner_state, params, who, warned,
+            **extra_args,
+        )  # fmt: skip
 
         # What the EMAs learn (AXLearn's _moment, with the variance kept directly).
         x, observed = _kit.observation(feedback, g, boundary=boundary, fires=dropped)
@@ -370,5 +371,6 @@ def skip_and_clip_by_global_norm(
         new_state = SkipAndClipState(inner_state, mean, var, metrics, state.info)
         return new_updates, new_state
 
+    warned = [False]
     tx = _skip.wrapper(init_fn, update_fn, inner)
     return tx

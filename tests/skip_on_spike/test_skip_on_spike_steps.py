@@ -191,21 +191,25 @@ WRAPPED = {
 
 
 def test_route_says_how_a_step_is_skipped() -> None:
+    """Decided at construction from what the inner transform is, and kept: a
+    wrapper around a clipjax optimizer hides its update_if (a conditional)."""
     params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
     routes = {
         "fold": clipjax.adamw(1e-3),
+        "fold_chain": clipjax.chain(clipjax.zclip(), clipjax.adam(1e-3)),
         "select": clipjax.zclip(),
         "cond": optax.sgd(0.1),
-        "fold_through_inject": WRAPPED["inject_hyperparams"][0](),
-        "fold_through_multi_steps": WRAPPED["multi_steps"][0](),
+        "cond_inject": WRAPPED["inject_hyperparams"][0](),
+        "cond_multi_steps": WRAPPED["multi_steps"][0](),
         "cond_with_a_loss": optax.contrib.reduce_on_plateau(),
     }
     for label, inner in routes.items():
         tx = clipjax.skip_on_spike(inner)
-        known = label in ("fold", "select")
-        assert tx.route == (label if known else None)
+        assert tx.route == label.split("_")[0], label
         state = tx.init(params)
-        jax.jit(tx.update)(params, state, params, value=1.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", clipjax.ConditionalRouteWarning)
+            jax.jit(tx.update)(params, state, params, value=1.0)
         assert tx.route == label.split("_")[0], label
 
 
@@ -223,47 +227,45 @@ def wrapper_run(tx: Any, params: Any) -> list[Any]:
 
 
 @pytest.mark.parametrize("wrapper", sorted(WRAPPED))
-def test_wrappers_around_clipjax_adamw_fold_and_equal_the_conditional_route(
-    wrapper: str,
-) -> None:
-    """Op by op bit for bit; compiled, the same decisions and counts, and the
-    moments and updates up to fused multiply-add rounding (as
-    test_fold.test_skip_on_spike_is_the_same_as_around_optax)."""
+def test_a_wrapper_around_clipjax_adamw_is_the_conditional_around_optax(wrapper: str) -> None:
+    """A wrapper hides clipjax.adamw's update_if: both run under lax.cond, with the
+    same decisions, states and updates bit for bit, op by op and compiled."""
     ours, theirs = (
         clipjax.skip_on_spike(m(), window_size=4, min_history=2, sigma=3.0)
         for m in WRAPPED[wrapper]
     )
+    assert (ours.route, theirs.route) == ("cond", "cond")
     params = {k: jnp.linspace(-1.0, 1.0, int(np.prod(s))).reshape(s) for k, s in SHAPES.items()}
-    with jax.disable_jit():
-        got, expected = wrapper_run(ours, params), wrapper_run(theirs, params)
-    assert (ours.route, theirs.route) == ("fold", "cond")
-    skipped = [t for t, (_, s) in enumerate(expected) if s.metrics["skipped"][0]]
-    assert skipped == [5, 8]
-    for t, (a, b) in enumerate(zip(got, expected)):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", clipjax.ConditionalRouteWarning)
+        with jax.disable_jit():
+            got, expected = wrapper_run(ours, params), wrapper_run(theirs, params)
+        skipped = [t for t, (_, s) in enumerate(expected) if s.metrics["skipped"][0]]
+        assert skipped == [5, 8]
+        for t, (a, b) in enumerate(zip(got, expected)):
+            assert tree_equal(a, b), t
+        for t in skipped:
+            assert not any(np.asarray(u).any() for u in jax.tree.leaves(got[t][0]))
+        compiled, compiled_expected = wrapper_run(ours, params), wrapper_run(theirs, params)
+    for t, (a, b) in enumerate(zip(compiled, compiled_expected)):
         assert tree_equal(a, b), t
-    for t in skipped:
-        assert not any(np.asarray(u).any() for u in jax.tree.leaves(got[t][0]))
-    compiled, compiled_expected = wrapper_run(ours, params), wrapper_run(theirs, params)
-    for (u, s), (eu, es) in zip(compiled, compiled_expected):
-        assert tree_equal(s.metrics, es.metrics)
-        for a, b in zip(jax.tree.leaves((u, s)), jax.tree.leaves((eu, es))):
-            if jnp.issubdtype(a.dtype, jnp.inexact):
-                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
-            else:
-                np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("wrapper", sorted(WRAPPED))
-def test_the_fold_route_through_a_wrapper_copies_no_more(wrapper: str) -> None:
-    ours, _ = compiled_train_step(clipjax.skip_on_spike(WRAPPED[wrapper][0]()))
-    theirs, _ = compiled_train_step(clipjax.skip_on_spike(WRAPPED[wrapper][1]()))
+def test_a_wrapper_costs_what_the_conditional_around_optax_costs(wrapper: str) -> None:
+    """The price of deciding the route at construction: the step around the
+    wrapper is the conditional's (0.4's traced fold accessed less: see
+    docs/reference_skip_step.md), and the direct fold still costs less."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", clipjax.ConditionalRouteWarning)
+        ours, _ = compiled_train_step(clipjax.skip_on_spike(WRAPPED[wrapper][0]()))
+        theirs, _ = compiled_train_step(clipjax.skip_on_spike(WRAPPED[wrapper][1]()))
+    folded, _ = compiled_train_step(clipjax.skip_on_spike(clipjax.adamw(1e-2)))
     shapes = {(64, 64), (64,)}
-    # inject_hyperparams: 0 and 0 (measured); MultiSteps copies for its own
-    # accumulation and selects: 24 folded, 56 under the conditional.
-    assert full_size_copies(ours.as_text(), shapes) <= full_size_copies(theirs.as_text(), shapes)
-    assert bytes_accessed(ours) < bytes_accessed(theirs)
-    if wrapper == "inject_hyperparams":
-        assert full_size_copies(ours.as_text(), shapes) == 0
+    assert full_size_copies(ours.as_text(), shapes) == full_size_copies(theirs.as_text(), shapes)
+    assert bytes_accessed(ours) == bytes_accessed(theirs)
+    assert bytes_accessed(folded) < bytes_accessed(theirs)
+    assert full_size_copies(folded.as_text(), shapes) == 0
 
 
 def test_the_conditional_route_around_full_size_moments_warns() -> None:
@@ -273,7 +275,7 @@ def test_the_conditional_route_around_full_size_moments_warns() -> None:
     with pytest.warns(clipjax.ConditionalRouteWarning, match="route 'cond'"):
         _, state = tx.update(params, state, params)
     assert tx.route == "cond"
-    with warnings.catch_warnings():  # once: the route is known now
+    with warnings.catch_warnings():  # once per transform
         warnings.simplefilter("error", clipjax.ConditionalRouteWarning)
         tx.update(params, state, params)
         jax.jit(tx.update)(params, state, params)
@@ -281,9 +283,11 @@ def test_the_conditional_route_around_full_size_moments_warns() -> None:
         optax.sgd(0.1),  # no full-size state: nothing to gain
         clipjax.adamw(1e-3),
         clipjax.zclip(),
-        WRAPPED["inject_hyperparams"][0](),
-        WRAPPED["multi_steps"][0](),
     ]
+    for make, _ in WRAPPED.values():  # a wrapper hides clipjax.adamw's fold
+        tx = clipjax.skip_on_spike(make())
+        with pytest.warns(clipjax.ConditionalRouteWarning, match="not inside"):
+            tx.update(params, tx.init(params), params)
     with warnings.catch_warnings():
         warnings.simplefilter("error", clipjax.ConditionalRouteWarning)
         for inner in quiet:
