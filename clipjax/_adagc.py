@@ -125,20 +125,21 @@ def adagc(
     _checks.non_negative("eps", eps)
     _checks.feedback(feedback, get_args(SpikeFeedback))
 
-    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-        gamma = jnp.full((num_groups,), jnp.inf, dtype)
-        return {"gamma": gamma, "metrics": _kit.norm_metrics(num_groups, dtype)}
+    setup = _kit.setup("adagc", scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms)
 
-    kit = _kit.Clipper(
-        "adagc", AdaGCState, arrays,
-        scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms,
-    )  # fmt: skip
+    def init_fn(params: Any) -> AdaGCState:
+        common = _kit.common(setup, params)
+        n, dtype = common.num_groups, common.dtype
+        gamma = jnp.full((n,), jnp.inf, dtype)
+        metrics = _kit.norm_metrics(n, dtype)
+        state = AdaGCState(gamma, metrics, common.info, common.leaf_index, common.leaf_metrics)
+        return _kit.owned(params, state)
 
     def update_fn(
         updates: Any, state: AdaGCState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, AdaGCState]:
         del params, extra_args
-        grads = kit.norms(updates, state)
+        grads = _kit.norms(setup, updates, state, AdaGCState, init_fn)
         g, gamma, count = grads.norm, state.gamma, state.metrics["count"]
         finite = jnp.isfinite(g)
         warming = count < warmup_steps
@@ -174,7 +175,11 @@ def adagc(
             threshold=jnp.where(warming, jnp.asarray(absolute_threshold, g.dtype), threshold),
             scale=scale,
         )
-        return kit.finish(grads, state, metrics, scale=scale, gamma=gamma)
+        new_state = AdaGCState(
+            gamma, metrics,
+            state.info, _kit.kept_index(state), _kit.new_leaf_metrics(grads, state),
+        )  # fmt: skip
+        return _kit.scaled(grads, scale, state.leaf_index), new_state
 
     # optax types a state as OptState (an array tree), not as AdaGCState.
-    return ClipTransform(kit.init, update_fn)  # pyright: ignore[reportArgumentType]
+    return ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
