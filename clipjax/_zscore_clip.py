@@ -150,17 +150,20 @@ def zscore_clip(
     observe_first = feedback == "observe_first"
     gate = jnp.maximum(warmup_steps, min_history)
 
-    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-        fields = () if ceiling is None else ("headroom",)
-        metrics = _kit.norm_metrics(
-            num_groups, dtype, fields, spike=True, ceiling=ceiling is not None
-        )
-        return {"moments": _stats.ema_moments_init(num_groups, dtype), "metrics": metrics}
+    setup = _kit.setup(
+        "zscore_clip", scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms
+    )
 
-    kit = _kit.Clipper(
-        "zscore_clip", ZScoreClipState, arrays,
-        scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms,
-    )  # fmt: skip
+    def init_fn(params: Any) -> ZScoreClipState:
+        common = _kit.common(setup, params)
+        n, dtype = common.num_groups, common.dtype
+        fields = () if ceiling is None else ("headroom",)
+        metrics = _kit.norm_metrics(n, dtype, fields, spike=True, ceiling=ceiling is not None)
+        state = ZScoreClipState(
+            _stats.ema_moments_init(n, dtype), metrics,
+            common.info, common.leaf_index, common.leaf_metrics,
+        )  # fmt: skip
+        return _kit.owned(params, state)
 
     def observe(moments: _stats.EmaMomentsState, x: jax.Array) -> _stats.EmaMomentsState:
         """The EMAs after one observation per group, floored at ``eps``."""
@@ -173,7 +176,7 @@ def zscore_clip(
         updates: Any, state: ZScoreClipState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, ZScoreClipState]:
         del params, extra_args
-        grads = kit.norms(updates, state)
+        grads = _kit.norms(setup, updates, state, ZScoreClipState, init_fn)
         g = grads.norm
         finite = jnp.isfinite(g)
         count = state.metrics["count"]  # the group's observations before this step
@@ -209,7 +212,11 @@ def zscore_clip(
             state.metrics, norm=g, observed=observed, threshold=threshold, scale=scale,
             spike=spike, capped=capped, **more,
         )  # fmt: skip
-        return kit.finish(grads, state, metrics, scale=scale, moments=moments)
+        new_state = ZScoreClipState(
+            moments, metrics,
+            state.info, _kit.kept_index(state), _kit.new_leaf_metrics(grads, state),
+        )  # fmt: skip
+        return _kit.scaled(grads, scale, state.leaf_index), new_state
 
     # optax types a state as OptState (an array tree), not as ZScoreClipState.
-    return ClipTransform(kit.init, update_fn)  # pyright: ignore[reportArgumentType]
+    return ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
