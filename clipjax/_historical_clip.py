@@ -142,23 +142,30 @@ def clip_by_historical_norm(
         )
     _checks.feedback(feedback, get_args(SpikeFeedback))
 
-    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-        return {
-            "window": jnp.zeros((num_groups, rolling_interval_length), dtype),
-            "seen": jnp.zeros((num_groups,), jnp.int32),
-            "metrics": _kit.norm_metrics(num_groups, dtype, ("mean", "std")),
-        }
+    setup = _kit.setup(
+        "clip_by_historical_norm",
+        scope=scope,
+        name=name,
+        axis_name=axis_name,
+        leaf_norms=leaf_norms,
+    )
 
-    kit = _kit.Clipper(
-        "clip_by_historical_norm", HistoricalNormClipState, arrays,
-        scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms,
-    )  # fmt: skip
+    def init_fn(params: Any) -> HistoricalNormClipState:
+        common = _kit.common(setup, params)
+        n, dtype = common.num_groups, common.dtype
+        window = jnp.zeros((n, rolling_interval_length), dtype)
+        seen = jnp.zeros((n,), jnp.int32)
+        metrics = _kit.norm_metrics(n, dtype, ("mean", "std"))
+        state = HistoricalNormClipState(
+            window, seen, metrics, common.info, common.leaf_index, common.leaf_metrics
+        )
+        return _kit.owned(params, state)
 
     def update_fn(
         updates: Any, state: HistoricalNormClipState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, HistoricalNormClipState]:
         del params, extra_args
-        grads = kit.norms(updates, state)
+        grads = _kit.norms(setup, updates, state, HistoricalNormClipState, init_fn)
         g, window, seen = grads.norm, state.window, state.seen
         finite = jnp.isfinite(g)
 
@@ -182,7 +189,11 @@ def clip_by_historical_norm(
             state.metrics, norm=g, observed=observed, threshold=threshold, scale=scale,
             mean=after_mean, std=after_std,
         )  # fmt: skip
-        return kit.finish(grads, state, metrics, scale=scale, window=window, seen=seen)
+        new_state = HistoricalNormClipState(
+            window, seen, metrics,
+            state.info, _kit.kept_index(state), _kit.new_leaf_metrics(grads, state),
+        )  # fmt: skip
+        return _kit.scaled(grads, scale, state.leaf_index), new_state
 
     # optax types a state as OptState (an array tree), not as HistoricalNormClipState.
-    return ClipTransform(kit.init, update_fn)  # pyright: ignore[reportArgumentType]
+    return ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
