@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Literal, NamedTuple, cast
 
 import jax
@@ -157,57 +156,66 @@ def _checked(
     )  # fmt: skip
 
 
-def _arrays(s: _Settings, num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-    """The state's own arrays: the statistics of ``s.history``, and the metrics."""
-    fields: dict[str, Any] = dict.fromkeys(("median", "moments", "window", "quantile"))
+class _Stats(NamedTuple):
+    """autoclip's statistics, the first four fields of its state: those of its
+    history, the others None."""
+
+    median: _stats.P2State | None = None
+    moments: _stats.WelfordState | None = None
+    window: _stats.WindowState | None = None
+    quantile: _stats.StreamingQuantileState | _stats.GeometricQuantileState | None = None
+
+
+def _stats_init(s: _Settings, num_groups: int, dtype: Any) -> _Stats:
+    """New statistics of ``s.history``."""
     if s.history == "all":
-        fields["median"] = _stats.p2_init(num_groups, 0.5, dtype)
-        fields["moments"] = _stats.welford_init(num_groups, dtype)
-    elif s.history == "window":
-        fields["window"] = _stats.window_init(num_groups, s.window_size, dtype)
-    elif s.history == "ema":
-        fields["quantile"] = _stats.squantile_init(num_groups, dtype)
-    else:
-        fields["quantile"] = _stats.gquantile_init(num_groups, dtype)
-    reported = ("median", "std") if s.mode == "auto" else ("quantile",)
-    if s.ceiling is not None:
-        reported = (*reported, "headroom")
-    fields["metrics"] = _kit.norm_metrics(
-        num_groups, dtype, reported, spike=True, ceiling=s.ceiling is not None
-    )
-    return fields
+        median = _stats.p2_init(num_groups, 0.5, dtype)
+        return _Stats(median=median, moments=_stats.welford_init(num_groups, dtype))
+    if s.history == "window":
+        return _Stats(window=_stats.window_init(num_groups, s.window_size, dtype))
+    if s.history == "ema":
+        return _Stats(quantile=_stats.squantile_init(num_groups, dtype))
+    return _Stats(quantile=_stats.gquantile_init(num_groups, dtype))
 
 
-def _observe(s: _Settings, stats: dict[str, Any], x: jax.Array) -> dict[str, Any]:
+def _observe(s: _Settings, stats: _Stats, x: jax.Array) -> _Stats:
     """The statistics after one observation per group, floored at ``eps``."""
     x = _stats.positive_part(x, s.eps)
     if s.history == "all":
-        return {
-            "median": _stats.p2_update(stats["median"], x, 0.5),
-            "moments": _stats.welford_update(stats["moments"], x),
-        }
+        assert stats.median is not None and stats.moments is not None
+        return _Stats(
+            median=_stats.p2_update(stats.median, x, 0.5),
+            moments=_stats.welford_update(stats.moments, x),
+        )
     if s.history == "window":
-        return {"window": _stats.window_update(stats["window"], x)}
-    q, p = stats["quantile"], s.percentile / 100.0
+        assert stats.window is not None
+        return _Stats(window=_stats.window_update(stats.window, x))
+    q, p = stats.quantile, s.percentile / 100.0
     if s.history == "ema":
-        return {"quantile": _stats.squantile_update(q, x, p, s.ema_decay)}
-    return {"quantile": _stats.gquantile_update(q, x, p, s.quantile_lr)}
+        q = cast(_stats.StreamingQuantileState, q)
+        return _Stats(quantile=_stats.squantile_update(q, x, p, s.ema_decay))
+    q = cast(_stats.GeometricQuantileState, q)
+    return _Stats(quantile=_stats.gquantile_update(q, x, p, s.quantile_lr))
 
 
-def _report(s: _Settings, stats: dict[str, Any]) -> dict[str, jax.Array]:
+def _report(s: _Settings, stats: _Stats) -> dict[str, jax.Array]:
     """``median`` and ``std`` (auto), or ``quantile`` (percentile), of the statistics."""
     if s.history == "all":
-        median = _stats.p2_value(stats["median"])
-        return {"median": median, "std": _stats.welford_std(stats["moments"])}
+        assert stats.median is not None and stats.moments is not None
+        median = _stats.p2_value(stats.median)
+        return {"median": median, "std": _stats.welford_std(stats.moments)}
     if s.mode == "auto":
-        window = stats["window"]
+        window = stats.window
+        assert window is not None
         median = _stats.window_percentile(window, 50.0)
         return {"median": median, "std": _stats.window_mean_std(window)[1]}
     if s.history == "window":
-        return {"quantile": _stats.window_percentile(stats["window"], s.percentile)}
+        assert stats.window is not None
+        return {"quantile": _stats.window_percentile(stats.window, s.percentile)}
     if s.history == "ema":
-        return {"quantile": _stats.squantile_value(stats["quantile"])}
-    return {"quantile": stats["quantile"].quantile}
+        q = cast(_stats.StreamingQuantileState, stats.quantile)
+        return {"quantile": _stats.squantile_value(q)}
+    return {"quantile": cast(_stats.GeometricQuantileState, stats.quantile).quantile}
 
 
 def _threshold(s: _Settings, values: dict[str, jax.Array]) -> jax.Array:
@@ -312,21 +320,33 @@ def autoclip(
         mode, percentile, history, window_size, ema_decay, warmup_steps, min_history, eps,
         feedback, quantile_lr, max_grad_norm,
     )  # fmt: skip
-    own = {"all": ("median", "moments"), "window": ("window",)}.get(s.history, ("quantile",))
-    kit = _kit.Clipper(
-        "autoclip", AutoClipState, functools.partial(_arrays, s),
-        scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms,
-    )  # fmt: skip
+    setup = _kit.setup(
+        "autoclip", scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms
+    )
+    reported = ("median", "std") if s.mode == "auto" else ("quantile",)
+    if s.ceiling is not None:
+        reported = (*reported, "headroom")
+
+    def init_fn(params: Any) -> AutoClipState:
+        common = _kit.common(setup, params)
+        n, dtype = common.num_groups, common.dtype
+        stats = _stats_init(s, n, dtype)
+        metrics = _kit.norm_metrics(n, dtype, reported, spike=True, ceiling=s.ceiling is not None)
+        state = AutoClipState(
+            stats.median, stats.moments, stats.window, stats.quantile, metrics,
+            common.info, common.leaf_index, common.leaf_metrics,
+        )  # fmt: skip
+        return _kit.owned(params, state)
 
     def update_fn(
         updates: Any, state: AutoClipState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, AutoClipState]:
         del params, extra_args
-        grads = kit.norms(updates, state)
+        grads = _kit.norms(setup, updates, state, AutoClipState, init_fn)
         g = grads.norm
         finite = jnp.isfinite(g)
         count = state.metrics["count"]  # the group's observations before this step
-        before = {field: getattr(state, field) for field in own}
+        before = _Stats(state.median, state.moments, state.window, state.quantile)
 
         if s.feedback == "observe_first":
             # smartclip's order: the norm enters the statistics, then its
@@ -361,7 +381,11 @@ def autoclip(
             state.metrics, norm=g, observed=observed, threshold=threshold, scale=scale,
             spike=spike, capped=capped, **values,
         )  # fmt: skip
-        return kit.finish(grads, state, metrics, scale=scale, **stats)
+        new_state = AutoClipState(
+            stats.median, stats.moments, stats.window, stats.quantile, metrics,
+            state.info, _kit.kept_index(state), _kit.new_leaf_metrics(grads, state),
+        )  # fmt: skip
+        return _kit.scaled(grads, scale, state.leaf_index), new_state
 
     # optax types a state as OptState (an array tree), not as AutoClipState.
-    return ClipTransform(kit.init, update_fn)  # pyright: ignore[reportArgumentType]
+    return ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
