@@ -138,10 +138,6 @@ def clip_by_global_norm(
     return _clip_by_norm(max_norm, p, eps, leaf_norms=leaf_norms, name=name)
 
 
-def _clip_arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-    return {"metrics": _kit.norm_metrics(num_groups, dtype)}
-
-
 @_kit.configurable
 def _clip_by_norm(
     max_norm: Any,
@@ -155,16 +151,24 @@ def _clip_by_norm(
 ) -> ClipTransform:
     """:func:`clip_by_global_norm` on the groups of ``scope``, norms averaged over
     ``axis_name``: what ``configure`` gives (hist_clip's warm-up clip)."""
-    kit = _kit.Clipper(
-        "clip_by_global_norm", ClipByGlobalNormState, _clip_arrays,
-        scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms, p=p,
+    setup = _kit.setup(
+        "clip_by_global_norm", scope=scope, name=name, axis_name=axis_name,
+        leaf_norms=leaf_norms, p=p,
     )  # fmt: skip
+
+    def init_fn(params: Any) -> ClipByGlobalNormState:
+        common = _kit.common(setup, params)
+        state = ClipByGlobalNormState(
+            _kit.norm_metrics(common.num_groups, common.dtype),
+            common.info, common.leaf_index, common.leaf_metrics,
+        )  # fmt: skip
+        return _kit.owned(params, state)
 
     def update_fn(
         updates: Any, state: ClipByGlobalNormState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, ClipByGlobalNormState]:
         del params, extra_args
-        grads = kit.norms(updates, state)
+        grads = _kit.norms(setup, updates, state, ClipByGlobalNormState, init_fn)
         g = grads.norm
         limit = jnp.abs(jnp.asarray(max_norm, g.dtype))
         ratio = limit / (g + jnp.asarray(eps, g.dtype))
@@ -175,10 +179,13 @@ def _clip_by_norm(
             state.metrics, norm=g, observed=finite, threshold=jnp.broadcast_to(limit, g.shape),
             scale=scale,
         )  # fmt: skip
-        return kit.finish(grads, state, metrics, scale=scale)
+        new_state = ClipByGlobalNormState(
+            metrics, state.info, _kit.kept_index(state), _kit.new_leaf_metrics(grads, state)
+        )
+        return _kit.scaled(grads, scale, state.leaf_index), new_state
 
     # optax types a state as OptState (an array tree), not as ClipByGlobalNormState.
-    return ClipTransform(kit.init, update_fn)  # pyright: ignore[reportArgumentType]
+    return ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 def global_norm(tree: Any, norm_type: float = 2.0) -> jax.Array:
@@ -193,11 +200,6 @@ def global_norm(tree: Any, norm_type: float = 2.0) -> jax.Array:
     leaves, _, _ = _grouping.leaves_with_names(tree)
     grouping = _grouping.make_grouping(tree, "global")
     return _grouping.group_norms(leaves, grouping, p)[0]
-
-
-def _normalizer_arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-    # A normaliser's metrics: the norm of each leaf and these counters.
-    return {"metrics": _kit.new_metrics(num_groups, dtype, ("grad_norm",), _COUNTERS)}
 
 
 _COUNTERS = ("count", "step", "nonfinite_count")
@@ -340,11 +342,18 @@ def _normalizer(
     :func:`zscore_normalize` (each leaf standardised) on the groups of ``scope``;
     ``axis_name`` has no effect (each replica changes its own elements)."""
     del axis_name
-    kit = _kit.Clipper(algo, state_class, _normalizer_arrays, scope=scope, name=name, stacked=False)
+    setup = _kit.setup(algo, scope=scope, name=name, stacked=False)
+
+    def init_fn(params: Any) -> Any:
+        common = _kit.common(setup, params)
+        # A normaliser's metrics: the norm of each leaf and these counters.
+        metrics = _kit.new_metrics(common.num_groups, common.dtype, ("grad_norm",), _COUNTERS)
+        state = state_class(metrics, common.info, common.leaf_index, common.leaf_metrics)
+        return _kit.owned(params, state)
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
         del params, extra_args
-        grads = kit.leaves(updates, state)
+        grads = _kit.grads_of(setup, updates, state, state_class, init_fn)
         leaves, grouping = grads.leaves, grads.grouping
         dtype = _grouping.norm_dtype(leaves)
         if algo == "normalize_per_param":
@@ -362,6 +371,7 @@ def _normalizer(
             norm = jnp.stack(norms) if norms else jnp.zeros((0,), dtype)
             finite = jnp.isfinite(norm)
         metrics = _kit.step_metrics(state.metrics, norm=norm, observed=finite)
-        return kit.finish(grads._replace(norm=norm), state, metrics, leaves=out)
+        new_state = state_class(metrics, state.info, _kit.kept_index(state), state.leaf_metrics)
+        return _kit.rebuilt(grads, out), new_state
 
-    return ClipTransform(kit.init, update_fn)
+    return ClipTransform(init_fn, update_fn)
