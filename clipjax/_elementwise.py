@@ -15,7 +15,6 @@ such steps altogether.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Literal, NamedTuple
 
@@ -209,10 +208,6 @@ def clip_by_value(
     return _clip_by_value(max_abs, scope=scope, leaf_norms=leaf_norms, name=name)
 
 
-def _arrays(num_groups: int, dtype: Any = jnp.float32, *, fields: tuple[str, ...]) -> dict:
-    return {"metrics": _kit.new_metrics(num_groups, dtype, ("grad_norm", *fields))}
-
-
 @_kit.configurable
 def _clip_by_value(
     max_abs: Any, *, scope: Scope, leaf_norms: bool, name: str | None, axis_name: Any = None
@@ -220,15 +215,24 @@ def _clip_by_value(
     """:func:`clip_by_value`; ``axis_name`` (``configure``'s) has no effect: each
     replica clamps its own elements."""
     del axis_name
-    arrays = functools.partial(_arrays, fields=("clipped_fraction", "clipped"))
-    kit = _kit.Clipper(
-        "clip_by_value", ClipByValueState, arrays, scope=scope, name=name,
-        leaf_norms=leaf_norms, stacked=False,
-    )  # fmt: skip
+    setup = _kit.setup(
+        "clip_by_value", scope=scope, name=name, leaf_norms=leaf_norms, stacked=False
+    )
 
-    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+    def init_fn(params: Any) -> ClipByValueState:
+        common = _kit.common(setup, params)
+        fields = ("grad_norm", "clipped_fraction", "clipped")
+        state = ClipByValueState(
+            _kit.new_metrics(common.num_groups, common.dtype, fields),
+            common.info, common.leaf_index, common.leaf_metrics,
+        )  # fmt: skip
+        return _kit.owned(params, state)
+
+    def update_fn(
+        updates: Any, state: ClipByValueState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, ClipByValueState]:
         del params, extra_args
-        grads = kit.leaves(updates, state)
+        grads = _kit.grads_of(setup, updates, state, ClipByValueState, init_fn)
         leaves, grouping = grads.leaves, grads.grouping
         dtype = _grouping.norm_dtype(leaves)
         limit = jnp.abs(jnp.asarray(max_abs, dtype))
@@ -241,9 +245,13 @@ def _clip_by_value(
             clipped_fraction=fraction,
         )  # fmt: skip
         grads = grads._replace(norm=norm, leaf_norms=leaf_norm if leaf_norms else None)
-        return kit.finish(grads, state, metrics, leaves=out)
+        new_state = ClipByValueState(
+            metrics, state.info, _kit.kept_index(state), _kit.new_leaf_metrics(grads, state)
+        )
+        return _kit.rebuilt(grads, out), new_state
 
-    return ClipTransform(kit.init, update_fn)
+    # optax types a state as OptState (an array tree), not as ClipByValueState.
+    return ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 def clip_by_percentile(
@@ -331,15 +339,25 @@ def _clip_by_percentile(
     """:func:`clip_by_percentile`; ``axis_name`` (``configure``'s) has no effect:
     each replica clamps its own elements."""
     del axis_name
-    arrays = functools.partial(_arrays, fields=("bound", "clipped_fraction", "clipped"))
-    kit = _kit.Clipper(
-        "clip_by_percentile", ClipByPercentileState, arrays, scope=scope, name=name,
-        leaf_norms=leaf_norms, scopes=PERCENTILE_SCOPES, stacked=False,
+    setup = _kit.setup(
+        "clip_by_percentile", scope=scope, name=name, leaf_norms=leaf_norms,
+        scopes=PERCENTILE_SCOPES, stacked=False,
     )  # fmt: skip
 
-    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+    def init_fn(params: Any) -> ClipByPercentileState:
+        common = _kit.common(setup, params)
+        fields = ("grad_norm", "bound", "clipped_fraction", "clipped")
+        state = ClipByPercentileState(
+            _kit.new_metrics(common.num_groups, common.dtype, fields),
+            common.info, common.leaf_index, common.leaf_metrics,
+        )  # fmt: skip
+        return _kit.owned(params, state)
+
+    def update_fn(
+        updates: Any, state: ClipByPercentileState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, ClipByPercentileState]:
         del params, extra_args
-        grads = kit.leaves(updates, state)
+        grads = _kit.grads_of(setup, updates, state, ClipByPercentileState, init_fn)
         leaves, grouping, index = grads.leaves, grads.grouping, state.leaf_index
         dtype = _grouping.norm_dtype(leaves)
         select = _grouping.per_leaf(_percentile._select, percentile, method)
@@ -356,6 +374,10 @@ def _clip_by_percentile(
             clipped_fraction=fraction,
         )  # fmt: skip
         grads = grads._replace(norm=norm, leaf_norms=leaf_norm if leaf_norms else None)
-        return kit.finish(grads, state, metrics, leaves=out)
+        new_state = ClipByPercentileState(
+            metrics, state.info, _kit.kept_index(state), _kit.new_leaf_metrics(grads, state)
+        )
+        return _kit.rebuilt(grads, out), new_state
 
-    return ClipTransform(kit.init, update_fn)
+    # optax types a state as OptState (an array tree), not as ClipByPercentileState.
+    return ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
