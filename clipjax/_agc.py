@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -239,13 +238,13 @@ def agc(
     return _grouped(clipping, eps, exclude_bias_bn, name, leaf_norms, scope, axis_name)
 
 
-def _arrays(num_groups: int, dtype: Any = jnp.float32, *, unitwise: bool) -> dict[str, Any]:
+def _new_metrics(num_groups: int, dtype: Any, *, unitwise: bool) -> dict[str, Any]:
     """A new state's metrics: per group (per leaf when unitwise) ``grad_norm``,
     ``weight_norm``, ``target``, ``scale``, ``clipped``, unitwise
     ``clipped_fraction``, and the counters."""
     fields = ("grad_norm", "weight_norm", "target", "scale", "clipped")
     fields += ("clipped_fraction",) if unitwise else ()
-    return {"metrics": _kit.new_metrics(num_groups, dtype, fields)}
+    return _kit.new_metrics(num_groups, dtype, fields)
 
 
 def _param_leaves(params: Any, scope: Scope, info: GroupInfo, who: str) -> list[Any]:
@@ -270,19 +269,24 @@ def _grouped(
     axis_name: str | None,
 ) -> ClipTransform:
     """Grouped AGC, one scale per group of ``scope``."""
-    kit = _kit.Clipper(
-        "agc", AGCState, functools.partial(_arrays, unitwise=False),
-        scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms,
-    )  # fmt: skip
+    setup = _kit.setup("agc", scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms)
+
+    def init_fn(params: Any) -> AGCState:
+        common = _kit.common(setup, params)
+        state = AGCState(
+            _new_metrics(common.num_groups, common.dtype, unitwise=False),
+            common.info, common.leaf_index, common.leaf_metrics,
+        )  # fmt: skip
+        return _kit.owned(params, state)
 
     def update_fn(
         updates: Any, state: AGCState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, AGCState]:
         del extra_args
-        grads = kit.leaves(updates, state, dtypes=False)
+        grads = _kit.grads_of(setup, updates, state, AGCState, init_fn, dtypes=False)
         leaves, paths, grouping = grads.leaves, grads.paths, grads.grouping
-        p_leaves = _param_leaves(params, scope, state.info, kit.who)
-        _grouping.check_inexact(leaves, grouping, kit.who)
+        p_leaves = _param_leaves(params, scope, state.info, setup.who)
+        _grouping.check_inexact(leaves, grouping, setup.who)
         # The norms of the kept leaves; a stacked leaf is judged by one layer's
         # slice (what the unstacked model has).
         keep = None
@@ -317,10 +321,13 @@ def _grouped(
         if keep is not None:
             scaled = [s if k else x for x, s, k in zip(leaves, scaled, keep)]
         grads = grads._replace(norm=g, leaf_norms=per_leaf)
-        return kit.finish(grads, state, metrics, leaves=scaled)
+        new_state = AGCState(
+            metrics, state.info, _kit.kept_index(state), _kit.new_leaf_metrics(grads, state)
+        )
+        return _kit.rebuilt(grads, scaled), new_state
 
     # optax types a state as OptState (an array tree), not as AGCState.
-    return ClipTransform(kit.init, update_fn)  # pyright: ignore[reportArgumentType]
+    return ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 @_kit.configurable
@@ -341,24 +348,26 @@ def _unitwise(
     agc's own ``axis_name``: ``configure`` may change the scope, not that
     (``axis_name`` has no effect)."""
     del axis_name
-    kit = _kit.Clipper(
-        "agc", AGCState, functools.partial(_arrays, unitwise=True), scope=scope, name=name,
-        leaf_norms=leaf_norms, stacked=False,
-    )  # fmt: skip
+    setup = _kit.setup("agc", scope=scope, name=name, leaf_norms=leaf_norms, stacked=False)
 
-    def init_fn(params: Any) -> Any:
+    def init_fn(params: Any) -> AGCState:
         for x in _grouping.leaves_with_names(params)[0]:
             unit_axes(x, axis)
-        return kit.init(params)
+        common = _kit.common(setup, params)
+        state = AGCState(
+            _new_metrics(common.num_groups, common.dtype, unitwise=True),
+            common.info, common.leaf_index, common.leaf_metrics,
+        )  # fmt: skip
+        return _kit.owned(params, state)
 
     def update_fn(
         updates: Any, state: AGCState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, AGCState]:
         del extra_args
-        grads = kit.leaves(updates, state, dtypes=False)
+        grads = _kit.grads_of(setup, updates, state, AGCState, init_fn, dtypes=False)
         leaves = grads.leaves
-        p_leaves = _param_leaves(params, scope, state.info, kit.who)
-        _grouping.check_inexact(leaves, grads.grouping, kit.who)
+        p_leaves = _param_leaves(params, scope, state.info, setup.who)
+        _grouping.check_inexact(leaves, grads.grouping, setup.who)
         dtype = _grouping.norm_dtype(leaves)
         g_units = _unit_norms(leaves, dtype, axis)
         w_units = _unit_norms(p_leaves, dtype, axis)
@@ -384,7 +393,10 @@ def _unitwise(
         del step["clipped"]  # the smallest unit scale below 1, as step_metrics finds it
         metrics = _kit.step_metrics(state.metrics, norm=norm, observed=jnp.isfinite(norm), **step)
         grads = grads._replace(norm=norm, leaf_norms=norm if leaf_norms else None)
-        return kit.finish(grads, state, metrics, leaves=out)
+        new_state = AGCState(
+            metrics, state.info, _kit.kept_index(state), _kit.new_leaf_metrics(grads, state)
+        )
+        return _kit.rebuilt(grads, out), new_state
 
     # optax types a state as OptState (an array tree), not as AGCState.
     return ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
