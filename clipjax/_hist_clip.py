@@ -316,31 +316,32 @@ def hist_clip(
     fields = ("clip_to",) if score_name is None else ("clip_to", score_name)
     fields += ("headroom",) if ceiling is not None else ()
 
-    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-        mean, var, sample = statistic.init(num_groups, dtype)
-        metrics = _kit.norm_metrics(
-            num_groups, dtype, fields, spike=True, ceiling=ceiling is not None
-        )
-        return {"mean": mean, "var": var, "sample": sample, "metrics": metrics}
-
-    kit = _kit.Clipper(
-        "hist_clip", HistClipState, arrays,
-        scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms,
-    )  # fmt: skip
+    setup = _kit.setup(
+        "hist_clip", scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms
+    )
     # A clipjax warm-up clip is rebuilt for these groups: it clips each warming
     # group by its own norm.
     configure = getattr(warm, "configure", None)
     if configure is not None:
         warm = configure(scope=scope, axis_name=axis_name)
 
-    def init_fn(params: Any) -> Any:
-        return kit.init(params, nested=None if warm is None else warm.init(params))
+    def init_fn(params: Any) -> HistClipState:
+        nested = None if warm is None else warm.init(params)
+        common = _kit.common(setup, params)
+        n, dtype = common.num_groups, common.dtype
+        mean, var, sample = statistic.init(n, dtype)
+        metrics = _kit.norm_metrics(n, dtype, fields, spike=True, ceiling=ceiling is not None)
+        state = HistClipState(
+            mean, var, sample, metrics,
+            common.info, common.leaf_index, common.leaf_metrics, nested,
+        )  # fmt: skip
+        return _kit.owned(params, state)
 
     def update_fn(
         updates: Any, state: HistClipState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, HistClipState]:
         del extra_args
-        grads = kit.norms(updates, state)
+        grads = _kit.norms(setup, updates, state, HistClipState, init_fn)
         g, mu, v, count = grads.norm, state.mean, state.var, state.metrics["count"]
         finite = jnp.isfinite(g)
         warming = count < warmup_steps
@@ -411,10 +412,11 @@ def hist_clip(
             clip_to=clip_to,
             **scores,
         )
-        return kit.finish(
-            grads, state, metrics, leaves=leaves, mean=stats.mean, var=stats.var,
-            sample=stats.warmup, nested=nested,
+        new_state = HistClipState(
+            stats.mean, stats.var, stats.warmup, metrics, state.info,
+            _kit.kept_index(state), _kit.new_leaf_metrics(grads, state), nested,
         )  # fmt: skip
+        return _kit.rebuilt(grads, leaves), new_state
 
     # optax types a state as OptState (an array tree), not as HistClipState.
     return ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
