@@ -128,20 +128,25 @@ def clip_norm_growth(
         _checks.check("max_decay", max_decay, lambda x: x >= 1, ">= 1")
     _checks.feedback(feedback, get_args(SpikeFeedback))
 
-    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-        prev_norm = jnp.zeros((num_groups,), dtype)
-        return {"prev_norm": prev_norm, "metrics": _kit.norm_metrics(num_groups, dtype)}
+    setup = _kit.setup(
+        "clip_norm_growth", scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms
+    )
 
-    kit = _kit.Clipper(
-        "clip_norm_growth", ClipNormGrowthState, arrays,
-        scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms,
-    )  # fmt: skip
+    def init_fn(params: Any) -> ClipNormGrowthState:
+        common = _kit.common(setup, params)
+        n, dtype = common.num_groups, common.dtype
+        prev_norm = jnp.zeros((n,), dtype)
+        metrics = _kit.norm_metrics(n, dtype)
+        state = ClipNormGrowthState(
+            prev_norm, metrics, common.info, common.leaf_index, common.leaf_metrics
+        )
+        return _kit.owned(params, state)
 
     def update_fn(
         updates: Any, state: ClipNormGrowthState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, ClipNormGrowthState]:
         del params, extra_args
-        grads = kit.norms(updates, state)
+        grads = _kit.norms(setup, updates, state, ClipNormGrowthState, init_fn)
         g, prev = grads.norm, state.prev_norm
         finite = jnp.isfinite(g)
         first = state.metrics["count"] == 0
@@ -169,10 +174,13 @@ def clip_norm_growth(
         metrics = _kit.step_metrics(
             state.metrics, norm=g, observed=observed, threshold=threshold, scale=scale
         )
-        return kit.finish(grads, state, metrics, scale=scale, prev_norm=prev)
+        new_state = ClipNormGrowthState(
+            prev, metrics, state.info, _kit.kept_index(state), _kit.new_leaf_metrics(grads, state)
+        )
+        return _kit.scaled(grads, scale, state.leaf_index), new_state
 
     # optax types a state as OptState (an array tree), not as ClipNormGrowthState.
-    return ClipTransform(kit.init, update_fn)  # pyright: ignore[reportArgumentType]
+    return ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 class ClipNormByEMAState(NamedTuple):
@@ -284,24 +292,26 @@ def clip_norm_by_ema(
     _checks.check("init", init, lambda x: x == x, "a number")
     _checks.non_negative("min_norm", min_norm)
 
-    def arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-        ema_norm = jnp.zeros((num_groups,), dtype)
-        return {"ema_norm": ema_norm, "metrics": _kit.norm_metrics(num_groups, dtype)}
+    setup = _kit.setup(
+        "clip_norm_by_ema", scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms
+    )
 
-    kit = _kit.Clipper(
-        "clip_norm_by_ema", ClipNormByEMAState, arrays,
-        scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms,
-    )  # fmt: skip
-
-    def init_fn(params: Any) -> Any:
+    def init_fn(params: Any) -> ClipNormByEMAState:
         exp_avg = jax.tree.map(lambda p: jnp.full(jnp.shape(p), init, _ema_dtype(p)), params)
-        return kit.init(params, exp_avg=exp_avg)
+        common = _kit.common(setup, params)
+        n, dtype = common.num_groups, common.dtype
+        ema_norm = jnp.zeros((n,), dtype)
+        metrics = _kit.norm_metrics(n, dtype)
+        state = ClipNormByEMAState(
+            exp_avg, ema_norm, metrics, common.info, common.leaf_index, common.leaf_metrics
+        )
+        return _kit.owned(params, state)
 
     def update_fn(
         updates: Any, state: ClipNormByEMAState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, ClipNormByEMAState]:
         del params, extra_args
-        grads = kit.norms(updates, state)
+        grads = _kit.norms(setup, updates, state, ClipNormByEMAState, init_fn)
         g, grouping = grads.norm, grads.grouping
         finite = jnp.isfinite(g)
         first = state.metrics["count"] == 0
@@ -335,10 +345,11 @@ def clip_norm_by_ema(
         metrics = _kit.step_metrics(
             state.metrics, norm=g, observed=finite, threshold=threshold, scale=scale
         )
-        return kit.finish(
-            grads, state, metrics, scale=scale, exp_avg=jax.tree.unflatten(ema_tree, exp_avg),
-            ema_norm=jnp.where(finite, e, state.ema_norm),
+        new_state = ClipNormByEMAState(
+            jax.tree.unflatten(ema_tree, exp_avg), jnp.where(finite, e, state.ema_norm), metrics,
+            state.info, _kit.kept_index(state), _kit.new_leaf_metrics(grads, state),
         )  # fmt: skip
+        return _kit.scaled(grads, scale, state.leaf_index), new_state
 
     # optax types a state as OptState (an array tree), not as ClipNormByEMAState.
     return ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
