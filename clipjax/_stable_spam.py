@@ -11,7 +11,6 @@ is NaN or infinite leaves the EMAs untouched and passes through.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, NamedTuple
 
@@ -68,22 +67,6 @@ class AdaNormState(NamedTuple):
     metrics: dict[str, Array]
     info: GroupInfo
     leaf_index: tuple[Array, ...] = ()
-
-
-def _adaclip_arrays(num_groups: int, dtype: Any = jnp.float32, *, count_clipped: bool) -> dict:
-    """A new :class:`AdaClipState`'s arrays."""
-    fields = ("grad_norm", "grad_max", "bound", "clipped")
-    fields += ("clipped_fraction",) * count_clipped
-    max_ema = jnp.zeros((num_groups,), dtype)
-    return {"max_ema": max_ema, "metrics": _kit.new_metrics(num_groups, dtype, fields)}
-
-
-def _ada_norm_arrays(num_groups: int, dtype: Any = jnp.float32) -> dict:
-    """A new :class:`AdaNormState`'s arrays."""
-    fields = ("grad_norm", "mean", "mean_square", "target_norm", "scale")
-    metrics = _kit.new_metrics(num_groups, dtype, fields, ("count", "step", "nonfinite_count"))
-    zeros = jnp.zeros((num_groups,), dtype)
-    return {"norm_ema": zeros, "square_ema": zeros, "metrics": metrics}
 
 
 def _max_and_square(x: Array, dtype: Any) -> tuple[Array, Array]:
@@ -208,14 +191,20 @@ def adaclip(
       ``StableSPAM`` (``pytorch_optimizer/optimizer/spam.py``).
     """
     _checks.open_unit("theta", theta)
-    kit = _kit.Clipper(
-        "adaclip", AdaClipState, functools.partial(_adaclip_arrays, count_clipped=count_clipped),
-        scope=scope, name=name,
-    )  # fmt: skip
+    setup = _kit.setup("adaclip", scope=scope, name=name)
+    fields = ("grad_norm", "grad_max", "bound", "clipped")
+    fields += ("clipped_fraction",) * count_clipped
+
+    def init_fn(params: Any) -> AdaClipState:
+        common = _kit.common(setup, params)
+        n, dtype = common.num_groups, common.dtype
+        max_ema = jnp.zeros((n,), dtype)
+        metrics = _kit.new_metrics(n, dtype, fields)
+        return _kit.owned(params, AdaClipState(max_ema, metrics, common.info, common.leaf_index))
 
     def update_fn(updates: Any, state: AdaClipState, params: Any = None, **extra_args: Any) -> Any:
         del params, extra_args
-        grads = kit.leaves(updates, state)
+        grads = _kit.grads_of(setup, updates, state, AdaClipState, init_fn)
         leaves, grouping = grads.leaves, grads.grouping
         dtype = state.max_ema.dtype
         maxima, squares = _max_and_squares(leaves, dtype)
@@ -254,9 +243,10 @@ def adaclip(
             state.metrics, norm=grad_norm, observed=jnp.ones_like(finite), clipped=clips,
             finite=finite, grad_max=grad_max, bound=bound, **extra,
         )  # fmt: skip
-        return kit.finish(grads, state, metrics, leaves=new_leaves, max_ema=max_ema)
+        new_state = AdaClipState(max_ema, metrics, state.info, _kit.kept_index(state))
+        return _kit.rebuilt(grads, new_leaves), new_state
 
-    return _kit.ClipTransform(kit.init, update_fn)  # pyright: ignore[reportArgumentType]
+    return _kit.ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 @_kit.configurable
@@ -317,11 +307,21 @@ def ada_norm(
     _checks.open_unit("gamma1", gamma1)
     _checks.open_unit("gamma2", gamma2)
     _checks.non_negative("eps", eps)
-    kit = _kit.Clipper("ada_norm", AdaNormState, _ada_norm_arrays, scope=scope, name=name)
+    setup = _kit.setup("ada_norm", scope=scope, name=name)
+    fields = ("grad_norm", "mean", "mean_square", "target_norm", "scale")
+    counters = ("count", "step", "nonfinite_count")
+
+    def init_fn(params: Any) -> AdaNormState:
+        common = _kit.common(setup, params)
+        n, dtype = common.num_groups, common.dtype
+        metrics = _kit.new_metrics(n, dtype, fields, counters)
+        zeros = jnp.zeros((n,), dtype)
+        state = AdaNormState(zeros, zeros, metrics, common.info, common.leaf_index)
+        return _kit.owned(params, state)
 
     def update_fn(updates: Any, state: AdaNormState, params: Any = None, **extra_args: Any) -> Any:
         del params, extra_args
-        grads = kit.leaves(updates, state)
+        grads = _kit.grads_of(setup, updates, state, AdaNormState, init_fn)
         leaves, grouping = grads.leaves, grads.grouping
         dtype = state.norm_ema.dtype
         one = _grouping.per_leaf(_finite_square_and_count, dtype)
@@ -350,11 +350,10 @@ def ada_norm(
             state.metrics, norm=norm, observed=active, finite=finite, mean=mean,
             mean_square=mean_square, target_norm=target, scale=scale,
         )  # fmt: skip
-        return kit.finish(
-            grads, state, metrics, leaves=new_leaves, norm_ema=norm_ema, square_ema=square_ema
-        )
+        new_state = AdaNormState(norm_ema, square_ema, metrics, state.info, _kit.kept_index(state))
+        return _kit.rebuilt(grads, new_leaves), new_state
 
-    return _kit.ClipTransform(kit.init, update_fn)  # pyright: ignore[reportArgumentType]
+    return _kit.ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 def stable_spam(
