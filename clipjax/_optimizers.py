@@ -356,12 +356,6 @@ def _clip_leaf(g: Array, v: Array, bound: Array, on: Array) -> tuple[Array, Arra
     return out, squares, clipped
 
 
-def _clip_arrays(num_groups: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-    fields = ("grad_norm", "clipped_fraction", "clipped")
-    counters = ("step", "clipped_count", "nonfinite_count")
-    return {"metrics": _kit.new_metrics(num_groups, dtype, fields, counters)}
-
-
 def _scale_by_adam_clip(
     b1: Any,
     b2: Any,
@@ -384,10 +378,15 @@ def _scale_by_adam_clip(
         b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov
     )
 
-    kit = _kit.Clipper(_CLIP_ALGO, AdamWClipState, _clip_arrays, scope="per_param", name=None)
+    setup = _kit.setup(_CLIP_ALGO, scope="per_param", name=None)
+    fields = ("grad_norm", "clipped_fraction", "clipped")
+    counters = ("step", "clipped_count", "nonfinite_count")
 
     def init(params: Any) -> tuple[Any, AdamWClipState]:
-        return base.init(params), kit.init(params)
+        adam = base.init(params)
+        common = _kit.common(setup, params)
+        metrics = _kit.new_metrics(common.num_groups, common.dtype, fields, counters)
+        return adam, _kit.owned(params, AdamWClipState(metrics, common.info))
 
     def step(pred: Any, updates: Any, state: Any, params: Any) -> tuple[Any, Any]:
         # pred None: every step is taken (update); else the moments are selected
