@@ -39,15 +39,14 @@ class AdaGCState(NamedTuple):
         return {"mean": self.gamma}
 
 
-@_kit.configurable
 def adagc(
     relative_threshold: float = 1.05,
     beta: float = 0.98,
     warmup_steps: int = 100,
     absolute_threshold: float = 1.0,
     eps: float = 1e-6,
-    scope: Scope = "per_param",
     *,
+    scope: Scope = "per_param",
     feedback: SpikeFeedback = "clipped",
     axis_name: str | None = None,
     leaf_norms: bool = False,

@@ -158,9 +158,9 @@ def _leaf_norms(units: list[jax.Array]) -> jax.Array:
 def agc(
     clipping: float = 0.01,
     eps: float = 1e-3,
+    *,
     scope: AGCScope = "unitwise",
     exclude_bias_bn: bool = False,
-    *,
     axis: Axis = None,
     axis_name: str | None = None,
     leaf_norms: bool = False,
@@ -258,7 +258,6 @@ def _param_leaves(params: Any, scope: Scope, info: GroupInfo, who: str) -> list[
     return leaves
 
 
-@_kit.configurable
 def _grouped(
     clipping: Any,
     eps: Any,
@@ -330,7 +329,6 @@ def _grouped(
     return ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
-@_kit.configurable
 def _unitwise(
     clipping: Any,
     eps: Any,
@@ -341,13 +339,10 @@ def _unitwise(
     *,
     unit_axis_name: str | None,
     scope: Scope = "per_param",
-    axis_name: str | None = None,
 ) -> ClipTransform:
     """Unitwise AGC: each leaf scaled unit by unit, its metrics per group of
     ``scope`` (a leaf each). The unit norms are averaged over ``unit_axis_name``,
-    agc's own ``axis_name``: ``configure`` may change the scope, not that
-    (``axis_name`` has no effect)."""
-    del axis_name
+    agc's own ``axis_name``."""
     setup = _kit.setup("agc", scope=scope, name=name, leaf_norms=leaf_norms, stacked=False)
 
     def init_fn(params: Any) -> AGCState:

@@ -224,19 +224,18 @@ def _threshold(s: _Settings, values: dict[str, jax.Array]) -> jax.Array:
     return jnp.maximum(raw, s.eps)
 
 
-@_kit.configurable
 def autoclip(
     mode: AutoClipMode = "auto",
     percentile: float | None = None,
     history: AutoClipHistory | None = None,
     window_size: int | None = None,
     ema_decay: float | None = None,
+    *,
     scope: Scope = "global",
     warmup_steps: int | None = None,
     min_history: int | None = None,
     eps: float = 1e-8,
     guard_nans: bool = True,
-    *,
     feedback: Feedback = "observe_first",
     quantile_lr: float | None = None,
     max_grad_norm: float | Literal["auto"] | None = "auto",

@@ -208,13 +208,11 @@ def clip_by_value(
     return _clip_by_value(max_abs, scope=scope, leaf_norms=leaf_norms, name=name)
 
 
-@_kit.configurable
 def _clip_by_value(
-    max_abs: Any, *, scope: Scope, leaf_norms: bool, name: str | None, axis_name: Any = None
+    max_abs: Any, *, scope: Scope, leaf_norms: bool, name: str | None
 ) -> ClipTransform:
-    """:func:`clip_by_value`; ``axis_name`` (``configure``'s) has no effect: each
-    replica clamps its own elements."""
-    del axis_name
+    """:func:`clip_by_value` once its arguments are checked: each replica clamps
+    its own elements."""
     setup = _kit.setup(
         "clip_by_value", scope=scope, name=name, leaf_norms=leaf_norms, stacked=False
     )
@@ -256,9 +254,9 @@ def _clip_by_value(
 
 def clip_by_percentile(
     percentile: float,
+    *,
     scope: Scope = "per_param",
     method: PercentileMethod = "auto",
-    *,
     leaf_norms: bool = False,
     name: str | None = None,
 ) -> ClipTransform:
@@ -326,19 +324,11 @@ def clip_by_percentile(
     return _clip_by_percentile(percentile, method, scope=scope, leaf_norms=leaf_norms, name=name)
 
 
-@_kit.configurable
 def _clip_by_percentile(
-    percentile: Any,
-    method: str,
-    *,
-    scope: Scope,
-    leaf_norms: bool,
-    name: str | None,
-    axis_name: Any = None,
+    percentile: Any, method: str, *, scope: Scope, leaf_norms: bool, name: str | None
 ) -> ClipTransform:
-    """:func:`clip_by_percentile`; ``axis_name`` (``configure``'s) has no effect:
-    each replica clamps its own elements."""
-    del axis_name
+    """:func:`clip_by_percentile` once its arguments are checked: each replica
+    clamps its own elements."""
     setup = _kit.setup(
         "clip_by_percentile", scope=scope, name=name, leaf_norms=leaf_norms,
         scopes=PERCENTILE_SCOPES, stacked=False,

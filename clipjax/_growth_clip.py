@@ -46,14 +46,13 @@ class ClipNormGrowthState(NamedTuple):
         return {"prev_norm": self.prev_norm}
 
 
-@_kit.configurable
 def clip_norm_growth(
     add: float | None = None,
     mul: float | None = 1.5,
     min_value: float | None = 1e-4,
     max_decay: float | None = 2.0,
-    scope: Scope = "per_param",
     *,
+    scope: Scope = "per_param",
     feedback: SpikeFeedback = "clipped",
     axis_name: str | None = None,
     leaf_norms: bool = False,
@@ -217,14 +216,13 @@ def _ema_dtype(leaf: Any) -> Any:
     return jnp.promote_types(jnp.result_type(leaf), jnp.float32)
 
 
-@_kit.configurable
 def clip_norm_by_ema(
     beta: float = 0.99,
     max_ema_growth: float | None = 1.5,
     init: float = 0.0,
     min_norm: float = 1e-6,
-    scope: Scope = "per_param",
     *,
+    scope: Scope = "per_param",
     axis_name: str | None = None,
     leaf_norms: bool = False,
     name: str | None = None,

@@ -229,13 +229,12 @@ def ema_criterion(
     )
 
 
-@_kit.configurable
 def hist_clip(
     criterion: Criterion | None = None,
     warmup_steps: int = 20,
     warmup_clip: optax.GradientTransformation | str | None = "default",
-    scope: Scope = "global",
     *,
+    scope: Scope = "global",
     feedback: TargetFeedback = "raw",
     max_grad_norm: float | Literal["auto"] | None = "auto",
     axis_name: str | None = None,
@@ -257,8 +256,9 @@ def hist_clip(
     for ema): the norm (``"raw"``, drytorch's), ``min(g, B)`` (``"clipped"``:
     a lasting rise is learnt), the clip value on a high-side fire
     (``"clip_target"``) or nothing then (``"skip"``). ``scope="per_param"`` is
-    drytorch's ParamHistClipper. A clipjax ``warmup_clip`` is rebuilt on
-    hist_clip's groups; another transform applies to the whole tree. A
+    drytorch's ParamHistClipper. The default warm-up clip works on hist_clip's
+    groups; a ``warmup_clip`` given applies as it is built (give a clipjax
+    clipper the same ``scope`` to clip each warming group by its own norm). A
     NaN/Inf norm passes unchanged and never enters the statistics. The
     feedbacks, the warm-up clip and the differences from drytorch:
     :doc:`/reference_drytorch`.
@@ -277,7 +277,7 @@ def hist_clip(
       criterion: :func:`zstat_criterion` (default) or :func:`ema_criterion`.
       warmup_steps: number of finite norms collected before the criterion.
       warmup_clip: transform applied during warm-up, or None; ``"default"``
-        (default) means ``clip_by_global_norm(1.0)``.
+        (default) means ``clip_by_global_norm(1.0, scope=scope, axis_name=axis_name)``.
       scope: the groups (:class:`~clipjax.ClipTransform`), each with its statistics.
       feedback: ``"raw"`` (default), ``"clipped"``, ``"clip_target"`` or ``"skip"``.
       max_grad_norm: the ceiling (:class:`~clipjax.ClipTransform`), or None;
@@ -304,7 +304,7 @@ def hist_clip(
       `ZClip <https://arxiv.org/abs/2504.02507>`_ (reciprocal clipping), 2025.
     """
     criterion, warm, ceiling = _checked(
-        criterion, warmup_steps, warmup_clip, feedback, max_grad_norm
+        criterion, warmup_steps, warmup_clip, feedback, max_grad_norm, scope, axis_name
     )
     alpha, thresh = criterion.alpha, criterion.thresh
     # drytorch's StatsCollector: mean and ddof=1 variance of the warm-up
@@ -319,11 +319,6 @@ def hist_clip(
     setup = _kit.setup(
         "hist_clip", scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms
     )
-    # A clipjax warm-up clip is rebuilt for these groups: it clips each warming
-    # group by its own norm.
-    configure = getattr(warm, "configure", None)
-    if configure is not None:
-        warm = configure(scope=scope, axis_name=axis_name)
 
     def init_fn(params: Any) -> HistClipState:
         nested = None if warm is None else warm.init(params)
@@ -423,10 +418,17 @@ def hist_clip(
 
 
 def _checked(
-    criterion: Any, warmup_steps: Any, warmup_clip: Any, feedback: Any, max_grad_norm: Any
+    criterion: Any,
+    warmup_steps: Any,
+    warmup_clip: Any,
+    feedback: Any,
+    max_grad_norm: Any,
+    scope: Scope,
+    axis_name: str | None,
 ) -> tuple[Criterion, Any, float | None]:
     """Validates hist_clip's arguments; returns the criterion, the warm-up clip
-    (``"default"`` made ``clip_by_global_norm(1.0)``) and the ceiling."""
+    (``"default"``: ``clip_by_global_norm(1.0)`` on hist_clip's groups, so that it
+    clips each warming group by its own norm) and the ceiling."""
     criterion = zstat_criterion() if criterion is None else criterion
     if not isinstance(criterion, Criterion):
         raise ValueError(
@@ -446,7 +448,7 @@ def _checked(
             raise ValueError(
                 f"warmup_clip must be a GradientTransformation or None, got {warmup_clip!r}"
             )
-        warmup_clip = clip_by_global_norm(1.0)
+        warmup_clip = clip_by_global_norm(1.0, scope=scope, axis_name=axis_name)
     if warmup_clip is not None and not hasattr(warmup_clip, "update"):
         raise ValueError(
             f"warmup_clip must be a GradientTransformation or None, got {warmup_clip!r}"

@@ -47,13 +47,12 @@ class HistoricalNormClipState(NamedTuple):
     leaf_metrics: dict[str, jax.Array]
 
 
-@_kit.configurable
 def clip_by_historical_norm(
     rolling_interval_length: int | None = None,
     sigma_factor: float = 3.0,
     min_history: int | None = None,
-    scope: Scope = "global",
     *,
+    scope: Scope = "global",
     feedback: SpikeFeedback = "raw",
     axis_name: str | None = None,
     leaf_norms: bool = False,

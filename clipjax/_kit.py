@@ -1,19 +1,18 @@
-"""What a clipper's factory and step are written with.
+"""What a clipper's factory and step are written with: plain functions.
 
-A factory checks its own arguments, then binds its plumbing once in a
-:class:`Clipper`. Its ``update`` reads top to bottom, as optax's
-``scale_by_adam`` does: :meth:`Clipper.norms`, its own rule (threshold,
-scale), what its statistics observe (:func:`observation`), the metrics
-(:func:`step_metrics`), :meth:`Clipper.finish`. Nothing here calls back into
-a clipper.
+A factory checks its own arguments and its grouping settings (:func:`setup`).
+Its ``init`` builds its state, field by field, from :func:`common`; its
+``update`` reads top to bottom, as optax's ``scale_by_adam`` does:
+:func:`norms`, its own rule (threshold, scale), what its statistics observe
+(:func:`observation`), the metrics (:func:`step_metrics`), the new state
+built field by field, and the updates (:func:`scaled`). Nothing here calls
+back into a clipper.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple, ParamSpec, cast
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,13 +54,11 @@ class ClipTransform(optax.GradientTransformationExtraArgs):
     optimizers. ``init(params)`` returns the clipper's state; ``update(updates,
     state, params=None, **extra_args)`` returns the clipped updates and the
     new state (the clippers that need ``params``, such as :func:`clipjax.agc`,
-    say so). It adds one attribute, ``configure``: ``configure(scope=...,
-    axis_name=...)`` returns the same clipper with other grouping settings
-    (:func:`clipjax.hist_clip` runs a clipjax ``warmup_clip`` on its groups).
+    say so).
 
     Every clipper's state ends with the fields ``metrics``, ``info``,
-    ``leaf_index`` and ``leaf_metrics``, and every clipper takes ``scope``,
-    ``axis_name``, ``leaf_norms`` and ``name``; both are documented once, in
+    ``leaf_index`` and ``leaf_metrics``, and every norm clipper takes ``scope``,
+    ``axis_name``, ``leaf_norms`` and ``name`` as keywords; both are documented once, in
     :doc:`/clipper_fields`, with the ceiling ``max_grad_norm``.
 
     Examples:
@@ -73,27 +70,6 @@ class ClipTransform(optax.GradientTransformationExtraArgs):
       >>> float(clipjax.metrics(state)["clip_by_global_norm/global/scale"])
       0.25
     """
-
-    configure: Callable[..., ClipTransform] | None = None
-
-
-P = ParamSpec("P")
-
-
-def configurable(build: Callable[P, ClipTransform]) -> Callable[P, ClipTransform]:
-    """``build`` whose transforms carry ``configure(**overrides)``: ``build`` called
-    again with the same arguments and ``overrides``."""
-    signature = inspect.signature(build)
-
-    @functools.wraps(build)
-    def built(*args: P.args, **kwargs: P.kwargs) -> ClipTransform:
-        tx = build(*args, **kwargs)
-        arguments = signature.bind(*args, **kwargs).arguments
-        again = cast(Callable[..., ClipTransform], built)
-        tx.configure = lambda **overrides: again(**{**arguments, **overrides})
-        return tx
-
-    return built
 
 
 def resolve_ceiling(max_grad_norm: Any, feedback: str) -> float | None:
@@ -159,129 +135,6 @@ class Grads(NamedTuple):
     grouping: Grouping
     norm: Any = None
     leaf_norms: Any = None
-
-
-class Clipper:
-    """A clipper's plumbing, bound once by its factory, and the steps that use it.
-
-    ``algo`` is the factory's name, ``arrays(num_groups, dtype)`` the state's
-    own fields and ``metrics`` for a new state; ``scope`` (checked against
-    ``scopes``; no :func:`clipjax.stacked` with ``stacked=False``), ``name``,
-    ``axis_name`` and ``leaf_norms`` are the clipper's arguments; ``p`` is the
-    order of the group norms (a leaf's own norm stays L2).
-    """
-
-    def __init__(
-        self,
-        algo: str,
-        state_class: type,
-        arrays: Callable[..., dict[str, Any]],
-        *,
-        scope: Scope,
-        name: str | None,
-        axis_name: str | None = None,
-        leaf_norms: bool = False,
-        p: float = 2.0,
-        scopes: tuple[str, ...] = _grouping.SCOPES,
-        stacked: bool = True,
-    ) -> None:
-        _grouping.validate_scope(scope, scopes)
-        _checks.name(name)
-        if not stacked and isinstance(scope, _grouping.Stacked):
-            raise ValueError(
-                f"{algo}: clipjax.stacked scopes apply to the norm-based clippers; "
-                f"{algo} changes elements, use scope='per_param' or 'per_layer'"
-            )
-        self.algo, self.state_class, self.arrays = algo, state_class, arrays
-        self.scope: Scope = scope
-        self.name, self.axis_name, self.leaf_norms, self.p = name, axis_name, leaf_norms, p
-        self.who = name or algo
-
-    def init(self, params: Any, **more: Any) -> Any:
-        """A new state for ``params``: its arrays, the shared fields its class has,
-        and ``more``."""
-        placeholder = is_placeholder(params)
-        leaves, _, _ = _grouping.leaves_with_names(params)
-        grouping = _grouping.make_grouping(params, self.scope)
-        dtype = _grouping.norm_dtype(leaves)
-        shared = {
-            "info": group_info(params, self.scope, self.algo, self.name, grouping),
-            "leaf_index": _xla.leaf_index(grouping, placeholder),
-            "leaf_metrics": (
-                {"grad_norm": jnp.zeros((len(leaves),), dtype)} if self.leaf_norms else {}
-            ),
-        }
-        shared = {k: v for k, v in shared.items() if k in self.state_class._fields}
-        state = self.state_class(**self.arrays(grouping.num_groups, dtype), **shared, **more)
-        return state if placeholder else _xla.own_buffers(state)
-
-    def leaves(self, updates: Any, state: Any, *, dtypes: bool = True) -> Grads:
-        """``updates`` flattened and grouped, once ``state`` is checked against them
-        (an error says what was expected and how to restore a checkpoint). With
-        ``dtypes`` every leaf must be a float (a clipper that needs ``params``
-        checks them first and passes False)."""
-        who = self.who
-        _checks.check_state(state, self.state_class, who)
-        info: _metrics.GroupInfo = state.info
-        leaves, paths, treedef = _grouping.leaves_with_names(updates)
-        grouping = _grouping.make_grouping(updates, self.scope)
-        grouping.check_matches(info.leaves, info.shapes, who)
-        for field, value in state.metrics.items():
-            if jnp.shape(_metrics.unwrap(value))[:1] != (grouping.num_groups,):
-                groups = ", ".join(grouping.names[:4]) + (", ..." * (grouping.num_groups > 4))
-                raise ValueError(
-                    f"{who}: the state does not fit the tree passed to update: its metric "
-                    f"{field!r} has shape {jnp.shape(value)}, expected [{grouping.num_groups}] "
-                    f"for the groups of this tree ({groups}); was the state restored from "
-                    "another model?"
-                )
-        # Traced once per trace, never cached: under optax.inject_hyperparams ``arrays``
-        # closes over that trace's tracers, and a cache keyed by it would keep them.
-        layout = jax.eval_shape(lambda: self.arrays(grouping.num_groups))
-        for field, value in layout.items():
-            _checks.check_layout(who, field, getattr(state, field), value)
-        if dtypes:
-            _grouping.check_inexact(leaves, grouping, who)
-        return Grads(leaves, paths, treedef, grouping)
-
-    def norms(self, updates: Any, state: Any) -> Grads:
-        """:meth:`leaves` with each group's ``p``-norm (one read of each leaf, summed
-        in float32 or float64) and each leaf's L2 norm; averaged over ``axis_name``."""
-        grads = self.leaves(updates, state)
-        leaves, grouping = grads.leaves, grads.grouping
-        partial = _grouping.leaf_power_sums(leaves, self.p, grouping)
-        per_leaf = None
-        if self.leaf_norms:
-            norm, per_leaf = _grouping.group_and_leaf_norms(leaves, grouping, self.p, partial)
-        else:
-            norm = _grouping.group_norms(leaves, grouping, self.p, partial)
-        if self.axis_name is not None:
-            norm, per_leaf = jax.lax.pmean((norm, per_leaf), self.axis_name)
-        return grads._replace(norm=norm, leaf_norms=per_leaf)
-
-    def finish(
-        self,
-        grads: Grads,
-        state: Any,
-        metrics: dict[str, Array],
-        *,
-        scale: Array | None = None,
-        leaves: list[Array] | None = None,
-        **own: Any,
-    ) -> tuple[Any, Any]:
-        """The updates (each group times its ``scale``, or the new ``leaves``) and the
-        new state: its fields ``own``, ``metrics`` and the shared fields."""
-        # A copy of the index, not the input passed through: see _xla.returned.
-        shared = {"metrics": metrics, "leaf_index": _xla.returned(state.leaf_index)}
-        if grads.leaf_norms is not None:
-            dtype = state.leaf_metrics["grad_norm"].dtype
-            shared["leaf_metrics"] = {"grad_norm": grads.leaf_norms.astype(dtype)}
-        new_state = state._replace(**own, **shared)
-        if leaves is None:
-            assert scale is not None
-            scales = _xla.computed_once(scale)
-            leaves = _grouping.apply_scales(grads.leaves, grads.grouping, scales, state.leaf_index)
-        return jax.tree_util.tree_unflatten(grads.treedef, leaves), new_state
 
 
 # --------------------------------------------------------------------------- plain steps

@@ -133,7 +133,6 @@ def _adaclip_leaf(
     return new, hit_count, square
 
 
-@_kit.configurable
 def adaclip(
     theta: Any = 0.999,
     *,
@@ -249,7 +248,6 @@ def adaclip(
     return _kit.ClipTransform(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
-@_kit.configurable
 def ada_norm(
     gamma1: Any = 0.7,
     gamma2: Any = 0.9,
@@ -371,6 +369,7 @@ def stable_spam(
     mu_dtype: Any = None,
     mask: Any = None,
     count_clipped: bool = True,
+    name: str | None = None,
 ) -> _conditional.SkippableTransform:
     """Stable-SPAM: AdaClip, AdaGN and Adam with SPAM's moment reset.
 
@@ -418,6 +417,7 @@ def stable_spam(
       count_clipped: report AdaClip's ``clipped_fraction`` (see
         :func:`clipjax.adaclip`); ``False`` leaves out its counting pass,
         which costs a second read of the gradient and compile time per leaf.
+      name: prefix of its own metrics (``resets``; default ``stable_spam``).
 
     Returns:
       A :class:`clipjax.SkippableTransform`.
@@ -439,6 +439,7 @@ def stable_spam(
     """
     _check_common(learning_rate, b1, b2, eps, weight_decay)
     _checks.integer("reset_interval", reset_interval, 1, static=False)
+    _checks.name(name)
     return _optimizers.chain(
         adaclip(theta, scope=scope, count_clipped=count_clipped),
         ada_norm(gamma1, gamma2, eps, scope=scope),
@@ -454,6 +455,7 @@ def stable_spam(
             restart_bias_correction=True,
             eps_inside_correction=True,
             count_clipped=False,
+            name=name,
             algo="stable_spam",
         ),
         _optimizers.selecting(_decay_finite(optax.add_decayed_weights(weight_decay, mask))),

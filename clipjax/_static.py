@@ -82,6 +82,8 @@ def clip_by_global_norm(
     norm_type: float | None = None,
     eps: float = 1e-7,
     *,
+    scope: Scope = "global",
+    axis_name: str | None = None,
     leaf_norms: bool = False,
     name: str | None = None,
 ) -> ClipTransform:
@@ -112,6 +114,9 @@ def clip_by_global_norm(
       norm_type: the order p of the norm, ``> 0`` or ``float("inf")``;
         default 2.0.
       eps: added to the norm in the denominator.
+      scope: the groups (:class:`~clipjax.ClipTransform`); each is clipped to
+        ``max_norm`` on its own (``"global"``: the whole tree, optax's rule).
+      axis_name: average the group norms over this mapped axis first.
       leaf_norms: also record each leaf's L2 norm before clipping.
       name: metrics prefix (default ``clip_by_global_norm``).
 
@@ -135,22 +140,6 @@ def clip_by_global_norm(
     p = _norm_type(2.0 if norm_type is None else norm_type)
     _checks.nonzero_bound("max_norm", max_norm)
     _checks.non_negative("eps", eps)
-    return _clip_by_norm(max_norm, p, eps, leaf_norms=leaf_norms, name=name)
-
-
-@_kit.configurable
-def _clip_by_norm(
-    max_norm: Any,
-    p: float,
-    eps: Any,
-    *,
-    leaf_norms: bool,
-    name: str | None,
-    scope: Scope = "global",
-    axis_name: str | None = None,
-) -> ClipTransform:
-    """:func:`clip_by_global_norm` on the groups of ``scope``, norms averaged over
-    ``axis_name``: what ``configure`` gives (hist_clip's warm-up clip)."""
     setup = _kit.setup(
         "clip_by_global_norm", scope=scope, name=name, axis_name=axis_name,
         leaf_norms=leaf_norms, p=p,
@@ -328,7 +317,6 @@ def zscore_normalize(eps: float = 1e-8, *, name: str | None = None) -> ClipTrans
     return _normalizer("zscore_normalize", ZScoreNormalizeState, eps, name=name)
 
 
-@_kit.configurable
 def _normalizer(
     algo: str,
     state_class: type,

@@ -184,7 +184,6 @@ def _ceilings(max_grad_norm: Any, relative_ceiling: Any, feedback: str) -> tuple
     return max_grad_norm, relative_ceiling
 
 
-@_kit.configurable
 def zclip(
     alpha: float = 0.97,
     z_thresh: float = 2.5,
@@ -195,8 +194,8 @@ def zclip(
     clip_option: ClipOption | None = None,
     clip_factor: float | None = None,
     skip_update_on_spike: bool = False,
-    scope: Scope = "global",
     *,
+    scope: Scope = "global",
     feedback: TargetFeedback = "clip_target",
     relative_ceiling: float | Literal["auto"] | None = "auto",
     ceiling_window: int | None = None,
@@ -307,9 +306,7 @@ def zclip(
     fields = ("clip_to", "z", *start_field) + ("headroom",) * absolute
     statistic = _stats.WarmupEma(alpha=alpha, warmup_steps=warmup_steps)
 
-    setup = _kit.setup(
-        "zclip", scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms
-    )
+    setup = _kit.setup("zclip", scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms)
 
     def init_fn(params: Any) -> ZClipState:
         common = _kit.common(setup, params)

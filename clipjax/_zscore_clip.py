@@ -59,16 +59,15 @@ def _std(var: Any) -> Any:
     return np.sqrt(np.maximum(np.asarray(var), 0))
 
 
-@_kit.configurable
 def zscore_clip(
     zmax: float = 3.0,
     ema_decay: float | None = None,
+    *,
     scope: Scope = "global",
     warmup_steps: int | None = None,
     min_history: int | None = None,
     eps: float = 1e-8,
     guard_nans: bool = True,
-    *,
     feedback: Feedback = "observe_first",
     max_grad_norm: float | Literal["auto"] | None = "auto",
     axis_name: str | None = None,

@@ -283,7 +283,9 @@ MULTI_GROUP: dict[str, Callable[[], Any]] = {
     "autoclip_per_layer": lambda: clipjax.autoclip(scope="per_layer"),
     "zclip_per_param": lambda: clipjax.zclip(warmup_steps=1, scope="per_param"),
     "hist_clip_nested": lambda: clipjax.hist_clip(
-        warmup_steps=2, scope="per_param", warmup_clip=clipjax.clip_by_global_norm(1.0)
+        warmup_steps=2,
+        scope="per_param",
+        warmup_clip=clipjax.clip_by_global_norm(1.0, scope="per_param"),
     ),
     "agc_unitwise": lambda: clipjax.agc(0.01),
     "agc_per_layer": lambda: clipjax.agc(0.01, scope="per_layer"),

@@ -98,7 +98,13 @@ def test_matches_drytorch_step_by_step(stream: str, kind: str, clip: str) -> Non
 def test_per_param_is_param_hist_clipper() -> None:
     norms = np.stack([R.spikes(seed=1)[0], R.regime_shift(400, seed=2)], axis=1)
     ref = R.drytorch_reference(norms, per_param=True)
-    got = drive.run(clipjax.hist_clip(scope="per_param", warmup_clip=TORCH_WARMUP), norms)
+    got = drive.run(
+        clipjax.hist_clip(
+            scope="per_param",
+            warmup_clip=clipjax.clip_by_global_norm(1.0, eps=1e-6, scope="per_param"),
+        ),
+        norms,
+    )
     assert_matches_reference(got, ref, norms)
     assert_close(got["applied"], ref["scale"])
 

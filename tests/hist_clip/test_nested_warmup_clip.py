@@ -38,7 +38,9 @@ def test_nested_warmup_metrics_reset_after_warmup() -> None:
 def test_nested_warmup_metrics_reset_per_group() -> None:
     """per_param: each group's nested metrics reset when that group's warm-up ends."""
     tx = clipjax.hist_clip(
-        warmup_steps=2, warmup_clip=clipjax.clip_by_global_norm(1.0), scope="per_param"
+        warmup_steps=2,
+        warmup_clip=clipjax.clip_by_global_norm(1.0, scope="per_param"),
+        scope="per_param",
     )
     params = {"a": jnp.ones(4), "b": jnp.ones(4)}
     state = tx.init(params)
