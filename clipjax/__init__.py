@@ -6,16 +6,27 @@ jit-compatible pytree carrying its per-step metrics; read them with
 """
 
 from clipjax import _serialization
+from clipjax._adaclip import AdaClipState, AdaNormState, ada_norm, adaclip
 from clipjax._adagc import AdaGCState, adagc
+from clipjax._adam import AdamWClipState, UpdateClippingState, adam, adamw
 from clipjax._agc import AGCState, agc
 from clipjax._attention_logits import max_attention_logits
 from clipjax._autoclip import AutoClipState, autoclip
-from clipjax._conditional import SkippableTransform
+from clipjax._conditional import SkippableTransform, chain
 from clipjax._elementwise import (
     ClipByPercentileState,
     ClipByValueState,
     clip_by_percentile,
     clip_by_value,
+)
+from clipjax._global_norm import (
+    ClipByGlobalNormState,
+    NormalizePerParamState,
+    ZScoreNormalizeState,
+    clip_by_global_norm,
+    global_norm,
+    normalize_per_param,
+    zscore_normalize,
 )
 from clipjax._grouping import path_name, stacked
 from clipjax._growth_clip import (
@@ -34,35 +45,24 @@ from clipjax._hist_clip import (
     reciprocal_clipping,
     zstat_criterion,
 )
-from clipjax._historical_clip import HistoricalNormClipState, clip_by_historical_norm
 from clipjax._kit import ClipTransform
+from clipjax._levanter_clip import HistoricalNormClipState, clip_by_historical_norm
 from clipjax._metrics import GroupInfo, metrics
-from clipjax._optimizers import AdamWClipState, UpdateClippingState, adam, adamw, chain
 from clipjax._percentile import approx_percentile, approx_relative_error, exact_percentile
 from clipjax._qk_clip import QKClipState, QKHeads, qk_clip
-from clipjax._skip import (
-    ConditionalRouteWarning,
-    SkipOnSpikeState,
-    SkipOnSpikeTransform,
-    skip_on_spike,
-)
 from clipjax._skip_and_clip import (
     SkipAndClipState,
     drop_norm_by_grad_norm_ema,
     drop_norm_by_grad_norm_stddev,
     skip_and_clip_by_global_norm,
 )
-from clipjax._spam import SpamState, spam
-from clipjax._stable_spam import AdaClipState, AdaNormState, ada_norm, adaclip, stable_spam
-from clipjax._static import (
-    ClipByGlobalNormState,
-    NormalizePerParamState,
-    ZScoreNormalizeState,
-    clip_by_global_norm,
-    global_norm,
-    normalize_per_param,
-    zscore_normalize,
+from clipjax._skip_on_spike import (
+    ConditionalRouteWarning,
+    SkipOnSpikeState,
+    SkipOnSpikeTransform,
+    skip_on_spike,
 )
+from clipjax._spam import SpamState, spam, stable_spam
 from clipjax._zclip import ZClipState, zclip
 from clipjax._zscore_clip import ZScoreClipState, zscore_clip
 

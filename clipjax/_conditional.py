@@ -4,7 +4,7 @@
 predicate selects: ``skip_on_spike``'s inner optimizer, hist_clip's warm-up
 clip, a chain's members. A :class:`SkippableTransform` (:func:`clipjax.adam`,
 :func:`clipjax.adamw`, :func:`clipjax.chain`, built in
-:mod:`clipjax._optimizers`) folds the predicate into its own arithmetic; a
+:mod:`clipjax._adam`) folds the predicate into its own arithmetic; a
 clipjax clipper runs and has its small state selected; any other transform
 runs under ``lax.cond``. On a step a transform did not run, its clipjax state
 is left as it was, and :func:`clipjax.metrics` reports it as skipped.
@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from clipjax import _checks, _metrics
 from clipjax._kit import ClipTransform
 from clipjax._metrics import IDLE_VALUES
 
@@ -177,7 +178,7 @@ def run_if(
       dtype, the pass-through branch casts its operands to them.
     """
     if route == "fold":
-        # Folded into its own arithmetic (clipjax.adam: _optimizers.adam_arithmetic).
+        # Folded into its own arithmetic (clipjax.adam: _adam.adam_arithmetic).
         return tx.update_if(pred, updates, state, params, **extra_args)
     if route == "select":
         return run_and_select(pred, tx, updates, state, params, **extra_args)
@@ -222,6 +223,116 @@ def run_and_select(
     """
     out, new_state = tx.update(updates, state, params, **extra_args)
     return out, jax.tree.map(lambda n, o: jnp.where(pred, n, o), new_state, state)
+
+
+def selecting(tx: optax.GradientTransformation) -> SkippableTransform:
+    """A transform whose state is scalars: it runs every step, its state is selected.
+
+    For optax's stateless or count-only members (``scale``,
+    ``scale_by_schedule``, ``add_decayed_weights``): nothing full-size is
+    selected, and the update fuses with its neighbours.
+    """
+    tx = optax.with_extra_args_support(tx)
+
+    def keep_state_if(
+        pred: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, Any]:
+        pred = jnp.asarray(pred, bool)
+        return run_and_select(pred, tx, updates, state, params, **extra_args)
+
+    return skippable(tx.init, tx.update, keep_state_if=keep_state_if)
+
+
+def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
+    """``optax.chain`` that can skip a step: see :class:`SkippableTransform`.
+
+    ``init`` and ``update`` are ``optax.chain(*transforms)``'s: the state is
+    the tuple of the members' states, and the updates are the same bit for
+    bit. ``update_if(pred, ...)`` passes ``pred`` to each member: a member
+    with its own ``update_if`` (:func:`clipjax.adamw`, a nested
+    ``clipjax.chain``) folds it in; a clipjax clipper runs and has its small
+    state selected; any other transform runs under ``lax.cond``. So
+    ``clipjax.chain(clipjax.zclip(), clipjax.adamw(1e-3))`` skips a step
+    without a conditional, while a chain holding ``optax.adam`` still works at
+    the cost of the conditional.
+
+    A clipper that holds a step (``zclip(start="hold")``, the start of the
+    recommended ``zclip(feedback="clipped")``: the warm-up steps its rule
+    cannot judge) makes the chain run the members after it as
+    ``update_if(False, ...)`` on that step: zero updates, their states
+    untouched, so the optimizer's moments never see the start of the run and
+    no later step is enlarged. ``optax.chain`` cannot skip: there the held
+    steps reach the optimizer, the first zeroed, the others bounded by the
+    warm-up ceiling. The recommended wiring is therefore
+    ``clipjax.chain(clipjax.zclip(feedback="clipped"), clipjax.adamw(...))``.
+
+    Args:
+      *transforms: the transforms to apply in order.
+
+    Returns:
+      A :class:`SkippableTransform`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, clipjax
+      >>> tx = clipjax.chain(clipjax.zclip(), clipjax.adamw(1e-3))
+      >>> params = {"w": jnp.ones(3)}
+      >>> state = tx.init(params)
+      >>> optax_state = optax.chain(clipjax.zclip(), optax.adamw(1e-3)).init(params)
+      >>> jax.tree.structure(state) == jax.tree.structure(optax_state)
+      True
+      >>> updates, state = tx.update_if(False, {"w": jnp.ones(3)}, state, params)
+      >>> updates["w"].tolist()
+      [0.0, 0.0, 0.0]
+    """
+    members = [optax.with_extra_args_support(t) for t in transforms]
+    base = optax.chain(*members)
+    # A state per member; each member checks its own.
+    layout = (object,) * len(members)
+    # How each member skips a step, from what it is (route_of).
+    routes = [route_of(member) for member in members]
+
+    def run(
+        pred: Any, updates: Any, state: Any, params: Any, **extra_args: Any
+    ) -> tuple[Any, Any, Any]:
+        """The members in order, each under ``pred`` (None: every member updates),
+        which a clipper's held step turns False for the members after it."""
+        _checks.check_members(state, layout, "clipjax.chain")
+        new_state = []
+        for member, route, member_state in zip(members, routes, state):
+            if pred is None:
+                updates, member_state = member.update(updates, member_state, params, **extra_args)
+            elif route == "fold" and member.keep_state_if is not None:
+                # Zeroed once, after the last member.
+                updates, member_state = member.keep_state_if(
+                    pred, updates, member_state, params, **extra_args
+                )
+            else:
+                updates, member_state = run_if(
+                    route, pred, member, updates, member_state, params, **extra_args
+                )
+            held = _metrics.held(member_state)
+            if held is not None:
+                pred = ~held if pred is None else pred & ~held
+            new_state.append(member_state)
+        return updates, tuple(new_state), pred
+
+    def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        updates, new_state, pred = run(None, updates, state, params, **extra_args)
+        if pred is not None:
+            updates = zero_unless(pred, updates)
+        return updates, new_state
+
+    def keep_state_if(
+        pred: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, Any]:
+        pred = jnp.asarray(pred, bool)
+        updates, new_state, held_pred = run(pred, updates, state, params, **extra_args)
+        if held_pred is not pred:
+            # update_if zeroes where its own pred is False; the held steps here.
+            updates = zero_unless(held_pred, updates)
+        return updates, new_state
+
+    return skippable(base.init, update, keep_state_if=keep_state_if)
 
 
 def idle_metrics(metrics: dict[str, Array]) -> dict[str, Array]:

@@ -126,7 +126,7 @@ def _norms_and_clipped(
     return norm, count, leaf_norm
 
 
-def _clamp_leaf(x: Array, b: Array) -> Array:
+def clamp_leaf(x: Array, b: Array) -> Array:
     """``clip(x, -b, b)`` in the leaf's dtype; a complex element keeps its phase."""
     if jnp.iscomplexobj(x):
         b = b.astype(jnp.abs(x).dtype)
@@ -140,7 +140,7 @@ def _clamp(leaves: list[Array], grouping: Grouping, bound: Array, index: Any = (
 
     A complex element keeps its phase: its magnitude is clamped to ``b``.
     """
-    one = _grouping.per_leaf(_clamp_leaf)
+    one = _grouping.per_leaf(clamp_leaf)
     return [one(x, b) for x, b in zip(leaves, _grouping.leaf_scales(grouping, bound, index))]
 
 
@@ -350,7 +350,7 @@ def _clip_by_percentile(
         grads = _kit.grads_of(setup, updates, state, ClipByPercentileState, init_fn)
         leaves, grouping, index = grads.leaves, grads.grouping, state.leaf_index
         dtype = _grouping.norm_dtype(leaves)
-        select = _grouping.per_leaf(_percentile._select, percentile, method)
+        select = _grouping.per_leaf(_percentile.select, percentile, method)
         bounds = [select([leaves[i] for i in members])[0] for members in grouping.members]
         bound = jnp.stack(bounds).astype(dtype) if bounds else jnp.zeros((0,), dtype)
         norm, counts, leaf_norm = _norms_and_clipped(leaves, grouping, bound, dtype, index)

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import optax
 
 from clipjax import _checks, _conditional, _grouping, _kit, _metrics, _stats, _xla
+from clipjax._global_norm import clip_by_global_norm
 from clipjax._grouping import Grouping, Scope
 from clipjax._kit import ClipTransform, TargetFeedback
 from clipjax._metrics import GroupInfo
-from clipjax._static import clip_by_global_norm
 
 
 class HistClipState(NamedTuple):

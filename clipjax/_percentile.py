@@ -268,7 +268,7 @@ def _radix(
     return value, nonfinite == 0
 
 
-def _select(
+def select(
     values: Values,
     percentile: Any,
     method: str,
@@ -320,7 +320,7 @@ def exact_percentile(values: Values, percentile: Any) -> Array:
       >>> float(exact_percentile(jnp.array([-4.0, 1.0, 2.0, -3.0]), 50.0))
       2.5
     """
-    return _public(*_select(values, percentile, "exact"))
+    return _public(*select(values, percentile, "exact"))
 
 
 def approx_percentile(
@@ -355,4 +355,4 @@ def approx_percentile(
       >>> round(float(approx_percentile(x, 90.0)), 4)
       0.9
     """
-    return _public(*_select(values, percentile, "approx", bins, passes))
+    return _public(*select(values, percentile, "approx", bins, passes))

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _checks, _grouping, _kit, _metrics, _skip, _xla
+from clipjax import _checks, _grouping, _kit, _metrics, _skip_on_spike, _xla
 from clipjax._kit import SpikeFeedback
 from clipjax._metrics import GroupInfo
-from clipjax._skip import SkipOnSpikeTransform
+from clipjax._skip_on_spike import SkipOnSpikeTransform
 
 ALGO = "skip_and_clip_by_global_norm"
 _COUNTERS = ("skipped_count", "nonfinite_count", "clipped_count", "step", "count")
@@ -249,7 +249,7 @@ def skip_and_clip_by_global_norm(
       AXLearn ``skip_and_clip_by_global_norm`` (apple/axlearn,
       ``axlearn/common/optimizers.py``, commit 34aed43).
     """
-    _skip._check_inner(inner)
+    _skip_on_spike.check_inner(inner)
     names = _threshold_names(drop_norm)
     adaptive = callable(drop_norm)
     if adaptive and grad_norm_ema_decay is None:
@@ -303,7 +303,7 @@ def skip_and_clip_by_global_norm(
         _checks.check_state(state, SkipAndClipState, who)
         grouping = _grouping.make_grouping(updates, "global")
         grouping.check_matches(state.info.leaves, state.info.shapes, who)
-        g, _ = _skip._norm_and_loss(updates, None, axis_name, who)
+        g, _ = _skip_on_spike.norm_and_loss(updates, None, axis_name, who)
         g = g.reshape(1)
         finite = jnp.isfinite(g * g)  # as skip_on_spike: a norm whose square overflows
         count = state.metrics["count"]
@@ -333,7 +333,7 @@ def skip_and_clip_by_global_norm(
             scale = jnp.where(skip, 1.0, jnp.minimum(1.0, max_norm / (g + eps)))
             factor = _xla.computed_once(scale[0])
             clipped_updates = jax.tree.map(lambda u: u * factor.astype(jnp.result_type(u)), updates)
-        new_updates, inner_state = _skip.run_inner(
+        new_updates, inner_state = _skip_on_spike.run_inner(
             tx.route, take, inner, clipped_updates, state.inner_state, params, who, warned,
             **extra_args,
         )  # fmt: skip
@@ -372,5 +372,5 @@ def skip_and_clip_by_global_norm(
         return new_updates, new_state
 
     warned = [False]
-    tx = _skip.wrapper(init_fn, update_fn, inner)
+    tx = _skip_on_spike.wrapper(init_fn, update_fn, inner)
     return tx

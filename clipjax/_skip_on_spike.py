@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import optax
 
 from clipjax import _checks, _conditional, _grouping, _kit, _xla
+from clipjax._global_norm import global_norm
 from clipjax._kit import SpikeFeedback
 from clipjax._metrics import GroupInfo
-from clipjax._static import global_norm
 from clipjax._stats import ring_mean_std
 
 ALGO = "skip_on_spike"
@@ -220,7 +220,7 @@ def skip_on_spike(
         **extra_args: Any,
     ) -> tuple[Any, Any]:
         _checks.check_state(state, SkipOnSpikeState, name or ALGO)
-        norm, loss = _norm_and_loss(updates, value, axis_name, name or ALGO)
+        norm, loss = norm_and_loss(updates, value, axis_name, name or ALGO)
         has_value = value is not None
 
         grad_threshold = _threshold(
@@ -331,7 +331,7 @@ def _checked(
 ) -> tuple[int, int]:
     """Validates skip_on_spike's arguments; returns ``(window_size, min_history)``
     with their defaults (128, half the window) filled in."""
-    _check_inner(inner)
+    check_inner(inner)
     window_size = 128 if window_size is None else window_size
     _checks.integer("window_size", window_size, 1)
     _checks.positive("sigma", sigma)
@@ -367,7 +367,7 @@ def _initial_metrics() -> dict[str, jax.Array]:
     }
 
 
-def _norm_and_loss(
+def norm_and_loss(
     updates: Any, value: Any, axis_name: Any, who: str
 ) -> tuple[jax.Array, jax.Array]:
     """The step's global gradient norm and loss (NaN without one), float32,
@@ -432,7 +432,7 @@ def _has_full_size(state: Any, params: Any) -> bool:
     return any(jnp.shape(x) in shapes for x in jax.tree.leaves(state))
 
 
-def _check_inner(inner: Any) -> None:
+def check_inner(inner: Any) -> None:
     if callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None)):
         return
     hint = ""

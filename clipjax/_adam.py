@@ -1,6 +1,6 @@
-"""The optimizers: optax's ``adam``, ``adamw`` and ``chain`` that can skip a step.
+"""The Adam family: optax's ``adam`` and ``adamw`` that can skip a step, and two clips of Adam.
 
-``clipjax.adam``, ``clipjax.adamw`` and ``clipjax.chain`` are optax's own
+``clipjax.adam`` and ``clipjax.adamw`` are optax's own
 (same state, same updates bit for bit) and :class:`~clipjax.SkippableTransform`:
 their ``update_if(pred, ...)`` folds a skip into the update itself, each moment
 selected element-wise (``where(pred, new, old)``) in the loop that computes the
@@ -26,24 +26,6 @@ from clipjax._conditional import SkippableTransform
 
 Array = jax.Array
 _CLIP_ALGO = "adamw_clip"
-
-
-def selecting(tx: optax.GradientTransformation) -> SkippableTransform:
-    """A transform whose state is scalars: it runs every step, its state is selected.
-
-    For optax's stateless or count-only members (``scale``,
-    ``scale_by_schedule``, ``add_decayed_weights``): nothing full-size is
-    selected, and the update fuses with its neighbours.
-    """
-    tx = optax.with_extra_args_support(tx)
-
-    def keep_state_if(
-        pred: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, Any]:
-        pred = jnp.asarray(pred, bool)
-        return _conditional.run_and_select(pred, tx, updates, state, params, **extra_args)
-
-    return _conditional.skippable(tx.init, tx.update, keep_state_if=keep_state_if)
 
 
 def adam_arithmetic(
@@ -352,7 +334,7 @@ def _clip_leaf(g: Array, v: Array, bound: Array, on: Array) -> tuple[Array, Arra
     squares, clipped = _grouping.fused_sums(
         _grouping.abs_squared(g, dtype), over.astype(jnp.float32)
     )
-    out = jnp.where(on, _elementwise._clamp_leaf(g, threshold), g)
+    out = jnp.where(on, _elementwise.clamp_leaf(g, threshold), g)
     return out, squares, clipped
 
 
@@ -480,98 +462,6 @@ def _adam_clip(
     )  # fmt: skip
 
 
-def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
-    """``optax.chain`` that can skip a step: see :class:`SkippableTransform`.
-
-    ``init`` and ``update`` are ``optax.chain(*transforms)``'s: the state is
-    the tuple of the members' states, and the updates are the same bit for
-    bit. ``update_if(pred, ...)`` passes ``pred`` to each member: a member
-    with its own ``update_if`` (:func:`clipjax.adamw`, a nested
-    ``clipjax.chain``) folds it in; a clipjax clipper runs and has its small
-    state selected; any other transform runs under ``lax.cond``. So
-    ``clipjax.chain(clipjax.zclip(), clipjax.adamw(1e-3))`` skips a step
-    without a conditional, while a chain holding ``optax.adam`` still works at
-    the cost of the conditional.
-
-    A clipper that holds a step (``zclip(start="hold")``, the start of the
-    recommended ``zclip(feedback="clipped")``: the warm-up steps its rule
-    cannot judge) makes the chain run the members after it as
-    ``update_if(False, ...)`` on that step: zero updates, their states
-    untouched, so the optimizer's moments never see the start of the run and
-    no later step is enlarged. ``optax.chain`` cannot skip: there the held
-    steps reach the optimizer, the first zeroed, the others bounded by the
-    warm-up ceiling. The recommended wiring is therefore
-    ``clipjax.chain(clipjax.zclip(feedback="clipped"), clipjax.adamw(...))``.
-
-    Args:
-      *transforms: the transforms to apply in order.
-
-    Returns:
-      A :class:`SkippableTransform`.
-
-    Examples:
-      >>> import jax, jax.numpy as jnp, optax, clipjax
-      >>> tx = clipjax.chain(clipjax.zclip(), clipjax.adamw(1e-3))
-      >>> params = {"w": jnp.ones(3)}
-      >>> state = tx.init(params)
-      >>> optax_state = optax.chain(clipjax.zclip(), optax.adamw(1e-3)).init(params)
-      >>> jax.tree.structure(state) == jax.tree.structure(optax_state)
-      True
-      >>> updates, state = tx.update_if(False, {"w": jnp.ones(3)}, state, params)
-      >>> updates["w"].tolist()
-      [0.0, 0.0, 0.0]
-    """
-    members = [optax.with_extra_args_support(t) for t in transforms]
-    base = optax.chain(*members)
-    # A state per member; each member checks its own.
-    layout = (object,) * len(members)
-    # How each member skips a step, from what it is (_conditional.route_of).
-    routes = [_conditional.route_of(member) for member in members]
-
-    def run(
-        pred: Any, updates: Any, state: Any, params: Any, **extra_args: Any
-    ) -> tuple[Any, Any, Any]:
-        """The members in order, each under ``pred`` (None: every member updates),
-        which a clipper's held step turns False for the members after it."""
-        _checks.check_members(state, layout, "clipjax.chain")
-        new_state = []
-        for member, route, member_state in zip(members, routes, state):
-            if pred is None:
-                updates, member_state = member.update(updates, member_state, params, **extra_args)
-            elif route == "fold" and member.keep_state_if is not None:
-                # Zeroed once, after the last member.
-                updates, member_state = member.keep_state_if(
-                    pred, updates, member_state, params, **extra_args
-                )
-            else:
-                updates, member_state = _conditional.run_if(
-                    route, pred, member, updates, member_state, params, **extra_args
-                )
-            held = _metrics.held(member_state)
-            if held is not None:
-                pred = ~held if pred is None else pred & ~held
-            new_state.append(member_state)
-        return updates, tuple(new_state), pred
-
-    def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
-        updates, new_state, pred = run(None, updates, state, params, **extra_args)
-        if pred is not None:
-            updates = _conditional.zero_unless(pred, updates)
-        return updates, new_state
-
-    def keep_state_if(
-        pred: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, Any]:
-        pred = jnp.asarray(pred, bool)
-        updates, new_state, held_pred = run(pred, updates, state, params, **extra_args)
-        if held_pred is not pred:
-            # update_if zeroes where its own pred is False; the held steps here.
-            updates = _conditional.zero_unless(held_pred, updates)
-        return updates, new_state
-
-    return _conditional.skippable(base.init, update, keep_state_if=keep_state_if)
-
-
 def adam(
     learning_rate: optax.ScalarOrSchedule,
     b1: Any = 0.9,
@@ -632,7 +522,9 @@ def adam(
         b1, b2, eps, eps_root, mu_dtype, nesterov, update_clipping, clip_grad_adapt,
         clip_grad_min, clip_grad_warm_up, decay=None,
     )  # fmt: skip
-    return chain(*members, selecting(optax.scale_by_learning_rate(learning_rate)))
+    return _conditional.chain(
+        *members, _conditional.selecting(optax.scale_by_learning_rate(learning_rate))
+    )
 
 
 def adamw(
@@ -726,7 +618,9 @@ def adamw(
         b1, b2, eps, eps_root, mu_dtype, nesterov, update_clipping, clip_grad_adapt,
         clip_grad_min, clip_grad_warm_up, decay=optax.add_decayed_weights(weight_decay, mask),
     )  # fmt: skip
-    return chain(*members, selecting(optax.scale_by_learning_rate(learning_rate)))
+    return _conditional.chain(
+        *members, _conditional.selecting(optax.scale_by_learning_rate(learning_rate))
+    )
 
 
 def _members(
@@ -745,4 +639,4 @@ def _members(
         return [_scale_by_stable_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, decay)]
     else:
         adam = _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov)
-    return [adam] + ([] if decay is None else [selecting(decay)])
+    return [adam] + ([] if decay is None else [_conditional.selecting(decay)])
