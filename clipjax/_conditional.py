@@ -289,7 +289,7 @@ def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
     # A state per member; each member checks its own.
     layout = (object,) * len(members)
     # How each member skips a step, from what it is (route_of).
-    routes = [route_of(member) for member in members]
+    routes: list[Route] = [route_of(member) for member in members]
 
     def run(
         pred: Any, updates: Any, state: Any, params: Any, **extra_args: Any
@@ -301,7 +301,7 @@ def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
         for member, route, member_state in zip(members, routes, state):
             if pred is None:
                 updates, member_state = member.update(updates, member_state, params, **extra_args)
-            elif route == "fold" and member.keep_state_if is not None:
+            elif isinstance(member, SkippableTransform) and member.keep_state_if is not None:
                 # Zeroed once, after the last member.
                 updates, member_state = member.keep_state_if(
                     pred, updates, member_state, params, **extra_args
