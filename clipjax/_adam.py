@@ -1,15 +1,11 @@
 """The Adam family: optax's ``adam`` and ``adamw`` that can skip a step, and two clips of Adam.
 
-``clipjax.adam`` and ``clipjax.adamw`` are optax's own
-(same state, same updates bit for bit) and :class:`~clipjax.SkippableTransform`:
-their ``update_if(pred, ...)`` folds a skip into the update itself, each moment
-selected element-wise (``where(pred, new, old)``) in the loop that computes the
-update from it (:func:`adam_arithmetic`). :func:`clipjax.skip_on_spike` uses it
-instead of ``lax.cond`` (:mod:`clipjax._conditional` has the measured gain).
-``adam`` and ``adamw`` also take two clips of Adam: StableAdamW's per-tensor
-update clipping (``update_clipping=True``) and AdamWClip's element-wise
-gradient clip (``clip_grad_adapt=k``, the ``AdamWClip`` package's rule, PyPI
-``adamwclip`` 0.1.4).
+``clipjax.adam`` and ``clipjax.adamw`` are optax's own (same state, same
+updates bit for bit) and :class:`~clipjax.SkippableTransform`: their
+``update_if(pred, ...)`` selects each moment element-wise in the loop that
+computes the update (:func:`adam_arithmetic`). They also take StableAdamW's
+per-tensor update clipping (``update_clipping=True``) and AdamWClip's
+element-wise gradient clip (``clip_grad_adapt=k``).
 """
 
 from __future__ import annotations
@@ -41,9 +37,8 @@ def adam_arithmetic(
 ) -> tuple[Any, optax.ScaleByAdamState]:
     """optax's Adam arithmetic, in its order, with the moments selected by ``pred``.
 
-    ``pred`` None takes the step. Returns the update and the new state (in the
-    dtypes of ``state_like``, the state after optax's own update: optax >=
-    0.2.6 casts nu back to its dtype, 0.2.5 does not).
+    ``pred`` None takes the step. Returns the update and the new state, in the
+    dtypes of ``state_like``.
     """
 
     def select(n: Any, o: Any) -> Any:
@@ -70,12 +65,7 @@ def adam_arithmetic(
 
 
 def _adam_state_dtypes(update: Callable[..., Any], updates: Any, state: Any, params: Any) -> Any:
-    """The state ``update`` returns, as ``jax.ShapeDtypeStruct`` leaves (only dtypes are read).
-
-    ``jax.eval_shape`` of the whole update would trace it once more, leaf by
-    leaf; its dtypes depend only on each leaf's (gradient, mu, nu, param)
-    dtypes, so it is traced on one scalar per distinct combination.
-    """
+    """The state ``update`` returns, as ``jax.ShapeDtypeStruct`` leaves (traced on scalars)."""
     u, m, v = (jax.tree.leaves(t) for t in (updates, state.mu, state.nu))
     p = None if params is None else jax.tree.leaves(params)
     if not len(u) == len(m) == len(v) or (p is not None and len(p) != len(u)):
@@ -108,15 +98,7 @@ def _adam_state_dtypes(update: Callable[..., Any], updates: Any, state: Any, par
 def _scale_by_adam(
     b1: Any, b2: Any, eps: Any, eps_root: Any, mu_dtype: Any, nesterov: bool
 ) -> SkippableTransform:
-    """``optax.scale_by_adam`` with a folded ``update_if``.
-
-    The arithmetic is optax's own, in its order and through its public tree
-    helpers, so that a taken step is bit-identical to ``update``. What
-    differs: the moments and the count are selected before the update is
-    computed from them, so the new moments are written once and read by the
-    same loop (computing the update from the unselected moments makes XLA
-    copy them).
-    """
+    """``optax.scale_by_adam`` with a folded ``update_if`` (a taken step bit for bit ``update``)."""
     base = optax.with_extra_args_support(
         optax.scale_by_adam(
             b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov
@@ -194,12 +176,8 @@ def _scale_by_stable_adam(
 ) -> SkippableTransform:
     """Adam (and the weight decay) with StableAdamW's per-tensor update clipping.
 
-    Each leaf's Adam update, weight decay included, is divided by
-    ``max(1, sqrt(mean(g**2 / max(v_hat, eps**2))))`` with ``v_hat`` the
-    bias-corrected second moment after this step (Wortsman et al. 2023). Both
-    moments and the divisor come from one read of the gradient and the
-    moments; ``update_if`` selects the moments element-wise as
-    :func:`_scale_by_adam` does.
+    Each leaf's step is divided by ``max(1, sqrt(mean(g**2 / max(v_hat,
+    eps**2))))``, ``v_hat`` the bias-corrected second moment after this step.
     """
     base = optax.scale_by_adam(
         b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov
@@ -290,9 +268,8 @@ def _scale_by_stable_adam(
 class AdamWClipState(NamedTuple):
     """The metrics of ``clipjax.adam``/``adamw(clip_grad_adapt=...)``, next to optax's moments.
 
-    The moments stay in optax's ``ScaleByAdamState``: the optimizer's state is
-    ``(ScaleByAdamState, AdamWClipState)`` in the chain's first slot, and the
-    clip keeps no state of its own (it reads the second moment).
+    The optimizer's state is ``(ScaleByAdamState, AdamWClipState)`` in the
+    chain's first slot: the clip reads the second moment and keeps no state.
 
     Attributes:
       metrics: ``{field: [leaves]}``, one group per leaf: ``grad_norm`` (before
@@ -323,9 +300,8 @@ def _check_clip(clip_grad_adapt: Any, clip_grad_min: Any, clip_grad_warm_up: Any
 def _clip_leaf(g: Array, v: Array, bound: Array, on: Array) -> tuple[Array, Array, Array]:
     """The clipped gradient, the leaf's sum of squares and clipped elements (one reduction).
 
-    ``bound`` is ``sqrt(1 / (1 - b2**(t - 1)))`` times ``k``: the threshold is
-    ``max(k * sqrt(v_hat), clip_grad_min)`` with ``v_hat`` the bias-corrected
-    second moment before the step, as the reference computes it.
+    ``bound`` is ``(1 / (1 - b2**(t - 1)), k, clip_grad_min)``: the threshold is
+    ``max(k * sqrt(v_hat), clip_grad_min)``, ``v_hat`` bias-corrected before the step.
     """
     dtype = _grouping.norm_dtype([g])
     threshold = jnp.sqrt(jnp.real(v).astype(dtype) * bound[0]) * bound[1]
@@ -351,10 +327,8 @@ def _scale_by_adam_clip(
 ) -> SkippableTransform:
     """optax's ``scale_by_adam`` on gradients clipped element-wise by AdamWClip's rule.
 
-    Step ``t`` (from 1), every element: ``g <- clip(g, -T, T)`` with ``T =
-    max(clip_grad_adapt * sqrt(v / (1 - b2**(t - 1))), clip_grad_min)`` and ``v``
-    the second moment before the step, once ``t > max(clip_grad_warm_up, 1)``;
-    then Adam's moments and update from the clipped gradient.
+    Once ``t > max(clip_grad_warm_up, 1)``: ``g <- clip(g, -T, T)``, ``T =
+    max(clip_grad_adapt * sqrt(v / (1 - b2**(t - 1))), clip_grad_min)``.
     """
     base = optax.scale_by_adam(
         b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov
@@ -476,18 +450,14 @@ def adam(
     clip_grad_min: Any = None,
     clip_grad_warm_up: Any = None,
 ) -> SkippableTransform:
-    """``optax.adam`` that can skip a step without a conditional: :func:`adamw`
-    without the weight decay.
+    """``optax.adam`` that can skip a step without a conditional: :func:`adamw` without the
+    weight decay.
 
-    ``init`` returns ``optax.adam``'s state and ``update`` gives its updates
-    and state bit for bit; ``update_if`` (:class:`SkippableTransform`) folds
-    a skip into the moments, so ``skip_on_spike(clipjax.adam(...))`` costs the
-    gradient norm and nothing more, where ``skip_on_spike(optax.adam(...))``
-    runs Adam under ``lax.cond``. ``update_clipping`` and ``clip_grad_adapt``
-    are StableAdamW's and AdamWClip's clips, as in :func:`adamw`.
-
-    Static arguments: none; every number may be injected with
-    ``optax.inject_hyperparams``; ``mu_dtype`` goes in ``static_args``.
+    ``init`` and ``update`` are ``optax.adam``'s, bit for bit; ``update_if``
+    (:class:`SkippableTransform`) folds a skip into the moments.
+    ``update_clipping`` and ``clip_grad_adapt`` are as in :func:`adamw`. Every
+    number may be injected with ``optax.inject_hyperparams``; ``mu_dtype``
+    goes in ``static_args``.
 
     Args:
       learning_rate: a float or a schedule (``step -> float``).
@@ -545,27 +515,18 @@ def adamw(
 ) -> SkippableTransform:
     """``optax.adamw`` that can skip a step without a conditional.
 
-    The same optimizer as ``optax.adamw`` with the same arguments: ``init``
-    returns optax's state (checkpoints interchange) and ``update`` gives the
-    same updates and state bit for bit. It adds ``update_if`` (see
-    :class:`SkippableTransform`), which :func:`clipjax.skip_on_spike` uses:
-    ``skip_on_spike(clipjax.adamw(...))`` costs the gradient norm and nothing
-    more over AdamW.
+    ``init`` and ``update`` are ``optax.adamw``'s, bit for bit (checkpoints
+    interchange); ``update_if`` (:class:`SkippableTransform`) folds a skip
+    into the moments, for :func:`clipjax.skip_on_spike`.
 
-    ``update_clipping=True`` is StableAdamW (Wortsman et al. 2023): per
-    tensor, the step (the Adam update and the weight decay) is divided by
-    ``max(1, RMS)`` with ``RMS = sqrt(mean(g**2 / max(v_hat, eps**2)))`` and
-    ``v_hat`` the bias-corrected second moment after this step. The state is
-    then optax's wrapped in an :class:`UpdateClippingState`, whose ``rms`` and
-    ``divisor`` read as ``update_clipping/{leaf path}/rms``.
-    ``clip_grad_adapt=k`` is AdamWClip (PyPI ``adamwclip``): each gradient
-    element is clipped to ``[-T, T]``, ``T = max(k * sqrt(v_hat),
-    clip_grad_min)`` with ``v_hat`` before the step, before the moments;
-    metrics read as ``adamw_clip/{leaf path}/clipped_fraction``
-    (:class:`clipjax.AdamWClipState`). Both against their references:
-    :doc:`/reference_spam`.
-
-    Static arguments: none; every number may be injected with
+    ``update_clipping=True`` is StableAdamW: per tensor, the step (Adam update
+    and weight decay) is divided by ``max(1, RMS)``, ``RMS = sqrt(mean(g**2 /
+    max(v_hat, eps**2)))`` with ``v_hat`` after this step; the state is wrapped
+    in an :class:`UpdateClippingState`. ``clip_grad_adapt=k`` is AdamWClip:
+    each gradient element is clipped to ``[-T, T]``, ``T = max(k *
+    sqrt(v_hat), clip_grad_min)`` with ``v_hat`` before the step; metrics in
+    an :class:`clipjax.AdamWClipState`. Both against their references:
+    :doc:`/reference_spam`. Every number may be injected with
     ``optax.inject_hyperparams``; ``mu_dtype`` and a callable ``mask`` go in
     ``static_args``.
 
@@ -580,7 +541,7 @@ def adamw(
         installed optax takes one).
       mask: a tree of bools (or a function of the params returning one): the
         leaves to decay; None decays all. Given with ``weight_decay=0`` it
-        would have no effect, and raises ``ValueError``.
+        raises ``ValueError``.
       nesterov: use Nesterov momentum (NAdamW).
       update_clipping: StableAdamW's per-tensor update clipping (above).
       clip_grad_adapt: AdamWClip's threshold in standard deviations (``> 0``;

@@ -1,10 +1,8 @@
 """How leaves become groups, and how groups become norms and scaled leaves.
 
-Everything here is static Python over the tree structure (computed once per
-tree structure and cached) plus the two hot-path kernels that touch gradient
-memory: :func:`group_norms` (one read of every leaf, squares accumulated in
-float32) and :func:`apply_scales` (one scalar multiply per leaf, which XLA
-fuses into whatever consumes the result).
+Static Python over the tree structure (cached per structure) plus the two
+kernels that touch gradient memory: :func:`group_norms` (one read of every
+leaf) and :func:`apply_scales` (one scalar multiply per leaf).
 """
 
 from __future__ import annotations
@@ -65,12 +63,7 @@ SCOPES = ("global", "per_param", "per_layer")
 
 
 def validate_scope(scope: Any, allowed: Sequence[str] = SCOPES) -> None:
-    """Raises ``ValueError`` naming ``scope`` unless it is allowed or callable.
-
-    A callable must accept the two positional arguments ``(path, leaf)``; a
-    ``TypeError`` naming ``scope`` says so at construction, before ``init``
-    calls it (callables without an inspectable signature are let through).
-    """
+    """Raises (naming ``scope``) unless it is allowed or a callable of ``(path, leaf)``."""
     if isinstance(scope, Stacked):
         if scope.scope == "global" or isinstance(scope.scope, Stacked):
             raise ValueError(
@@ -368,12 +361,8 @@ def leaf_power_sums(
     grouping: Grouping | None = None,
     exponent: int = 0,
 ) -> list[jax.Array]:
-    """Each leaf's sum of ``|x|**ord`` (its max for ``inf``), one fused reduction each.
-
-    With a ``grouping`` that has stacked leaves (:class:`Stacked`), a stacked
-    leaf gives one value per slice (``[layers]``), from the same one read.
-    ``exponent``: the sums of ``|x * 2**-exponent|**ord`` instead (see
-    :func:`overflow_exponent`).
+    """Each leaf's sum of ``|x|**ord`` (its max for ``inf``): ``[layers]`` for a
+    stacked leaf; of ``|x * 2**-exponent|**ord`` given ``exponent``.
     """
     dtype = norm_dtype(leaves)
     stacks = stacks_of(grouping, len(leaves))
@@ -387,11 +376,6 @@ def overflow_exponent(ord: float, dtype: Any) -> int | None:
     """``e`` such that the sum of ``|x * 2**-e|**ord`` is finite for every finite
     ``x`` whose ``ord``-norm is finite in ``dtype``; None where no such sum
     overflows before its norm does (``ord <= 1`` or ``inf``).
-
-    The float32 sum of squares overflows once the norm passes ~1.8e19 (an
-    element of 3e19 alone does it): the norm is then recomputed from leaves
-    scaled by ``2**-e`` (exact, a power of two) and scaled back. Elements
-    that underflow there are below ``2**-e`` times an overflowing norm.
     """
     if math.isinf(ord) or ord <= 1.0:
         return None
@@ -400,14 +384,8 @@ def overflow_exponent(ord: float, dtype: Any) -> int | None:
 
 
 def rescued(norms: Any, recompute: Callable[[], Any]) -> Any:
-    """``norms`` (an array or a list of arrays) with each infinite entry replaced by
-    ``recompute()``'s, computed only on a step where one is (a ``lax.cond`` on a
-    scalar: an ordinary step pays one comparison of the norms, no further read
-    of the leaves).
-
-    A norm is infinite here when its sum overflowed or an element is
-    infinite; ``recompute`` (the norms from scaled leaves) gives the true
-    norm of the first and infinity again for the second.
+    """``norms`` with each infinite entry replaced by ``recompute()``'s, run
+    under a ``lax.cond`` only on a step where one is infinite.
     """
     parts = jax.tree.leaves(norms)
     if not any(jnp.size(x) for x in parts):
@@ -465,11 +443,7 @@ def layer_views(leaves: Sequence[Any], grouping: Grouping) -> list[Any]:
 def _stacked_sums(
     partial: Sequence[jax.Array], grouping: Grouping, ord: float, dtype: Any
 ) -> jax.Array:
-    """The ``[groups]`` sums (maxima for ``inf``) of per-leaf and per-slice values.
-
-    One segment reduction over the concatenated values: a stacked leaf's
-    slices go to their groups with no loop over the slices.
-    """
+    """The ``[groups]`` sums (maxima for ``inf``) of per-leaf and per-slice values."""
     values, ids = [], []
     for p, group, stack in zip(partial, grouping.leaf_groups, grouping.leaf_stacks):
         slices = (group,) if stack is None else stack[1]
@@ -492,17 +466,11 @@ def group_norms(
 ) -> jax.Array:
     """The ``ord``-norm of each group, shape ``[groups]``, in one pass.
 
-    Each leaf is read once: cast to float32 (float64 for float64 leaves),
-    raised to ``ord`` and summed, all in one fused reduction, so float16 and
-    bfloat16 gradients of large magnitude neither overflow nor lose precision.
-    Empty groups have norm 0. ``partial`` (from :func:`leaf_power_sums`) lets
-    a caller that also wants per-leaf norms share the one pass (they must be
-    the power sums of ``leaves``).
-
-    Finite elements give a finite norm (unless the norm itself passes the
-    dtype's largest value): where a sum overflowed, the group is recomputed
-    from the leaves scaled by a power of two (:func:`overflow_exponent`,
-    :func:`rescued`), a second read on such a step only.
+    Each leaf is read once, cast to float32 (float64 for float64 leaves).
+    Empty groups have norm 0. ``partial`` (from :func:`leaf_power_sums`) shares
+    that pass with a caller that also wants per-leaf norms. A group whose sum
+    overflowed is recomputed from leaves scaled by a power of two
+    (:func:`overflow_exponent`, :func:`rescued`).
     """
     dtype = norm_dtype(leaves)
     if not leaves:
@@ -579,18 +547,10 @@ def apply_scales(
 ) -> list[jax.Array]:
     """Multiplies every leaf by its group's scalar scale, keeping its dtype.
 
-    One scalar per leaf, applied with a plain multiply: no select and no
-    full-size division, so XLA fuses it into the next elementwise consumer.
-
-    ``index`` (from :func:`leaf_index`, carried in the state) makes each
-    leaf's slice of ``scale`` a dynamic index with a runtime offset. With
-    constant offsets XLA folds each ``scale[g]`` into the leaf's consumer
-    fusion, every fusion becomes distinct and code generation runs once per
-    leaf; with runtime offsets fusions of one shape are identical and
-    compiled once (for 1,000 leaves per_param: about 3x less compile time).
-
-    A stacked leaf (:class:`Stacked`) is multiplied by the ``[layers]``
-    vector of its slices' scales, broadcast along its layer axis.
+    ``index`` (from :func:`leaf_index`, carried in the state) reads each
+    leaf's scale at a runtime offset, so that the fusions of leaves of one
+    shape are identical and compiled once. A stacked leaf (:class:`Stacked`)
+    is multiplied by the ``[layers]`` vector of its slices' scales.
     """
     scales = leaf_scales(grouping, scale, index)
     return [x * s.astype(x.dtype) for x, s in zip(leaves, scales)]
@@ -604,12 +564,8 @@ def _along(values: jax.Array, axis: int, ndim: int) -> jax.Array:
 def leaf_scales(
     grouping: Grouping, scale: jax.Array, index: Sequence[jax.Array] = ()
 ) -> list[jax.Array]:
-    """The per-leaf view of a ``[groups]`` vector: each leaf's group's entry
-    (broadcastable along a stacked leaf's layer axis).
-
-    With ``index`` (from :func:`leaf_index`, carried in the state) each entry
-    is read at a runtime offset, so that the fusions consuming it are the same
-    for every leaf of a shape (see :func:`apply_scales`).
+    """The per-leaf view of a ``[groups]`` vector: each leaf's group's entry,
+    read at a runtime offset with ``index`` (see :func:`apply_scales`).
     """
     if grouping.num_groups == 1:
         return [scale[0]] * len(grouping.leaf_groups)
@@ -630,14 +586,9 @@ def leaf_scales(
 def per_leaf(fn: Callable[..., Any], *shared: Any) -> Callable[..., Any]:
     """``fn(*leaf_args, *shared)``, traced once for all the leaves of one signature.
 
-    A step calls its per-leaf arithmetic once for each leaf, and tracing a
-    ``jnp`` call costs about 0.1 ms: at 500 leaves SPAM's step spent 3.7 s
-    in Python. Under an outer trace the returned function runs ``fn`` under
-    ``jax.jit``, so the leaves with the same shapes and dtypes reuse one
-    trace and one lowering, and XLA inlines the calls: the compiled step is
-    the same. The arrays among ``shared`` (any pytree) become arguments;
-    everything else in it (Python numbers, flags) stays a constant of ``fn``,
-    as it was. Called eagerly (no leaf is a tracer), ``fn`` runs as it is.
+    Under an outer trace ``fn`` runs under ``jax.jit``, so leaves of the same
+    shapes and dtypes share one trace; the arrays among ``shared`` become
+    arguments, the rest stays constant. Called eagerly, ``fn`` runs as it is.
     """
     flat, tree = jax.tree.flatten(shared)
     is_array = [isinstance(x, (jax.Array, Tracer)) for x in flat]
@@ -661,12 +612,7 @@ def per_leaf(fn: Callable[..., Any], *shared: Any) -> Callable[..., Any]:
 
 
 def fused_sums(*terms: jax.Array) -> tuple[jax.Array, ...]:
-    """The sums of several same-shape element-wise terms, in one pass.
-
-    One variadic reduce: XLA reads the leaf once for all the sums, where
-    separate ``jnp.sum`` calls read it once each (and an int32 count even
-    materialises its converted input on CPU).
-    """
+    """The sums of several same-shape element-wise terms, in one read (a variadic reduce)."""
     flat = tuple(t.reshape(-1) for t in terms)
     zeros = tuple(jnp.zeros((), t.dtype) for t in flat)
     return tuple(jax.lax.reduce(flat, zeros, lambda a, b: tuple(x + y for x, y in zip(a, b)), (0,)))
@@ -679,35 +625,16 @@ def stacked(
 ) -> Stacked:
     """A scope that splits layer-stacked leaves into one group per layer.
 
-    Models that scan over their layers (flax ``nn.scan`` and ``nnx.scan``,
-    MaxText, Levanter's ``Stacked``) store every layer of a block in one leaf
-    with a layer axis: ``params/layers/attn/kernel`` of shape ``[layers,
-    ...]``. ``scope="per_layer"`` would see one group for the whole stack.
-    ``stacked(scope, layers, axis)`` reads slice ``k`` of a stacked leaf as a
-    leaf of its own at the path with ``k`` inserted, and groups it by
-    ``scope``: with the default ``layers="layers"``, slice 3 of
-    ``params/layers/attn/kernel`` is ``params/layers/3/attn/kernel``, the path
-    the same model has with its layers unstacked into a list. So
-    ``stacked("per_layer")`` gives group ``params/layers/3/attn``, and every
-    group norm, statistic, scale and metric equals that of the unstacked
-    model's ``"per_layer"`` group of the same name.
-
-    Which leaves are stacked is declared: every leaf below a key named
-    ``layers`` (the layer index goes after that key), or the leaves for which
-    the callable ``layers(path, leaf)`` is True (the index goes before the
-    leaf's own key: ``params/blocks/mlp/3/kernel``). Other leaves are grouped
-    by ``scope`` as they are. flax records no layer axis in a gradient tree
-    (``nn.scan``'s ``variable_axes={"params": 0}`` and ``nnx.scan`` over
-    ``nnx.vmap``-created layers put it at 0; MaxText's ``param_scan_axis`` is
-    1): give it as ``axis``.
-
-    A clipper's leaf filter (``agc(exclude_bias_bn=True)``) also judges one
-    slice. The group norms are one segment reduction over per-slice sums
-    (each leaf is still read once), and a stacked leaf is scaled by the
-    vector of its slices' scales in one multiply. Works for every norm-based clipper with a
-    ``scope`` (not for the element-wise ``clip_by_value`` and
-    ``clip_by_percentile``), under ``jit``, ``shard_map`` and with sharded
-    leaves.
+    Slice ``k`` of a stacked leaf is read as a leaf of its own at the path
+    with ``k`` inserted and grouped by ``scope``: with ``layers="layers"``,
+    slice 3 of ``params/layers/attn/kernel`` is
+    ``params/layers/3/attn/kernel``, the path of the same model unstacked, so
+    every group norm, statistic and metric equals the unstacked model's.
+    Leaves below a key named ``layers`` are stacked (the index goes after that
+    key), or those for which the callable ``layers(path, leaf)`` is True (the
+    index goes before the leaf's own key). Other leaves are grouped by
+    ``scope`` as they are. For every norm-based clipper with a ``scope`` (not
+    ``clip_by_value`` and ``clip_by_percentile``).
 
     Args:
       scope: how each slice (and each unstacked leaf) is grouped:
@@ -716,7 +643,8 @@ def stacked(
         ``jax.ShapeDtypeStruct`` of one slice).
       layers: the key under which leaves are stacked, or a callable ``(path,
         leaf) -> bool`` that says which leaves are.
-      axis: the layer axis of the stacked leaves.
+      axis: the layer axis of the stacked leaves (flax's ``nn.scan`` puts it
+        at 0, MaxText's ``param_scan_axis`` at 1).
 
     Returns:
       A scope to pass as ``scope=`` to a clipper.

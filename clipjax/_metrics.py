@@ -1,21 +1,12 @@
 """The metrics carried in every clipjax state, and :func:`metrics` that reads them.
 
-A clipjax state is a ``NamedTuple`` with (at least) two fields:
-
-* ``metrics``: a ``dict`` of ``[groups]`` arrays, one entry per metric field
-  (``grad_norm``, ``threshold``, ``scale``, ``clipped``, ``count``, ...);
-* ``info``: a :class:`GroupInfo`, a pytree node with no leaves that holds the
-  static names (algorithm, user name, groups, leaves). Being static, it is part
-  of the tree structure: it never changes across updates and costs nothing
-  under ``jit``.
-
-That is the whole protocol: :func:`metrics` recognises any such ``NamedTuple``,
-with no registration. It reports the state's metrics, then walks the state's
-other fields at the same level (a wrapper's inner optimizer keeps its own
-names), except a field called ``nested``, whose clipjax states are reported
-under the wrapper's prefix (hist_clip's warm-up clip). An optional
-``leaf_metrics`` field (``dict`` of ``[leaves]`` arrays) is reported per leaf
-as ``{prefix}/leaf/{leaf path}/{field}``.
+A clipjax state is a ``NamedTuple`` with (at least) ``metrics``, a ``dict``
+of ``[groups]`` arrays, and ``info``, a :class:`GroupInfo` (a pytree node with
+no leaves holding the static names). :func:`metrics` recognises any such
+``NamedTuple``, with no registration, and walks the state's other fields at
+the same level, except ``nested``, whose states it reports under the
+wrapper's prefix. An optional ``leaf_metrics`` field (``[leaves]`` arrays)
+is reported as ``{prefix}/leaf/{leaf path}/{field}``.
 """
 
 from __future__ import annotations
@@ -76,14 +67,8 @@ class GroupInfo:
 class PlaceholderInfo(GroupInfo):
     """The names of a state built by ``init`` on optax's params placeholder.
 
-    ``optax.tree_utils.tree_map_params`` initialises the optimizer on a
-    leafless placeholder, then maps that state and the real one together,
-    keeping the placeholder state's tree structure. A :class:`GroupInfo` is
-    part of the structure, so the mapped state would carry the placeholder's
-    names (no leaves, no groups) and lose its metrics. This subclass is not a
-    registered pytree node: it is a leaf, the real state's ``GroupInfo`` is
-    mapped onto it like any other non-params field, and the mapped state
-    keeps its names.
+    A leaf rather than a pytree node, so that ``optax.tree_utils.tree_map_params``
+    maps the real state's :class:`GroupInfo` onto it and the mapped state keeps its names.
     """
 
 
@@ -113,13 +98,7 @@ def unwrap(x: Any) -> Any:
 
 
 def _host(values: Any) -> Any:
-    """``values`` as one NumPy array when it can be read here, else as it is.
-
-    Reading the metrics then costs one transfer per field and NumPy slicing,
-    where eager jax slicing compiles a program per field shape (seconds for a
-    few hundred groups). Tracers (inside ``jit``) and arrays that span
-    devices of other processes stay jax arrays.
-    """
+    """``values`` as one NumPy array when it can be read here (no compile), else as it is."""
     values = unwrap(values)
     if isinstance(values, Tracer):
         return values
@@ -238,11 +217,7 @@ def held(tree: Any) -> Any:
 
 
 def _states(tree: Any, idle: Any = None) -> list[tuple[Any, Any]]:
-    """The clipjax states of one naming scope, in tree order, with their idle masks.
-
-    A wrapper's other fields (skip_on_spike's ``inner_state``) share its scope;
-    a ``nested`` field opens a scope of its own under the wrapper's prefix.
-    """
+    """The clipjax states of one naming scope, in tree order, with their idle masks."""
     found = []
     for node in jax.tree_util.tree_leaves(tree, is_leaf=is_clipjax_state):
         if not is_clipjax_state(node):
@@ -257,11 +232,7 @@ def _states(tree: Any, idle: Any = None) -> list[tuple[Any, Any]]:
 
 
 def _labels(infos: list[GroupInfo], prefix: str) -> list[str]:
-    """Each state's metrics prefix: its ``name=``, else ``algo``, ``algo_1``, ...
-
-    The generated names skip every name given with ``name=`` in the same scope,
-    so that no two transforms share a prefix; two equal ``name=`` raise.
-    """
+    """Each state's metrics prefix: its ``name=``, else an unused ``algo``, ``algo_1``, ..."""
     given: dict[str, GroupInfo] = {}
     for info in infos:
         if info.name is None:
@@ -320,11 +291,7 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 def _merge_nnx_split(opt_state: Any) -> Any:
-    """``nnx.split(optimizer)``'s ``(graphdef, state, ...)`` merged back.
-
-    flax keeps the static part of a pytree (a clipjax state's group names) in
-    the graphdef, so the states alone cannot name the metrics.
-    """
+    """``nnx.split(optimizer)``'s ``(graphdef, state, ...)`` merged back (names in the graphdef)."""
     nnx = sys.modules.get("flax.nnx")
     graphdef = getattr(nnx, "GraphDef", None)
     if graphdef is not None and opt_state and isinstance(opt_state, tuple):
@@ -338,19 +305,17 @@ def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
     Works on any optax state (``chain``, ``named_chain``,
     ``inject_hyperparams``, ``MultiSteps``, ``masked``, ``partition``,
     ``apply_if_finite``, flax optimizer wrappers), inside or outside ``jit``.
-    Outside ``jit`` each metric field is read from the device once and the
-    values are NumPy arrays (no jax operation, so nothing is compiled, even
-    for hundreds of groups); inside ``jit`` they are traced jax arrays, and
-    arrays that span other processes' devices stay jax arrays.
+    Outside ``jit`` the values are NumPy arrays, each field read from the
+    device once (nothing is compiled); inside ``jit`` they are traced jax
+    arrays, and arrays that span other processes' devices stay jax arrays.
 
     Args:
       opt_state: an optimizer state, or any pytree containing one: with flax
         NNX, ``optimizer.opt_state``, the ``nnx.Optimizer`` itself, or the
         tuple ``nnx.split(optimizer)`` returns. Not ``nnx.state(optimizer)``
-        alone: a clipjax state's names are static (its :class:`GroupInfo`
-        holds no array) and flax keeps the static part of a pytree in the
-        graphdef, so that state has the metric arrays but not their names;
-        given it, ``metrics`` warns and says what to pass instead.
+        alone: flax keeps a clipjax state's static names (its
+        :class:`GroupInfo`) in the graphdef; given it, ``metrics`` warns and
+        says what to pass instead.
       flat: return one flat ``dict`` (True, default) or a nested one (False);
         anything but a bool raises a ``TypeError``.
 
@@ -362,9 +327,8 @@ def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
       array}}}`` (leaf norms under ``{algo: {"leaf": {leaf path: {...}}}}``;
       a nested transform's group name keeps its own prefix, e.g.
       ``{"hist_clip": {"clip_by_global_norm/global": {...}}}``). A state
-      with leading axes (replicated by ``jax.pmap``, stacked by ``vmap`` or
-      collected from a ``lax.scan``) gives arrays of those axes instead of
-      scalars, e.g. one value per replica.
+      with leading axes (``jax.pmap``, ``vmap``, ``lax.scan``) gives arrays
+      of those axes instead of scalars.
 
     Names: one prefix per transform. A transform given ``name=`` reports under
     that name; the others under their kind, ``algo``, then ``algo_1``,
@@ -396,9 +360,7 @@ def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
       UserWarning: ``opt_state`` holds no clipjax state, so the result is
         ``{}``; the warning says why where it can tell (a checkpoint restored
         without a target, ``nnx.state(optimizer)``, an ``nnx.Optimizer``
-        whose transform holds no clipjax state). Python's default warning
-        filter shows it once per calling line, so a training loop that logs
-        every step warns once.
+        whose transform holds no clipjax state); once per calling line.
     """
     if isinstance(opt_state, (optax.GradientTransformation, types.FunctionType, functools.partial)):
         raise TypeError(

@@ -2,29 +2,11 @@
 
 Kimi K2's rule (Kimi Team, 2025, Section 2.1 and Algorithm 1): after the
 optimizer step, every attention head ``h`` whose largest pre-softmax logit
-``S_h`` over the batch exceeds ``tau`` has its query and key weights scaled by
-``gamma_h = tau / S_h``, split between them (``gamma**alpha`` and
-``gamma**(1 - alpha)``, ``alpha = 1/2``), so that the head's logit is ``tau``
-at the weights that produced ``S_h``. Under MLA the head's rotary query part
-takes the whole ``gamma_h``: its rotary key is shared by every head and stays.
-
-The public implementations this restates (formulas checked in
-``tests/restate/qk_clip.py``):
-
-* Megatron-LM ``megatron/core/transformer/attention.py`` (``clip_qk``,
-  ``_clip_linear_qkv``: MHA and GQA) and
-  ``megatron/core/transformer/multi_latent_attention.py`` (MLA), called by
-  ``megatron/core/optimizer/qk_clip.py``, NVIDIA/Megatron-LM at d98e8a64ddf3:
-  ``eta = clamp(tau / S, max=1)``, query ``* eta**alpha``, key ``*
-  eta**(1 - alpha)`` (``qk_clip_alpha = 0.5``), the rotary query ``* eta``.
-  Under GQA ``S`` is the largest logit of the query heads that share a key
-  head, and that group's ``eta`` scales all of them and their key.
-* MaxText ``src/maxtext/utils/qk_clip_utils.py`` (MLA only),
-  AI-Hypercomputer/maxtext at e591f30cbbf2: ``min(1, tau / (S + 1e-6))``,
-  ``sqrt`` of it on the query and key parts, the whole of it on the rotary
-  query.
-
-torchtitan (pytorch/torchtitan at b5bcd76c66d0) has none.
+``S_h`` exceeds ``tau`` has its query and key weights scaled by
+``gamma_h**alpha`` and ``gamma_h**(1 - alpha)``, ``gamma_h = tau / S_h``;
+under MLA the rotary query takes the whole ``gamma_h``. docs/qk_clip.md lists
+the Megatron-LM and MaxText code this restates (checked in
+``tests/restate/qk_clip.py``).
 """
 
 from __future__ import annotations
