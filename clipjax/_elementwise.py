@@ -1,16 +1,7 @@
 """Element-wise static clippers: clamp every element to a bound.
 
-No statistics carry over between steps; each state records the metrics of the
-last step and the counters.
-
-Non-finite input: a group whose L2 norm is NaN or infinite (any NaN or inf
-element; finite elements give a finite norm, their sum of squares taken
-again scaled where it overflows) increments
-``nonfinite_count`` and does not increment ``count``. ``clip_by_value`` still
-clamps it element-wise, as ``optax.clip`` does (``±inf`` become ``±max_abs``,
-NaN stays NaN); ``clip_by_percentile`` passes such a group through unchanged
-rather than spreading NaN over it. Chain ``optax.apply_if_finite`` to drop
-such steps altogether.
+No statistics carry over between steps. A group with a NaN or inf element
+increments ``nonfinite_count``, not ``count``.
 """
 
 from __future__ import annotations
@@ -35,8 +26,7 @@ PERCENTILE_SCOPES = ("per_param", "per_layer", "global")
 
 
 class ClipByValueState(NamedTuple):
-    """State of :func:`clip_by_value`: no statistics, only the fields every
-    clipper state has (:class:`~clipjax.ClipTransform`).
+    """State of :func:`clip_by_value`: the fields every clipper state has.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -52,8 +42,7 @@ class ClipByValueState(NamedTuple):
 
 
 class ClipByPercentileState(NamedTuple):
-    """State of :func:`clip_by_percentile`: no statistics, only the fields every
-    clipper state has (:class:`~clipjax.ClipTransform`).
+    """State of :func:`clip_by_percentile`: the fields every clipper state has.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -99,11 +88,8 @@ def _square_and_count(x: Array, b: Array, dtype: Any) -> tuple[Array, Array]:
 def _norms_and_clipped(
     leaves: list[Array], grouping: Grouping, bound: Array, dtype: Any, index: Any = ()
 ) -> tuple[Array, Array, Array]:
-    """Per group, the L2 norm and the number of elements with ``|x| > b``; per leaf the norm.
-
-    ``bound`` is ``[groups]``, compared in the leaf's dtype (the dtype the
-    clamp uses). All come from one read of each leaf.
-    """
+    """Per group, the L2 norm and the number of elements with ``|x| > b`` (``bound``
+    ``[groups]``, in the leaf's dtype); per leaf the norm. One read of each leaf."""
     one = _grouping.per_leaf(_square_and_count, dtype)
     squares, over = [], []
     for x, b in zip(leaves, _grouping.leaf_scales(grouping, bound, index)):
@@ -136,10 +122,7 @@ def clamp_leaf(x: Array, b: Array) -> Array:
 
 
 def _clamp(leaves: list[Array], grouping: Grouping, bound: Array, index: Any = ()) -> list[Array]:
-    """``clip(x, -b, b)`` per leaf, ``b`` its group's bound cast to the leaf's dtype.
-
-    A complex element keeps its phase: its magnitude is clamped to ``b``.
-    """
+    """``clip(x, -b, b)`` per leaf, ``b`` its group's bound in the leaf's dtype."""
     one = _grouping.per_leaf(clamp_leaf)
     return [one(x, b) for x, b in zip(leaves, _grouping.leaf_scales(grouping, bound, index))]
 
@@ -163,15 +146,8 @@ def clip_by_value(
     (``±inf`` become ``±max_abs``, NaN stays NaN). ``scope`` only decides how
     the metrics are grouped. A complex element keeps its phase and has its
     magnitude clamped. An integer or boolean leaf raises a ``ValueError``
-    naming it (``optax.clip`` would return it promoted to float): cast it, or
-    leave it out with ``optax.masked``.
-
-    ``max_abs`` may be injected and scheduled with ``optax.inject_hyperparams``;
-    ``scope`` is static.
-
-    Static arguments: none; every number may be injected or scheduled with
-    ``optax.inject_hyperparams``, with no ``static_args``; a callable ``scope``
-    goes in ``static_args`` (inject_hyperparams would call it as a schedule).
+    naming it. ``max_abs`` may be injected with ``optax.inject_hyperparams``;
+    a callable ``scope`` goes in ``static_args``.
 
     Args:
       max_abs: the largest magnitude kept, ``!= 0``. A negative value means
@@ -211,8 +187,7 @@ def clip_by_value(
 def _clip_by_value(
     max_abs: Any, *, scope: Scope, leaf_norms: bool, name: str | None
 ) -> ClipTransform:
-    """:func:`clip_by_value` once its arguments are checked: each replica clamps
-    its own elements."""
+    """:func:`clip_by_value` once its arguments are checked."""
     setup = _kit.setup(
         "clip_by_value", scope=scope, name=name, leaf_norms=leaf_norms, stacked=False
     )
@@ -267,26 +242,17 @@ def clip_by_percentile(
     with ``scope="per_param"``, all leaves together with ``scope="global"``,
     the leaves of one parent with ``"per_layer"``. Then ``clip(g, -b, b)``.
 
-    ``method="exact"`` sorts the group's magnitudes; ``"approx"`` uses a radix
-    histogram select that reads them twice (float32) and is within a relative
-    ``2^-17`` (≈ 7.6e-6) of the exact bound, see
-    :func:`clipjax.approx_percentile`; ``"auto"`` is exact for
-    groups of up to ``AUTO_EXACT_MAX_SIZE`` (4096) elements and approximate
-    above. The global scope never concatenates large leaves.
+    ``method="exact"`` sorts the group's magnitudes; ``"approx"`` is
+    :func:`clipjax.approx_percentile`'s radix select, within a relative
+    ``2^-17`` of the exact bound; ``"auto"`` is exact for groups of up to
+    ``AUTO_EXACT_MAX_SIZE`` (4096) elements and approximate above.
 
-    A group with a non-finite norm (any NaN or inf) is passed through
-    unchanged, reports ``bound = inf`` and ``clipped_fraction = 0`` and
-    increments ``nonfinite_count``. A complex element keeps its phase and has
-    its magnitude clamped. An integer or boolean leaf raises a ``ValueError``
-    naming it.
-    With bfloat16/float16 leaves the bound is rounded to the leaf dtype before
-    clamping. ``percentile`` may be injected with
-    ``optax.inject_hyperparams`` (its rank is then computed in float32);
-    ``scope`` and ``method`` are static.
-
-    Static arguments: none; every number may be injected or scheduled with
-    ``optax.inject_hyperparams``, with no ``static_args``; a callable ``scope``
-    goes in ``static_args`` (inject_hyperparams would call it as a schedule).
+    A group with a NaN or inf element is passed through unchanged, reports
+    ``bound = inf`` and ``clipped_fraction = 0`` and increments
+    ``nonfinite_count``. A complex element keeps its phase and has its
+    magnitude clamped; with bfloat16/float16 leaves the bound is rounded to
+    the leaf dtype. ``percentile`` may be injected with
+    ``optax.inject_hyperparams``; a callable ``scope`` goes in ``static_args``.
 
     Args:
       percentile: on the 0-100 scale, in ``(1, 100]``; 100 is the maximum
@@ -327,8 +293,7 @@ def clip_by_percentile(
 def _clip_by_percentile(
     percentile: Any, method: str, *, scope: Scope, leaf_norms: bool, name: str | None
 ) -> ClipTransform:
-    """:func:`clip_by_percentile` once its arguments are checked: each replica
-    clamps its own elements."""
+    """:func:`clip_by_percentile` once its arguments are checked."""
     setup = _kit.setup(
         "clip_by_percentile", scope=scope, name=name, leaf_norms=leaf_norms,
         scopes=PERCENTILE_SCOPES, stacked=False,

@@ -16,8 +16,7 @@ Array = jax.Array
 
 
 class ClipByGlobalNormState(NamedTuple):
-    """State of :func:`clip_by_global_norm`: no statistics, only the fields every
-    clipper state has (:class:`~clipjax.ClipTransform`).
+    """State of :func:`clip_by_global_norm`: the fields every clipper state has.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -33,8 +32,7 @@ class ClipByGlobalNormState(NamedTuple):
 
 
 class NormalizePerParamState(NamedTuple):
-    """State of :func:`normalize_per_param`: the fields every clipper state has
-    (:class:`~clipjax.ClipTransform`); ``leaf_metrics`` stays empty.
+    """State of :func:`normalize_per_param`: the fields every clipper state has.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -50,8 +48,7 @@ class NormalizePerParamState(NamedTuple):
 
 
 class ZScoreNormalizeState(NamedTuple):
-    """State of :func:`zscore_normalize`: the fields every clipper state has
-    (:class:`~clipjax.ClipTransform`); ``leaf_metrics`` stays empty.
+    """State of :func:`zscore_normalize`: the fields every clipper state has.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -96,16 +93,10 @@ def clip_by_global_norm(
               = 1                        otherwise, and where g is not finite
 
     and every leaf is multiplied by ``scale``. With ``eps=0`` and ``p=2`` this
-    equals ``optax.clip_by_global_norm``, but reads the gradients once instead
-    of several times: one scalar multiplier, no select, no full-size division.
-
-    A non-finite norm leaves the updates unchanged and increments
-    ``nonfinite_count`` (optax would produce NaNs; chain
-    ``optax.apply_if_finite`` to drop such steps).
-
-    Static arguments: ``norm_type`` (it picks the norm's arithmetic, a maximum
-    or a sum of powers); every other number may be injected or scheduled with
-    ``optax.inject_hyperparams``, with no ``static_args``.
+    equals ``optax.clip_by_global_norm``. A non-finite norm leaves the updates
+    unchanged and increments ``nonfinite_count`` (chain
+    ``optax.apply_if_finite`` to drop such steps). Every number but the static
+    ``norm_type`` may be injected with ``optax.inject_hyperparams``.
 
     Args:
       max_norm: the maximum norm, ``!= 0``. A negative value means its
@@ -202,14 +193,9 @@ def normalize_per_param(eps: float = 1e-8, *, name: str | None = None) -> ClipTr
         out = g * 1 / (‖g‖ + eps)   where ‖g‖ is finite
             = g                     otherwise
 
-    One pass computes all leaf norms (in float32, float64 for float64
-    leaves), then each leaf is multiplied by its scalar in its own dtype. A
-    leaf with a non-finite norm passes through unchanged and increments
-    ``nonfinite_count``. An integer or boolean leaf raises a ``ValueError``
-    naming it.
-
-    Static arguments: none; every number may be injected or scheduled with
-    ``optax.inject_hyperparams``, with no ``static_args``.
+    Norms in float32 (float64 for float64 leaves); a leaf with a non-finite
+    norm passes through unchanged and increments ``nonfinite_count``. ``eps``
+    may be injected with ``optax.inject_hyperparams``.
 
     Args:
       eps: added to the norm in the denominator, ``>= 0``.
@@ -278,19 +264,11 @@ def zscore_normalize(eps: float = 1e-8, *, name: str | None = None) -> ClipTrans
         out = (g - mean(g)) / (std(g) + eps)   where ‖g‖ is finite
             = g                                otherwise
 
-    Mean and standard deviation are taken in float32 (float64 for float64
-    leaves) by the corrected two-pass algorithm (mean, then the sums of the
-    deviations and of their squares), which stays accurate when ``|mean| >>
-    std``; the result is cast back to the leaf's dtype. A leaf with a
-    non-finite norm passes through unchanged and increments
-    ``nonfinite_count``. An integer or boolean leaf raises a ``ValueError``
-    naming it.
-
-    A one-element leaf becomes 0, its deviation from its own mean, where
-    drytorch gives NaN (:doc:`/reference_drytorch`).
-
-    Static arguments: none; every number may be injected or scheduled with
-    ``optax.inject_hyperparams``, with no ``static_args``.
+    Mean and standard deviation in float32 (float64 for float64 leaves), by
+    the corrected two-pass algorithm. A leaf with a non-finite norm passes
+    through unchanged and increments ``nonfinite_count``; a one-element leaf
+    becomes 0 (:doc:`/reference_drytorch`). ``eps`` may be injected with
+    ``optax.inject_hyperparams``.
 
     Args:
       eps: added to the standard deviation in the denominator, ``>= 0``.
@@ -326,9 +304,7 @@ def _normalizer(
     scope: Scope = "per_param",
     axis_name: str | None = None,
 ) -> ClipTransform:
-    """:func:`normalize_per_param` (each group to unit norm) or
-    :func:`zscore_normalize` (each leaf standardised) on the groups of ``scope``;
-    ``axis_name`` has no effect (each replica changes its own elements)."""
+    """:func:`normalize_per_param` or :func:`zscore_normalize` on the groups of ``scope``."""
     del axis_name
     setup = _kit.setup(algo, scope=scope, name=name, stacked=False)
 

@@ -18,8 +18,7 @@ from clipjax._metrics import GroupInfo
 
 
 class HistClipState(NamedTuple):
-    """State of :func:`hist_clip`: its statistics per group, the fields every
-    clipper state has (:class:`~clipjax.ClipTransform`), and the warm-up clip's state.
+    """State of :func:`hist_clip`: its statistics per group and the warm-up clip's state.
 
     Attributes:
       mean: ``[groups]`` the criterion's running mean of the norms.
@@ -75,10 +74,9 @@ def max_clipping(zt: jax.Array, thresh: Any) -> jax.Array:
 def mean_clipping(zt: jax.Array, thresh: Any) -> jax.Array:
     """Clip to the running mean (drytorch ``mean_clipping``).
 
-    With :func:`zstat_criterion` the factor is 0 (clip value ``mu``). With
-    :func:`ema_criterion` the factor is 1, i.e. the clip value is ``mu`` too:
-    unlike drytorch, which returns 0 there: the clip value 0 zeroes the
-    gradient, contrary to its own documentation ("clip to the mean").
+    The factor is 0 under :func:`zstat_criterion` and 1 under
+    :func:`ema_criterion`: the clip value is ``mu`` under both
+    (:doc:`/reference_drytorch`).
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -129,8 +127,7 @@ class Criterion:
     """A hist_clip criterion: which statistic fires, and how far it clips.
 
     Attributes:
-      kind: ``"zstat"`` or ``"ema"`` (a label; the behaviour is in the fields
-        below).
+      kind: ``"zstat"`` or ``"ema"`` (a label).
       alpha: EMA decay of the statistics.
       thresh: ``z_thresh`` (zstat) or ``r_thresh`` (ema).
       clip_fn: ``(statistic, thresh) -> factor``.
@@ -204,8 +201,7 @@ def ema_criterion(
 ) -> Criterion:
     """drytorch ``EMACriterion``: fire when ``r = g / mu > r_thresh``.
 
-    Clip value ``mu * clip_fn(r, r_thresh)`` (``mu`` for :func:`mean_clipping`,
-    where drytorch zeroes the gradient); update ``mu <- alpha mu + (1-alpha) g``.
+    Clip value ``mu * clip_fn(r, r_thresh)``; update ``mu <- alpha mu + (1-alpha) g``.
 
     Examples:
       >>> import clipjax
@@ -256,22 +252,17 @@ def hist_clip(
     for ema): the norm (``"raw"``, drytorch's), ``min(g, B)`` (``"clipped"``:
     a lasting rise is learnt), the clip value on a high-side fire
     (``"clip_target"``) or nothing then (``"skip"``). ``scope="per_param"`` is
-    drytorch's ParamHistClipper. The default warm-up clip works on hist_clip's
-    groups; a ``warmup_clip`` given applies as it is built (give a clipjax
-    clipper the same ``scope`` to clip each warming group by its own norm). A
-    NaN/Inf norm passes unchanged and never enters the statistics. The
-    feedbacks, the warm-up clip and the differences from drytorch:
+    drytorch's ParamHistClipper. A ``warmup_clip`` given applies as it is
+    built. A NaN/Inf norm passes unchanged and never enters the statistics.
+    The feedbacks, the warm-up clip and the differences from drytorch:
     :doc:`/reference_drytorch`.
 
     Metrics per group: ``grad_norm``, ``threshold`` (``B``; in the warm-up
-    the warm-up clip's, else +inf), ``clip_to`` (the norm the step leaves with), ``scale``,
-    ``clipped``, ``spike``, ``mean``, ``std`` and ``z`` (zstat), the
-    counters; ``capped`` and ``headroom`` with a ceiling. The warm-up clip
-    reports under ``hist_clip/<its name>/...``.
-
-    Static arguments: none; every number may be injected with
-    ``optax.inject_hyperparams`` (the criterion's through a factory that
-    builds it), and a callable ``scope`` goes in ``static_args``.
+    the warm-up clip's, else +inf), ``clip_to``, ``scale``, ``clipped``,
+    ``spike``, ``mean``, ``std`` and ``z`` (zstat), the counters; ``capped``
+    and ``headroom`` with a ceiling; the warm-up clip's under
+    ``hist_clip/<its name>/...``. Every number may be injected with
+    ``optax.inject_hyperparams``; a callable ``scope`` goes in ``static_args``.
 
     Args:
       criterion: :func:`zstat_criterion` (default) or :func:`ema_criterion`.
@@ -426,9 +417,7 @@ def _checked(
     scope: Scope,
     axis_name: str | None,
 ) -> tuple[Criterion, Any, float | None]:
-    """Validates hist_clip's arguments; returns the criterion, the warm-up clip
-    (``"default"``: ``clip_by_global_norm(1.0)`` on hist_clip's groups, so that it
-    clips each warming group by its own norm) and the ceiling."""
+    """Validates hist_clip's arguments; returns the criterion, the warm-up clip and the ceiling."""
     criterion = zstat_criterion() if criterion is None else criterion
     if not isinstance(criterion, Criterion):
         raise ValueError(
@@ -462,8 +451,7 @@ def _warmup_decision(
     nested: Any, leaves: list[jax.Array], seen: jax.Array, grouping: Grouping, warming: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """``(scale, threshold)`` per group of what the warm-up clip did to the norm ``seen``
-    on the warming groups (1 and +inf elsewhere): from a clipjax warm-up clip's own
-    metrics on hist_clip's groups, else measured on its output (one more pass)."""
+    on the warming groups (1 and +inf elsewhere)."""
     metrics = nested.metrics if _metrics.is_clipjax_state(nested) else {}
     if "scale" in metrics and metrics["scale"].shape == warming.shape:
         scale = metrics["scale"].astype(seen.dtype)
@@ -486,13 +474,8 @@ def _run_warmup(
     warming: jax.Array,
     index: tuple[jax.Array, ...],
 ) -> tuple[list[jax.Array], Any]:
-    """The warm-up transform on the groups that warm up, only while one does.
-
-    Its state advances only for those groups: a nested clipjax state with one
-    entry per group keeps the others' arrays, and reports them idle (a stale
-    ``clipped=True`` from the last warm-up step would be a lie); another
-    transform's state advances as a whole (the step ran for some group).
-    """
+    """The warm-up transform on the groups that warm up, only while one does; a nested
+    clipjax state advances (and reports) only those groups."""
 
     def keep_idle(new: Any, old: Any) -> Any:
         if not _metrics.is_clipjax_state(new):

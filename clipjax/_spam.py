@@ -1,10 +1,8 @@
 """SPAM: Adam with element-wise spike clipping, moment resets and a warm-up after each reset.
 
-The moments live in optax's ``ScaleByAdamState`` (``count``, ``mu``, ``nu``),
-next to a small :class:`SpamState` that carries the metrics. The step is one
-fused loop per leaf (reset, clip, moments, update) with the skip of
-:class:`clipjax.SkippableTransform` folded in, so ``skip_on_spike(spam(...))``
-costs the gradient norm and nothing more.
+The moments live in optax's ``ScaleByAdamState``, next to a :class:`SpamState`
+that carries the metrics; the step is one loop per leaf (reset, clip, moments,
+update) with :class:`clipjax.SkippableTransform`'s skip folded in.
 """
 
 from __future__ import annotations
@@ -30,8 +28,6 @@ DEATH_RATE = 0.99
 
 class SpamState(NamedTuple):
     """The metrics of :func:`clipjax.spam` (and :func:`clipjax.stable_spam`'s moments).
-
-    Sits next to the moments, which stay in optax's ``ScaleByAdamState``.
 
     Attributes:
       metrics: ``dict`` of ``[1]``-shaped arrays (group ``global``):
@@ -70,12 +66,8 @@ def _init_metrics(count_clipped: bool) -> dict[str, Array]:
 
 
 def warmup_factor(steps_since_reset: Array, warmup_steps: Any) -> Array:
-    """The reference's update factor ``c`` steps after a reset.
-
-    ``1 - 0.99 * (1 + cos(pi * (c + 1) / (W + 1))) / 2`` for ``c < W``, else 1:
-    what pytorch-optimizer's ``CosineDecay(0.99, W)`` (a torch
-    ``CosineAnnealingLR`` over ``W + 1`` steps) gives at step ``c``.
-    """
+    """``1 - 0.99 * (1 + cos(pi * (c + 1) / (W + 1))) / 2`` for ``c < W`` steps after a reset,
+    else 1 (pytorch-optimizer's ``CosineDecay(0.99, W)``)."""
     c = steps_since_reset.astype(jnp.float32)
     w = jnp.asarray(warmup_steps, jnp.float32)
     death = DEATH_RATE * (1.0 + jnp.cos(math.pi * (c + 1.0) / (w + 1.0))) / 2.0
@@ -169,13 +161,10 @@ def scale_by_spam(
 ) -> _conditional.SkippableTransform:
     """SPAM's moments, spike clip, reset and warm-up, without the learning rate.
 
-    The update of an element whose gradient is NaN or infinite is NaN: chain
-    :func:`_decay_finite` after it, which turns it into a zero update.
-
-    ``restart_bias_correction`` and ``eps_inside_correction`` give
+    A non-finite gradient element gets a NaN update (:func:`_decay_finite` zeroes
+    it). ``restart_bias_correction`` and ``eps_inside_correction`` give
     Stable-SPAM's variant: the bias correction restarts at each reset and the
-    update is optax's ``m_hat / (sqrt(v_hat) + eps)``; SPAM's own update is
-    torch's ``sqrt(1 - b2**t) / (1 - b1**t) * m / (sqrt(v) + eps)``.
+    update is ``m_hat / (sqrt(v_hat) + eps)``.
     """
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
 
@@ -276,12 +265,7 @@ def _kept(u: Array) -> Array:
 
 
 def _decay_finite(decay: optax.GradientTransformation) -> optax.GradientTransformation:
-    """``decay`` (optax's decoupled weight decay) that leaves a non-finite element alone.
-
-    :func:`scale_by_spam` gives an element whose gradient is NaN or infinite
-    a NaN update; here it becomes 0 and is not decayed, so its parameter
-    stays where it is. Both selects fuse into the decay's loop.
-    """
+    """``decay`` (optax's decoupled weight decay) that turns a NaN update into 0, undecayed."""
     decay = optax.with_extra_args_support(decay)
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
@@ -338,13 +322,8 @@ def spam(
     Defaults and arguments are pytorch-optimizer's ``SPAM``'s (its mapping,
     and where this differs: :doc:`/reference_spam`). A NaN or infinite
     gradient element leaves its parameter and its moments as they were and
-    counts in ``nonfinite_count``. It is a :class:`clipjax.SkippableTransform`:
-    ``skip_on_spike(spam(...))`` skips without a conditional. Its state is
-    ``((ScaleByAdamState, SpamState), EmptyState, EmptyState)``; metrics under
-    ``spam/global/``: ``clipped_fraction``, ``warmup_scale``,
-    ``steps_since_reset``, ``resets``, ``nonfinite_count``, ``step``.
-
-    Static arguments: none; every number may be injected with
+    counts in ``nonfinite_count``. Its state is ``((ScaleByAdamState,
+    SpamState), EmptyState, EmptyState)``. Every number may be injected with
     ``optax.inject_hyperparams``; ``mu_dtype`` and a callable ``mask`` go in
     ``static_args``.
 
@@ -444,16 +423,11 @@ def stable_spam(
     * decoupled weight decay ``-lr * weight_decay * param``.
 
     Defaults are pytorch-optimizer's ``StableSPAM``'s (``update_proj_gap`` is
-    ``reset_interval`` here; its ``t_max`` option is not implemented, and
-    where this differs: :doc:`/reference_spam`). It is a
-    :class:`clipjax.SkippableTransform`: ``skip_on_spike(stable_spam(...))``
-    skips without a conditional. :func:`clipjax.metrics` reads
-    ``adaclip/{tensor}/...``, ``ada_norm/{tensor}/...`` and
-    ``stable_spam/global/...`` (``resets``, ``steps_since_reset``, ``step``).
-
-    Static arguments: none; every number may be injected with
-    ``optax.inject_hyperparams``; a callable ``scope``, ``mu_dtype`` and a
-    callable ``mask`` go in ``static_args``.
+    ``reset_interval``; ``t_max`` is not implemented; differences:
+    :doc:`/reference_spam`). Metrics: ``adaclip/{tensor}/...``,
+    ``ada_norm/{tensor}/...`` and ``stable_spam/global/...``. Every number may
+    be injected with ``optax.inject_hyperparams``; a callable ``scope``,
+    ``mu_dtype`` and a callable ``mask`` go in ``static_args``.
 
     Args:
       learning_rate: a float or a schedule (``step -> float``).
@@ -471,8 +445,7 @@ def stable_spam(
       mask: a tree of bools (or a function of the params returning one): the
         leaves to decay; None decays all.
       count_clipped: report AdaClip's ``clipped_fraction`` (see
-        :func:`clipjax.adaclip`); ``False`` leaves out its counting pass,
-        which costs a second read of the gradient and compile time per leaf.
+        :func:`clipjax.adaclip`); ``False`` leaves out its counting pass.
       name: prefix of its own metrics (``resets``; default ``stable_spam``).
 
     Returns:
