@@ -7,14 +7,8 @@ clip, a chain's members. A :class:`SkippableTransform` (:func:`clipjax.adam`,
 :mod:`clipjax._adam`) folds the predicate into its own arithmetic; a
 clipjax clipper runs and has its small state selected; any other transform
 runs under ``lax.cond``. On a step a transform did not run, its clipjax state
-is left as it was, and :func:`clipjax.metrics` reports it as skipped.
-
-The fold's gain over the conditional, from the compiled HLO of one donated
-step (``skip_on_spike`` around AdamW on 25 layers of [256, 256] float32
-weights and biases, jax 0.10 on CPU): 72.4 MB accessed and no full-size copy
-around ``clipjax.adamw`` (AdamW alone: 65.8 MB), 105.3 MB and 50 full-size
-copies around ``optax.adamw`` under ``lax.cond``; ``benchmarks/RESULTS.md``
-has the step times.
+is left as it was, and :func:`clipjax.metrics` reports it as skipped. What
+each route costs: docs/cost.md.
 """
 
 from __future__ import annotations
@@ -40,17 +34,14 @@ class SkippableTransform(optax.GradientTransformationExtraArgs):
     and goes wherever optax takes a transform. It adds one attribute,
     ``update_if(pred, updates, state, params=None, **extra_args)``, where
     ``pred`` is a scalar bool: where True it computes what ``update``
-    computes, in the same order (XLA may fuse a multiply and an add
-    differently in the two programs, so the last bit of a value can differ);
-    where False it returns zero updates (each leaf in its dtype) and the state
-    as it was, bit for bit, even for NaN or infinite updates. The choice is
-    made element-wise inside the update's own arithmetic, so
-    :func:`clipjax.skip_on_spike` around one compiles to one fused loop per
-    leaf: no conditional, no extra pass over the updates.
-    :func:`clipjax.adam`, :func:`clipjax.adamw` and :func:`clipjax.chain`
-    return one. A wrapper around one (``optax.inject_hyperparams``,
-    ``optax.MultiSteps``) is an ordinary optax transform: a skip reaches it
-    through ``lax.cond``.
+    computes, in the same order (the last bit may differ where XLA fuses
+    differently); where False it returns zero updates (each leaf in its dtype)
+    and the state as it was, bit for bit, even for NaN or infinite updates.
+    The choice is made element-wise inside the update's own arithmetic: no
+    conditional. :func:`clipjax.adam`, :func:`clipjax.adamw` and
+    :func:`clipjax.chain` return one; a wrapper around one
+    (``optax.inject_hyperparams``, ``optax.MultiSteps``) is skipped through
+    ``lax.cond``.
 
     ``keep_state_if`` (or None) is ``update_if`` without zeroing the updates:
     :func:`clipjax.chain` runs its members through it and zeroes once, after
@@ -160,22 +151,10 @@ def run_if(
 ) -> tuple[Any, Any]:
     """``tx.update`` on the steps where ``pred`` holds; elsewhere its state stays as it was.
 
-    ``route`` is :func:`route_of` ``(tx)``, taken when the caller is built.
-    Where ``pred`` is False the returned updates are not ``tx``'s: the caller
-    masks them. Each route is free of full-size copies in the compiled step:
-
-    * ``"fold"``: a :class:`SkippableTransform` folds ``pred`` into its
-      arithmetic (its ``update_if``);
-    * ``"select"``: a clipjax clipper holds small ``[groups]`` arrays: it runs
-      every step and its state is selected (its norms are the ones the caller
-      computes anyway, and XLA merges the identical reductions);
-    * ``"cond"``: any other transform runs under ``lax.cond``. Its
-      pass-through branch must be branch 0 (the false branch) and return its
-      operands as they are: only then does XLA elide the buffer copies. Zeros,
-      or the update computed unconditionally with the moments selected after,
-      copy the state or the updates every step. The branches return the inner
-      update's own output types (``jax.eval_shape``): where it changes a
-      dtype, the pass-through branch casts its operands to them.
+    ``route`` is :func:`route_of` ``(tx)``. Where ``pred`` is False the
+    returned updates are not ``tx``'s: the caller masks them. ``"fold"`` calls
+    ``update_if``; ``"select"`` runs a clipjax clipper every step and selects
+    its small state; ``"cond"`` runs ``tx`` under ``lax.cond``.
     """
     if route == "fold":
         # Folded into its own arithmetic (clipjax.adam: _adam.adam_arithmetic).
@@ -226,12 +205,8 @@ def run_and_select(
 
 
 def selecting(tx: optax.GradientTransformation) -> SkippableTransform:
-    """A transform whose state is scalars: it runs every step, its state is selected.
-
-    For optax's stateless or count-only members (``scale``,
-    ``scale_by_schedule``, ``add_decayed_weights``): nothing full-size is
-    selected, and the update fuses with its neighbours.
-    """
+    """A transform whose state is scalars (``scale``, ``add_decayed_weights``): it runs
+    every step, its state is selected."""
     tx = optax.with_extra_args_support(tx)
 
     def keep_state_if(
@@ -251,20 +226,13 @@ def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
     bit. ``update_if(pred, ...)`` passes ``pred`` to each member: a member
     with its own ``update_if`` (:func:`clipjax.adamw`, a nested
     ``clipjax.chain``) folds it in; a clipjax clipper runs and has its small
-    state selected; any other transform runs under ``lax.cond``. So
-    ``clipjax.chain(clipjax.zclip(), clipjax.adamw(1e-3))`` skips a step
-    without a conditional, while a chain holding ``optax.adam`` still works at
-    the cost of the conditional.
+    state selected; any other transform runs under ``lax.cond``.
 
-    A clipper that holds a step (``zclip(start="hold")``, the start of the
-    recommended ``zclip(feedback="clipped")``: the warm-up steps its rule
-    cannot judge) makes the chain run the members after it as
-    ``update_if(False, ...)`` on that step: zero updates, their states
-    untouched, so the optimizer's moments never see the start of the run and
-    no later step is enlarged. ``optax.chain`` cannot skip: there the held
-    steps reach the optimizer, the first zeroed, the others bounded by the
-    warm-up ceiling. The recommended wiring is therefore
-    ``clipjax.chain(clipjax.zclip(feedback="clipped"), clipjax.adamw(...))``.
+    A clipper that holds a step (``zclip(start="hold")``, the warm-up steps
+    of ``zclip(feedback="clipped")``) makes the chain run the members after
+    it as ``update_if(False, ...)`` on that step: zero updates, their states
+    untouched, so the optimizer's moments never see the start of the run.
+    Hence ``clipjax.chain(clipjax.zclip(feedback="clipped"), clipjax.adamw(...))``.
 
     Args:
       *transforms: the transforms to apply in order.
@@ -336,16 +304,8 @@ def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
 
 
 def idle_metrics(metrics: dict[str, Array]) -> dict[str, Array]:
-    """The metrics of a step on which the transform did not run (hist_clip's warm-up
-    clip on the groups past their warm-up).
-
-    The per-step fields of :data:`clipjax._metrics.IDLE_VALUES` take the values
-    of a step that changed nothing (``grad_norm`` 0, ``scale`` 1, ``clipped``
-    False, ...); thresholds, statistics and counters read as they stand. A
-    clipper inside a skipped ``skip_on_spike`` step reads as skipped instead
-    (:data:`clipjax._metrics.SKIPPED_VALUES`: ``grad_norm`` NaN, ``skipped``
-    True), in :func:`clipjax.metrics`' view.
-    """
+    """The metrics of a step on which the transform did not run: the per-step fields
+    of ``IDLE_VALUES`` (``grad_norm`` 0, ``scale`` 1, ...), the rest as they stand."""
     return {
         key: jnp.full_like(value, IDLE_VALUES[key]) if key in IDLE_VALUES else value
         for key, value in metrics.items()

@@ -1,10 +1,4 @@
-"""Growth-capped clipping: torchzero's ``ClipNormGrowth`` and ``ClipNormByEMA``.
-
-Both rules come from inikishev/torchzero at commit
-2b6a2287df3aec9e7801249a691088f958c15ed9: ``ClipNormGrowth`` and
-``norm_growth_clip_`` in ``torchzero/modules/clipping/growth_clipping.py``,
-``ClipNormByEMA`` in ``torchzero/modules/clipping/ema_clipping.py``.
-"""
+"""Growth-capped clipping: torchzero's ``ClipNormGrowth`` and ``ClipNormByEMA`` (commit 2b6a228)."""
 
 from __future__ import annotations
 
@@ -20,8 +14,7 @@ from clipjax._metrics import GroupInfo
 
 
 class ClipNormGrowthState(NamedTuple):
-    """State of :func:`clip_norm_growth`: the previous norm per group, then the
-    fields every clipper state ends with (:class:`~clipjax.ClipTransform`).
+    """State of :func:`clip_norm_growth`: the previous norm per group.
 
     Attributes:
       prev_norm: ``[groups]`` the norm the next step may grow from (the last
@@ -75,13 +68,9 @@ def clip_norm_growth(
     keeps ``p`` on a clipped step (a lasting rise is then clipped to ``p * mul``
     at every step). A non-finite norm passes unchanged and leaves ``p`` as it is.
 
-    Where it differs from torchzero (the first norm, a NaN norm):
-    :doc:`/defences_2025`.
-
-    Static arguments: none; every number may be injected or scheduled with
-    ``optax.inject_hyperparams`` (whether ``add``, ``mul``, ``min_value`` or
-    ``max_decay`` is None is fixed by the call), a callable ``scope`` goes in
-    ``static_args``.
+    Differences from torchzero: :doc:`/defences_2025`. Every number may be
+    injected with ``optax.inject_hyperparams`` (which ones are None is fixed
+    by the call); a callable ``scope`` goes in ``static_args``.
 
     Args:
       add: the largest increment of the norm over ``p`` (``>= 0``), or None.
@@ -183,8 +172,7 @@ def clip_norm_growth(
 
 
 class ClipNormByEMAState(NamedTuple):
-    """State of :func:`clip_norm_by_ema`: the EMA of the updates, then the fields
-    every clipper state ends with (:class:`~clipjax.ClipTransform`).
+    """State of :func:`clip_norm_by_ema`: the EMA of the updates and its norm.
 
     Attributes:
       exp_avg: the EMA of the updates themselves, a tree like the params
@@ -237,21 +225,14 @@ def clip_norm_by_ema(
         m <- m / max(1, e / cap);  e <- min(e, cap);  e_prev <- e
         scale = min(1, e / g)
 
-    So an update's norm is at most that of the running mean of the updates
-    (the norm of a momentum), and that norm grows by at most ``max_ema_growth``
-    a step. The EMA sees each update before its own clip (torchzero's order,
-    observe first): a spike enters it, bounded by the growth cap. With
-    ``init=0`` the first steps are clipped hard (``e`` is ``1 - beta`` of the
-    first norm), and updates of varying direction are clipped to the norm of
-    their mean, about ``sqrt((1 - beta) / (1 + beta))`` of theirs for
-    independent directions. The state holds a float32 copy of the updates.
-
-    A non-finite norm passes its group unchanged and leaves its EMA as it was,
-    unlike torchzero's (:doc:`/defences_2025`).
-
-    Static arguments: none; every number may be injected or scheduled with
-    ``optax.inject_hyperparams`` (whether ``max_ema_growth`` is None is fixed
-    by the call), a callable ``scope`` goes in ``static_args``.
+    So an update's norm is at most that of the running mean of the updates,
+    whose norm grows by at most ``max_ema_growth`` a step. The EMA sees each
+    update before its own clip (torchzero's order). With ``init=0`` the first
+    steps are clipped hard (``e`` is ``1 - beta`` of the first norm). The
+    state holds a float32 copy of the updates. A non-finite norm passes its
+    group unchanged and leaves its EMA as it was (:doc:`/defences_2025`).
+    Every number may be injected with ``optax.inject_hyperparams``; a
+    callable ``scope`` goes in ``static_args``.
 
     Args:
       beta: EMA decay, in (0, 1).

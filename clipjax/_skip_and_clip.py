@@ -1,9 +1,4 @@
-"""``skip_and_clip_by_global_norm``: AXLearn's skip-or-clip wrapper, and its drop rules.
-
-From apple/axlearn at commit 34aed43c1b6e581c4753d06d7cbeedd5010ef26b,
-``axlearn/common/optimizers.py``: ``skip_and_clip_by_global_norm``,
-``drop_norm_by_grad_norm_ema`` and ``drop_norm_by_grad_norm_stddev``.
-"""
+"""AXLearn's ``skip_and_clip_by_global_norm`` and its drop rules (``optimizers.py``, 34aed43)."""
 
 from __future__ import annotations
 
@@ -73,7 +68,7 @@ def drop_norm_by_grad_norm_stddev(
 
     For :func:`skip_and_clip_by_global_norm`'s ``drop_norm``: with fewer than
     ``min_count`` observed norms nothing is dropped for its size (the threshold
-    is +inf; AXLearn's is 1e10); then a step is dropped when its norm reaches
+    is +inf); then a step is dropped when its norm reaches
     ``mean + k * stddev`` of the EMAs for the smallest ``k``. The counters are
     named ``count_exceeds_{k}x_stddev``.
 
@@ -145,7 +140,7 @@ class SkipAndClipState(NamedTuple):
 
 
 def _threshold_names(drop_norm: Any) -> tuple[str, ...]:
-    """The names of ``drop_norm``'s thresholds (AXLearn calls the rule at init for them)."""
+    """The names of ``drop_norm``'s thresholds."""
     if drop_norm is None:
         return ()
     if not callable(drop_norm):
@@ -187,9 +182,7 @@ def skip_and_clip_by_global_norm(
         else     inner(updates * min(1, max_norm / (g + eps)))
 
     A dropped step returns zero updates and leaves ``inner``'s state as it was
-    (as :func:`clipjax.skip_on_spike`: folded into :func:`clipjax.adam`,
-    :func:`clipjax.adamw` and :func:`clipjax.chain`, selected for clipjax
-    clippers, under ``lax.cond`` for any other transform). ``drop_norm`` is a
+    (as :func:`clipjax.skip_on_spike` does). ``drop_norm`` is a
     number, or a rule over EMAs of the norm, :func:`drop_norm_by_grad_norm_ema`
     (``k * mean``) or :func:`drop_norm_by_grad_norm_stddev` (``mean + k * std``
     after ``min_count`` norms); then ``grad_norm_ema_decay`` ``d`` is required
@@ -203,15 +196,10 @@ def skip_and_clip_by_global_norm(
     every later step; ``"clipped"`` observes ``min(g, D)`` on every finite step;
     ``"raw"`` observes every finite ``g``.
 
-    Where it differs from AXLearn (no threshold before the first observed norm,
-    a variance that cannot go negative): :doc:`/defences_2025`.
-
-    Static arguments: ``drop_norm`` when it is a rule (name it in static_args);
-    every number may be injected or scheduled with ``optax.inject_hyperparams``.
-
-    At least one of ``drop_norm`` and ``max_norm`` must be given: with
-    neither, no finite step would be dropped or clipped (a ``ValueError``
-    says so; ``optax.apply_if_finite`` drops non-finite steps alone).
+    Differences from AXLearn: :doc:`/defences_2025`. Every number may be
+    injected with ``optax.inject_hyperparams``; a rule ``drop_norm`` goes in
+    ``static_args``. At least one of ``drop_norm`` and ``max_norm`` must be
+    given (else ``ValueError``).
 
     Args:
       inner: the transform run on taken steps (``clipjax.adamw(...)`` folds).
