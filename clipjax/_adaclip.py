@@ -1,13 +1,6 @@
-"""Stable-SPAM's gradient transformations, AdaClip and AdaGN.
+"""Stable-SPAM's gradient transformations, AdaClip and AdaGN, for any optimizer.
 
-:func:`adaclip` bounds each element by a bias-corrected EMA of the largest
-gradient element; :func:`ada_norm` replaces the gradient's norm by a
-bias-corrected EMA of the norm over the root of an EMA of its square. Both
-chain in front of any optimizer; :func:`clipjax.stable_spam` (in
-:mod:`clipjax._spam`) chains them in front of Adam with SPAM's moment reset.
-Their statistics are ``[groups]`` arrays over the groups of ``scope``
-(:mod:`clipjax._grouping`); a group whose statistic is NaN or infinite leaves
-the EMAs untouched and passes through.
+:func:`clipjax.stable_spam` chains them in front of Adam with SPAM's moment reset.
 """
 
 from __future__ import annotations
@@ -26,8 +19,7 @@ Array = jax.Array
 
 
 class AdaClipState(NamedTuple):
-    """State of :func:`adaclip`: its EMA, then the fields every clipper state ends
-    with (:class:`~clipjax.ClipTransform`) but ``leaf_metrics``.
+    """State of :func:`adaclip`: its EMA per group.
 
     Attributes:
       max_ema: ``[groups]`` the EMA of each group's largest ``|g|`` (not bias
@@ -47,8 +39,7 @@ class AdaClipState(NamedTuple):
 
 
 class AdaNormState(NamedTuple):
-    """State of :func:`ada_norm`: its EMAs, then the fields every clipper state
-    ends with (:class:`~clipjax.ClipTransform`) but ``leaf_metrics``.
+    """State of :func:`ada_norm`: its EMAs per group.
 
     Attributes:
       norm_ema: ``[groups]`` the EMA of each group's L2 norm (not bias corrected).
@@ -69,10 +60,7 @@ class AdaNormState(NamedTuple):
 
 
 def _max_and_square(x: Array, dtype: Any) -> tuple[Array, Array]:
-    """A leaf's largest finite ``|x|`` and its sum of squares, in one reduce.
-
-    The sum is not finite where an element is not: that says the step had one.
-    """
+    """A leaf's largest finite ``|x|`` and its sum of squares (NaN or inf where an element is)."""
     squared = _grouping.abs_squared(x, dtype)
     magnitude = jnp.sqrt(squared) if jnp.iscomplexobj(x) else jnp.abs(x.astype(dtype))
     # A non-finite element counts as 0 for the max: the others are bounded
@@ -97,10 +85,8 @@ def _max_and_squares(leaves: list[Array], dtype: Any) -> tuple[list[Array], list
 def _finite_square_and_count(
     x: Array, dtype: Any, keep_axis: int | None = None
 ) -> tuple[Array, ...]:
-    """A leaf's sum of squares over its finite elements, and how many are not, in one reduce.
-
-    ``keep_axis``: a stacked leaf's layer axis, one value per slice.
-    """
+    """A leaf's sum of squares over its finite elements, and how many are not (per slice
+    along ``keep_axis``)."""
     squared = _grouping.abs_squared(x, dtype)
     ok = jnp.isfinite(squared)
     terms = (jnp.where(ok, squared, jnp.zeros((), dtype)), jnp.where(ok, 0.0, 1.0).astype(dtype))
@@ -148,25 +134,19 @@ def adaclip(
        included) and ``bound = max_ema / (1 - theta**k)`` after ``k`` steps;
     2. every element with ``|g| > bound`` is scaled by ``bound / M``: the
        largest becomes ``bound``, the others above ``bound`` shrink in
-       proportion (as the reference does; this is not a clamp, so an element
-       just above the bound ends below it); elements at or below ``bound``
-       are left as they are.
+       proportion (not a clamp); elements at or below ``bound`` are left as
+       they are.
 
     A NaN or infinite element counts as 0 for the maximum and passes
-    unchanged (``nonfinite_count`` counts the step). How the bound learns a
-    lasting rise, and where this differs from the reference:
-    :doc:`/reference_spam`.
-
-    Static arguments: none; every number may be injected with
-    ``optax.inject_hyperparams``, and a callable ``scope`` goes in ``static_args``.
+    unchanged (``nonfinite_count`` counts the step). Differences from the
+    reference: :doc:`/reference_spam`. Every number may be injected with
+    ``optax.inject_hyperparams``; a callable ``scope`` goes in ``static_args``.
 
     Args:
       theta: the EMA's decay rate, in (0, 1) (the paper's gamma_3).
       scope: ``"per_param"`` (default, the reference's), ``"per_layer"``,
         ``"global"`` or a callable ``(path, leaf) -> group name``.
-      count_clipped: report ``clipped_fraction``. Counting needs a second
-        read of the gradient (the bound depends on this step's max); without
-        it AdaClip costs one read.
+      count_clipped: report ``clipped_fraction`` (a second read of the gradient).
       name: metrics prefix (default ``adaclip``).
 
     Returns:
@@ -269,11 +249,9 @@ def ada_norm(
 
     A group whose norm is 0 passes through and stays out of the EMAs; a NaN or
     infinite element counts as 0 for the norm and passes unchanged
-    (``nonfinite_count`` counts the step). What the target norm does, and
-    where this differs from the reference: :doc:`/reference_spam`.
-
-    Static arguments: none; every number may be injected with
-    ``optax.inject_hyperparams``, and a callable ``scope`` goes in ``static_args``.
+    (``nonfinite_count`` counts the step). Differences from the reference:
+    :doc:`/reference_spam`. Every number may be injected with
+    ``optax.inject_hyperparams``; a callable ``scope`` goes in ``static_args``.
 
     Args:
       gamma1: the norm EMA's decay rate, in (0, 1).

@@ -28,8 +28,7 @@ def _zscore(deviation: jax.Array, spread: jax.Array) -> jax.Array:
 
 
 class ZClipState(NamedTuple):
-    """State of :func:`zclip`: its statistics per group, then the fields every
-    clipper state ends with (:class:`~clipjax.ClipTransform`).
+    """State of :func:`zclip`: its statistics per group.
 
     Attributes:
       mean: ``[groups]`` EMA of the observed norms (the warm-up sample's mean
@@ -100,9 +99,7 @@ def _checked(
     ceiling_window: Any,
 ) -> tuple[ClipOption, float, TargetFeedback, Any, Any]:
     """Validates zclip's arguments; returns ``(clip_option, clip_factor, feedback,
-    max_grad_norm, relative_ceiling)`` with their defaults filled in
-    (``skip_update_on_spike`` is ``feedback="skip"``; the ceilings' ``"auto"``
-    below)."""
+    max_grad_norm, relative_ceiling)`` with their defaults filled in."""
     _checks.open_unit("alpha", alpha)
     _checks.positive("z_thresh", z_thresh)
     _checks.non_negative("eps", eps)
@@ -161,10 +158,7 @@ DEFAULT_CEILING_WINDOW = 100
 
 
 def _ceilings(max_grad_norm: Any, relative_ceiling: Any, feedback: str) -> tuple[Any, Any]:
-    """``(max_grad_norm, relative_ceiling)`` with ``"auto"`` resolved: the reference's
-    absolute 1.0 and no relative ceiling, except under ``feedback="clipped"``, where
-    no absolute number and a relative ceiling of 1.5 (an absolute ``max_grad_norm``
-    given there replaces the relative ceiling's default)."""
+    """``(max_grad_norm, relative_ceiling)`` with ``"auto"`` resolved (see :func:`zclip`'s Args)."""
     for name, value in (("max_grad_norm", max_grad_norm), ("relative_ceiling", relative_ceiling)):
         if isinstance(value, str) and value != "auto":
             raise ValueError(f'{name} must be a positive number, None or "auto", got {value!r}')
@@ -227,26 +221,18 @@ def zclip(
     then 1.5 times the median of the last 100. A non-finite norm passes
     unchanged and is never observed.
 
-    ``start`` says what the warm-up does to the optimizer. ``"hold"`` (the
-    default with a relative ceiling): the warm-up's steps, which the rule
-    cannot judge yet, are ``held``; :func:`clipjax.chain` (and
-    :func:`clipjax.skip_on_spike` around one) skips the optimizer on them, its
-    state untouched, so a start transient never reaches adam's second moment
-    and no later step is enlarged. Through ``optax.chain`` a held step still
-    reaches the optimizer: the first one zeroed (no norm bounds it), the others
-    bounded by the warm-up ceiling. ``"weight"`` (0.4's): step ``t`` times
-    ``(t + 1) / warmup_steps``, which leaves adam's second moment short and
-    enlarges its later steps (up to 1.42x at step 25 on a stationary stream).
-    The feedbacks, the ceilings and the metrics against the ``zclip`` package:
+    ``start`` says what the warm-up does to the optimizer: ``"hold"`` holds
+    its steps, which :func:`clipjax.chain` skips for the optimizer (through
+    ``optax.chain`` they reach it, the first zeroed); ``"weight"`` multiplies
+    step ``t`` by ``(t + 1) / warmup_steps``. The start, the feedbacks, the
+    ceilings and the metrics against the ``zclip`` package:
     :doc:`/reference_zclip`.
 
     Metrics per group: ``grad_norm``, ``threshold``, ``clip_to``, ``scale``,
     ``clipped``, ``spike``, ``capped``, ``z``, ``mean``, ``std``, the
     counters; ``held`` or ``weight`` with a ``start`` rule, ``headroom`` with an
-    absolute ceiling.
-
-    Static arguments: ``mode``, ``clip_option``, ``scope``, ``feedback``,
-    ``ceiling_window`` and ``start``; every other number may be injected.
+    absolute ceiling. ``mode``, ``clip_option``, ``scope``, ``feedback``,
+    ``ceiling_window`` and ``start`` are static; every other number may be injected.
 
     Args:
       alpha: EMA smoothing factor of mean and variance, in (0, 1).
