@@ -20,8 +20,7 @@ Axis = int | tuple[int, ...] | None
 
 
 class AGCState(NamedTuple):
-    """State of :func:`agc`: no statistics, only the fields every clipper state
-    has (:class:`~clipjax.ClipTransform`), per group (per leaf when unitwise).
+    """State of :func:`agc`: the fields every clipper state has (per leaf when unitwise).
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -80,10 +79,8 @@ def _unit_norms(leaves: list[jax.Array], dtype: Any, axis: Axis) -> list[jax.Arr
 def _unit_scale(g_unit: jax.Array, w_unit: jax.Array, clipping: Any, eps: Any) -> jax.Array:
     """optax's rule, formed on the unit norms: keep where ``g < max_norm``.
 
-    Written as one division (``1 / 1`` where the unit is kept): XLA does not
-    copy a division into each fusion that reads its result, so every leaf's
-    scales are formed once and its consumers multiply by one stored scale
-    per unit, where a trailing select would be recomputed in each of them.
+    One division (``1 / 1`` where kept), not a trailing select: XLA forms it
+    once rather than in each fusion that reads it.
     """
     max_norm = clipping * jnp.maximum(w_unit, eps)
     keep = (g_unit < max_norm) | ~jnp.isfinite(g_unit)
@@ -104,13 +101,9 @@ def _leaf_metrics(
 ) -> dict[str, jax.Array]:
     """Each leaf's metrics from its unit norms, in a few operations for the whole tree.
 
-    The leaves with the same number of units are stacked into one ``[leaves,
-    units]`` array of gradient and one of weight unit norms; the unit scales
-    are formed again on the stacks (the same elementwise rule, so the same
-    values) and the four sums are taken in one reduction along the units
-    (the scales are not written out), then put back in leaf order by one
-    gather. Reducing each leaf's units on its own compiles a small
-    reduction per leaf: at 500 leaves that doubled the step's compile time.
+    The leaves with the same number of units are stacked into ``[leaves,
+    units]`` arrays and reduced once along the units (not one reduction per
+    leaf, which costs compile time), then put back in leaf order.
     """
     by_size: dict[int, list[int]] = {}
     for i, g in enumerate(g_units):
@@ -186,9 +179,8 @@ def agc(
     scale 1. A non-finite gradient norm passes unchanged (scale 1) and
     increments ``nonfinite_count``.
 
-    Static arguments: ``axis`` (it picks the unit axes); every other number may
-    be injected or scheduled with ``optax.inject_hyperparams``, with no
-    ``static_args``.
+    ``axis`` is static; every other number may be injected with
+    ``optax.inject_hyperparams``.
 
     Args:
       clipping: the maximum ratio of gradient norm to weight norm (``> 0``).

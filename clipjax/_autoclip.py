@@ -17,11 +17,8 @@ AutoClipHistory = Literal["all", "window", "ema", "geometric"]
 
 
 class AutoClipState(NamedTuple):
-    """State of :func:`autoclip`: the statistics of its mode and history, then the
-    fields every clipper state ends with (:class:`~clipjax.ClipTransform`).
-
-    Each statistic is stacked over the groups; those the mode and history do
-    not use are None.
+    """State of :func:`autoclip`: the statistics of its history, stacked over the groups
+    (None where unused).
 
     Attributes:
       median: ``history="all"``: the P² markers of the median
@@ -63,11 +60,7 @@ AUTO_WINDOW = 100
 def _no_effect(
     mode: str, history: str, percentile: Any, window_size: Any, ema_decay: Any, quantile_lr: Any
 ) -> None:
-    """A ValueError for an argument the chosen mode and history never read.
-
-    Passed at all, even at the value it would default to: the defaults are
-    None, so a value was chosen by the caller.
-    """
+    """A ValueError for an argument the chosen mode and history never read (given at all)."""
     unused = []
     if mode == "auto" and percentile is not None:
         unused.append(("percentile", percentile))
@@ -157,8 +150,7 @@ def _checked(
 
 
 class _Stats(NamedTuple):
-    """autoclip's statistics, the first four fields of its state: those of its
-    history, the others None."""
+    """autoclip's statistics, the first four fields of its state."""
 
     median: _stats.P2State | None = None
     moments: _stats.WelfordState | None = None
@@ -263,13 +255,10 @@ def autoclip(
     ``min(g, T)`` (``"clipped"``, the setting that stops spikes) or nothing on
     a clipped step (``"skip"``). A non-finite norm passes unchanged and is
     never observed. Each history and feedback, and where this differs from
-    smartclip: :doc:`/reference_smartclip`.
-
-    Metrics per group: ``grad_norm``, ``threshold``, ``scale``, ``clipped``,
-    ``spike``, the counters, ``median`` and ``std`` or ``quantile``;
-    ``capped`` and ``headroom`` with a ceiling.
-
-    Static arguments: ``window_size``; a callable ``scope`` goes in ``static_args``.
+    smartclip: :doc:`/reference_smartclip`. Metrics per group: ``grad_norm``,
+    ``threshold``, ``scale``, ``clipped``, ``spike``, the counters, ``median``
+    and ``std`` or ``quantile``; ``capped`` and ``headroom`` with a ceiling.
+    ``window_size`` is static; a callable ``scope`` goes in ``static_args``.
 
     Args:
       mode: ``"auto"`` or ``"percentile"``.

@@ -1,48 +1,11 @@
-"""Percentiles of magnitudes ``|x|``: an exact sort and a fast radix histogram.
+"""Percentiles of magnitudes ``|x|``: an exact sort and a radix histogram select.
 
-Both functions compute numpy's default ``"linear"`` percentile (Hyndman & Fan
-type 7) of ``|values|``: with ``n`` values sorted ascending as ``x_0 <= ... <=
-x_{n-1}`` and ``q = percentile / 100``, the virtual index is ``v = (n - 1)·q``
-and the result interpolates ``x_lo`` and ``x_hi`` (``lo = floor(v)``,
-``hi = lo + 1``, both clamped to ``[0, n - 1]``) with numpy's ``_lerp``.
-
-* :func:`exact_percentile` sorts (``O(n log n)``; on GPU fast but still
-  several passes).
-* :func:`approx_percentile` is a radix select on the bit patterns of the
-  magnitudes. For non-negative IEEE floats, the integer view of the bits is
-  ordered like the values, so a histogram over the top ``log2(bins)`` bits
-  finds the bucket holding the target rank, and each further pass histograms
-  the next ``log2(bins)`` bits of the elements in that bucket only. Each pass
-  is one read of the data and one scatter-add into ``2·bins + 1`` counters;
-  nothing is sorted and nothing of size ``n`` is written back except the
-  scatter indices.
-
-Error bound of :func:`approx_percentile` (deterministic, for any data):
-after the passes, ``R = min(T, passes·log2(bins))`` of the ``T`` non-sign bits
-(31 for float32, 63 for float64) are resolved, ``E`` of them exponent bits (8
-for float32, 11 for float64), so ``m = R - E`` mantissa bits are known. Each of
-the two order statistics lies in a bucket of floats ``[L, U]`` sharing its top
-``R`` bits, of relative width ``< 2^-m``; the bucket midpoint is within
-``2^-(m+1)·x`` of it. Interpolation is linear with non-negative weights, so::
-
-    |approx - exact| <= eps·exact + tiny + 4 ulp(exact)
-
-with ``eps = approx_relative_error(bins, passes, dtype) = 2^-(m+1)`` (0 when
-``R = T``: the select is then exact), ``tiny`` the smallest normal number of the
-dtype (covers subnormal buckets and flush-to-zero) and ``4 ulp`` the float
-rounding of the two interpolations. With the defaults (``bins=4096``, two
-passes for float32, three for float64): ``eps = 2^-17 ≈ 7.6e-6`` for float32
-and ``2^-26 ≈ 1.5e-8`` for float64. ``bins=65536, passes=2`` resolves all 31
-bits of float32 and is exact at the same speed.
-
-Non-finite input: the result is NaN when any value is NaN or infinite (numpy
-would return a finite number for infinities off the target ranks; callers that
-need it check finiteness themselves, see ``clip_by_percentile``).
-
-Traced ``percentile`` (``optax.inject_hyperparams``): the rank is then
-computed in the statistics dtype (float32), so it may be off by about
-``n·2^-23`` positions; a Python number is handled in float64, exactly as
-numpy does.
+Both compute numpy's default ``"linear"`` percentile (Hyndman & Fan type 7)
+of ``|values|``: with ``n`` sorted values and ``q = percentile / 100``, the
+virtual index ``v = (n - 1)·q`` interpolates ``x_floor(v)`` and
+``x_floor(v)+1`` with numpy's ``_lerp``. The result is NaN when any value is
+NaN or infinite. The radix select and its error bound: docs/glossary.md
+(Approximate percentile).
 """
 
 from __future__ import annotations
@@ -119,8 +82,8 @@ def approx_relative_error(
 ) -> float:
     """The relative error bound ``eps`` of :func:`approx_percentile`.
 
-    ``|approx - exact| <= eps·exact + tiny + 4 ulp(exact)``, see the module
-    docstring; ``eps = 0`` when the passes resolve every bit.
+    ``|approx - exact| <= eps·exact + tiny + 4 ulp(exact)`` (:doc:`/glossary`);
+    ``eps = 0`` when the passes resolve every bit.
 
     Examples:
       >>> from clipjax import approx_relative_error
@@ -275,11 +238,7 @@ def select(
     bins: int = DEFAULT_BINS,
     passes: int | None = None,
 ) -> tuple[Array, Array]:
-    """``(percentile of |values|, all values finite)`` in the statistics dtype.
-
-    ``values`` is an array or a sequence of arrays (their union). An empty
-    union gives 0.
-    """
+    """``(percentile of |values|, all values finite)`` of an array or several (empty: 0)."""
     arrays = _as_list(values)
     dtype = _grouping.norm_dtype(arrays)
     n = sum(int(x.size) for x in arrays)
@@ -329,11 +288,9 @@ def approx_percentile(
     """The percentile of ``|values|`` by radix histogram select, with an error bound.
 
     Reads the data ``passes`` times (one scatter-add histogram of ``bins``
-    counters each) instead of sorting: on CPU 10x faster than
-    :func:`exact_percentile` at 1e4 elements and 60x or more from 1e5 on
-    (see ``benchmarks/percentile.py``). The result satisfies
-    ``|approx - exact| <= eps·exact + tiny + 4 ulp(exact)`` with
-    ``eps = approx_relative_error(bins, passes, dtype)`` (module docstring).
+    counters each) instead of sorting. The result satisfies ``|approx - exact|
+    <= eps·exact + tiny + 4 ulp(exact)`` with ``eps =
+    approx_relative_error(bins, passes, dtype)`` (:doc:`/glossary`).
 
     Args:
       values: an array of any shape, or a sequence of arrays (their union,
