@@ -14,8 +14,7 @@ from clipjax._metrics import GroupInfo
 
 
 class AdaGCState(NamedTuple):
-    """State of :func:`adagc`: ``gamma`` per group, then the fields every clipper
-    state ends with (:class:`~clipjax.ClipTransform`).
+    """State of :func:`adagc`: ``gamma`` per group.
 
     Attributes:
       gamma: ``[groups]`` EMA of the clipped norms (the minimum of the clipped
@@ -68,18 +67,11 @@ def adagc(
     The EMA absorbs the *clipped* norm (``feedback="clipped"``, the paper's
     rule), so a spike cannot raise its own threshold. ``feedback="raw"``
     absorbs ``g_i`` instead; ``feedback="skip"`` leaves ``gamma`` (and the
-    group's ``count``) unchanged on a clipped step, which can hold the
-    threshold at an old level after a lasting rise of the norm.
-
-    AdaGC is a smoothing clip rather than a spike detector, and it learns a
-    rise of the norm slowly (:doc:`/reference_adagc`).
-
-    A non-finite group norm passes that group through unchanged (scale 1),
-    never enters ``gamma`` and increments ``nonfinite_count``; chain
-    ``optax.apply_if_finite`` to drop such steps.
-
-    Static arguments: none; every number may be injected with
-    ``optax.inject_hyperparams``, and a callable ``scope`` goes in ``static_args``.
+    group's ``count``) unchanged on a clipped step. How it learns a rise of
+    the norm: :doc:`/reference_adagc`. A non-finite group norm passes that
+    group through unchanged, never enters ``gamma`` and increments
+    ``nonfinite_count``. Every number may be injected with
+    ``optax.inject_hyperparams``; a callable ``scope`` goes in ``static_args``.
 
     Args:
       relative_threshold: ``T_i / gamma_i`` (``> 0``; the paper uses 1.05).

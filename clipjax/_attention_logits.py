@@ -1,12 +1,7 @@
 """The largest pre-softmax attention logit of each head, without the attention matrix.
 
-QK-Clip (:func:`clipjax.qk_clip`) rescales the query and key weights of the
-heads whose largest logit ``S = scale * q . k`` over the batch exceeded its
-threshold. An attention that materialises its logits has ``S`` for the price
-of a ``max``; a fused or flash attention never holds them, so
-:func:`max_attention_logits` recomputes them, one block of queries against
-one block of keys at a time: the memory it holds is one ``[batch, heads,
-chunk, chunk]`` block, never the ``[length, length]`` matrix.
+For :func:`clipjax.qk_clip` under a fused or flash attention, which never
+holds its logits.
 """
 
 from __future__ import annotations
@@ -74,14 +69,11 @@ def max_attention_logits(
         S_h = scale * max over batch, query i, key j (allowed by the mask) of q_hi . k_j
 
     the quantity :func:`clipjax.qk_clip` bounds. The logits are computed one
-    block of ``chunk_size`` queries against one block of ``chunk_size`` keys at
-    a time (``lax.map`` over query blocks and key blocks): the
-    largest array held is ``[batch, heads, chunk_size, chunk_size]``, never the
-    full attention matrix. The inputs are read through ``lax.stop_gradient``:
-    the result is a statistic, the backward pass does not see it. It costs one
-    more ``q @ k^T`` in the forward pass (``2 * batch * heads * q_len * kv_len
-    * head_dim`` flops, the causal half included). An attention that
-    computes its logits anyway can take their ``max`` instead.
+    block of ``chunk_size`` queries against one block of ``chunk_size`` keys
+    at a time: the largest array held is ``[batch, heads, chunk_size,
+    chunk_size]``. The inputs are read through ``lax.stop_gradient``. It costs
+    one more ``q @ k^T`` in the forward pass; an attention that computes its
+    logits anyway can take their ``max`` instead.
 
     Args:
       query: ``[..., q_len, heads, head_dim]`` (the layout of

@@ -1,17 +1,10 @@
 """What clipjax refuses, and how it says so: a factory's arguments, an ``update``'s state.
 
-Arguments are checked at construction, each error naming the argument.
-Hyperparameters may arrive as arrays or tracers (``optax.inject_hyperparams``
-calls the factory with them): those cannot be checked in Python and are let
-through; every concrete number is checked.
-
-A state is checked first thing in ``update``: a state from another transform,
-a checkpoint restored without a target (its named tuples come back as plain
-dicts) or a state of another layout would otherwise fail deep inside the
-arithmetic ("not enough values to unpack", "'dict' object has no attribute
-'info'"). :func:`check_state` and :func:`check_layout` name the mistake and
-the fix; :func:`why_empty` tells :func:`clipjax.metrics` why it found no
-clipjax state.
+Arguments are checked at construction, each error naming the argument;
+arrays and tracers (``optax.inject_hyperparams``) are let through. A state
+is checked first thing in ``update`` (:func:`check_state`,
+:func:`check_layout`), so that a state from another transform or a
+checkpoint restored without a target fails with the mistake and the fix.
 """
 
 from __future__ import annotations
@@ -79,13 +72,8 @@ def nonzero_bound(name: str, value: Any) -> None:
 
 
 def percentile(name: str, value: Any) -> None:
-    """A percentile on the 0-100 scale, in ``(1, 100]``.
-
-    A value in ``(0, 1]`` is almost surely a fraction (0.95 for the 95th
-    percentile) and is refused with that question; a clipper at the 1st
-    percentile or below would clip nearly every step or element, so nothing
-    is lost.
-    """
+    """A percentile on the 0-100 scale, in ``(1, 100]``; a value in ``(0, 1]`` is refused as a
+    fraction."""
     try:
         x = _concrete(value)
     except ValueError:
@@ -123,12 +111,8 @@ def _static_hint(name: str) -> str:
 
 
 def integer(name: str, value: Any, minimum: int = 0, static: bool = True) -> None:
-    """An integer ``>= minimum``.
-
-    ``static=True``: a Python int (it fixes a shape or Python control flow).
-    ``static=False``: it only enters arithmetic, so an array or tracer (from
-    ``optax.inject_hyperparams``) is accepted and checked when concrete.
-    """
+    """An integer ``>= minimum``; ``static=False`` also accepts an array or tracer, checked when
+    concrete."""
     if isinstance(value, (jax.Array, Tracer)) and not isinstance(value, bool):
         if static:
             raise ValueError(_static_hint(name))
@@ -182,12 +166,8 @@ RESTORED = (
 
 
 def looks_restored(x: Any) -> bool:
-    """Whether ``x`` is what a clipjax state becomes restored without a target.
-
-    A mapping with a ``metrics`` mapping that holds the ``step`` counter every
-    clipjax state keeps (also the form of a clipjax state inside
-    ``nnx.state(optimizer)``).
-    """
+    """Whether ``x`` is a clipjax state restored without a target: a mapping whose ``metrics`` holds
+    ``step``."""
     if not isinstance(x, Mapping):
         return False
     metrics = x.get("metrics")
@@ -254,10 +234,8 @@ def check_state(state: Any, expected: type | tuple[type, ...], who: str) -> None
 
 
 def check_members(state: Any, expected: tuple[type, ...], who: str) -> None:
-    """:func:`check_state` for a tuple state: ``len(expected)`` members, each an instance.
-
-    ``object`` accepts any member (a chain's members check their own).
-    """
+    """:func:`check_state` for a tuple state of ``len(expected)`` members (``object``: any
+    member)."""
     if (
         isinstance(state, tuple)
         and not hasattr(state, "_fields")
@@ -277,12 +255,8 @@ def _shapes(tree: Any) -> list[tuple[int, ...]]:
 
 
 def check_layout(who: str, field: str, got: Any, want: Any) -> None:
-    """Raises a ``ValueError`` unless ``got`` has ``want``'s tree structure and leaf shapes.
-
-    ``want`` is what this transform's ``init`` builds (arrays or
-    ``jax.ShapeDtypeStruct``); a state of the right class but another layout
-    was made by a transform with other settings.
-    """
+    """Raises a ``ValueError`` unless ``got`` has ``want``'s (what ``init`` builds) tree and leaf
+    shapes."""
     if jax.tree.structure(got) == jax.tree.structure(want) and _shapes(got) == _shapes(want):
         return
     if isinstance(got, Mapping) and isinstance(want, Mapping) and set(got) != set(want):

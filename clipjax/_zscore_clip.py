@@ -22,8 +22,7 @@ JUDGE_FIRST_DECAY = 0.97
 
 
 class ZScoreClipState(NamedTuple):
-    """State of :func:`zscore_clip`: its EMA moments per group, then the fields
-    every clipper state ends with (:class:`~clipjax.ClipTransform`).
+    """State of :func:`zscore_clip`: its EMA moments per group.
 
     Attributes:
       moments: the EMAs of the observed norms: ``count`` (observations),
@@ -51,8 +50,7 @@ class ZScoreClipState(NamedTuple):
 
 
 def _std(var: Any) -> Any:
-    """``sqrt(max(var, 0))``: NumPy's on a value that can be read here (no program
-    to compile for a concrete state), jax's inside ``jit``."""
+    """``sqrt(max(var, 0))``: NumPy's on a value that can be read here, jax's inside ``jit``."""
     var = _metrics.unwrap(var)
     if isinstance(var, Tracer) or (isinstance(var, jax.Array) and not var.is_fully_addressable):
         return jnp.sqrt(jnp.maximum(var, 0))
@@ -88,17 +86,13 @@ def zscore_clip(
     ``feedback="observe_first"`` observes ``g`` before its own threshold (a
     spike raises it); the others judge ``g`` by the EMAs before it, then
     observe ``g`` (``"raw"``), ``min(g, T)`` (``"clipped"``, the setting that
-    stops spikes) or nothing on a clipped step (``"skip"``). The variance is
-    kept by a recursion free of float32 cancellation. A non-finite norm passes
-    unchanged and is never observed. Each feedback, and where this differs
-    from smartclip: :doc:`/reference_smartclip`.
-
-    Metrics per group: ``grad_norm``, ``threshold``, ``scale``, ``clipped``,
-    ``spike``, the counters and ``mean``, ``std`` after the step; ``capped``
-    and ``headroom`` with a ceiling.
-
-    Static arguments: none; every number may be injected with
-    ``optax.inject_hyperparams``, and a callable ``scope`` goes in ``static_args``.
+    stops spikes) or nothing on a clipped step (``"skip"``). A non-finite norm
+    passes unchanged and is never observed. Each feedback, and where this
+    differs from smartclip: :doc:`/reference_smartclip`. Metrics per group:
+    ``grad_norm``, ``threshold``, ``scale``, ``clipped``, ``spike``, the
+    counters and ``mean``, ``std`` after the step; ``capped`` and
+    ``headroom`` with a ceiling. Every number may be injected with
+    ``optax.inject_hyperparams``; a callable ``scope`` goes in ``static_args``.
 
     Args:
       zmax: z-score above which norms are clipped (``> 0``).
