@@ -102,9 +102,7 @@ def gate_defaults(feedback: str, warmup_steps: Any, min_history: Any) -> tuple[i
 
 
 def is_placeholder(params: Any) -> bool:
-    """``init`` was given optax's leafless params placeholder (``tree_map_params``
-    calls init on one): the state's names are then a leaf, so that the real
-    state's names are mapped onto them."""
+    """``init`` was given optax's leafless params placeholder (``tree_map_params``)."""
     return type(params).__name__ == "_ParamsPlaceholder"
 
 
@@ -329,9 +327,7 @@ def ceiling_scale(
 
 
 def headroom(ceiling: Any, level: Array) -> Array:
-    """An absolute ceiling over the clipper's running level of the norm (+inf before
-    any level): below 1 the ceiling binds on most steps (a static clip); far above 1
-    in the first steps it bounds nothing there."""
+    """An absolute ceiling over the clipper's running level of the norm (+inf before any)."""
     positive = level > 0
     return jnp.where(positive, ceiling / jnp.where(positive, level, 1.0), jnp.inf)
 
@@ -351,15 +347,12 @@ def observation(
     ``boundary`` is the norm above which it fires, ``target`` the value it clips to.
 
     * ``"raw"`` (and ``"observe_first"``): the norm;
-    * ``"clipped"``: ``min(norm, boundary)`` where it fires: a spike teaches no
-      more than a norm at the boundary would, and a norm at the boundary still
-      widens a spread-based boundary, so a lasting rise of the norm is learnt;
+    * ``"clipped"``: ``min(norm, boundary)`` where it fires (a lasting rise is learnt);
     * ``"clip_target"``: ``target`` where it fires (the reference zclip rule);
     * ``"skip"``: the norm, but nothing is observed where it fires.
 
     A non-finite norm, or a value whose square overflows, is never observed,
-    unless ``guard_nans=False`` (smartclip unguarded: it is observed, and the
-    statistic floors it, a NaN as ``eps``).
+    unless ``guard_nans=False``.
     """
     fires = jnp.zeros(jnp.shape(norm), bool) if fires is None else fires
     value = norm
