@@ -178,10 +178,7 @@ def clip_by_historical_norm(
 
         # What the window learns.
         x, observed = _kit.observation(feedback, g, boundary=threshold, fires=fires)
-        slot = (seen % rolling_interval_length)[:, None]
-        at_slot = jnp.arange(rolling_interval_length) == slot
-        window = jnp.where(at_slot & observed[:, None], x[:, None].astype(window.dtype), window)
-        seen = seen + observed.astype(seen.dtype)
+        window, seen = _stats.ring_push(window, seen, x, observed)
         after_mean, after_std, _ = _stats.ring_mean_std(window, seen, ddof=0)
 
         metrics = _kit.step_metrics(

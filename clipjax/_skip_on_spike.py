@@ -14,7 +14,7 @@ from clipjax import _checks, _conditional, _grouping, _kit, _xla
 from clipjax._global_norm import global_norm
 from clipjax._kit import SpikeFeedback
 from clipjax._metrics import GroupInfo
-from clipjax._stats import ring_mean_std
+from clipjax._stats import ring_mean_std, ring_push
 
 ALGO = "skip_on_spike"
 FEEDBACKS = get_args(SpikeFeedback)
@@ -97,13 +97,6 @@ def _threshold(window: jax.Array, seen: jax.Array, sigma: Any, min_history: int)
     mean, std, held = ring_mean_std(window, seen, ddof=0)
     threshold = mean + jnp.asarray(sigma, window.dtype) * std
     return jnp.where(held >= min_history, threshold, jnp.inf).astype(window.dtype)
-
-
-def _push(window: jax.Array, seen: jax.Array, x: jax.Array, enter: jax.Array) -> tuple[Any, Any]:
-    """Writes ``x`` into the ring buffer where ``enter`` (a scalar bool)."""
-    slot = seen % window.shape[0]
-    new_window = window.at[slot].set(jnp.where(enter, x, window[slot]))
-    return new_window, seen + enter.astype(seen.dtype)
 
 
 def _observation(
@@ -254,12 +247,12 @@ def skip_on_spike(
         )  # fmt: skip
 
         x, enters = _observation(norm, grad_threshold, skip, forced, feedback)
-        grad_norm_window, grad_norm_seen = _push(
+        grad_norm_window, grad_norm_seen = ring_push(
             state.grad_norm_window, state.grad_norm_seen, x, enters
         )
         if has_value:
             x, enters = _observation(loss, value_threshold, skip, forced, feedback)
-            value_window, value_seen = _push(state.value_window, state.value_seen, x, enters)
+            value_window, value_seen = ring_push(state.value_window, state.value_seen, x, enters)
         else:
             # Copies, not the inputs themselves: an output that passes its input
             # through cannot reuse that input's donated buffer.

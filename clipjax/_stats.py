@@ -364,7 +364,7 @@ def window_update(state: WindowState, x: ArrayLike) -> WindowState:
     head = count % size
     at_head = slot == head[:, None]
     evicted = jnp.where(count >= size, jnp.sum(jnp.where(at_head, values, 0), axis=1), jnp.inf)
-    values = jnp.where(at_head, x[:, None], values)
+    values, seen = ring_push(values, count, x)
 
     pad = jnp.full_like(ordered[:, :1], jnp.inf)
     gone = jnp.sum(ordered < evicted[:, None], axis=1, keepdims=True)
@@ -372,7 +372,7 @@ def window_update(state: WindowState, x: ArrayLike) -> WindowState:
     put = jnp.sum(ordered <= x[:, None], axis=1, keepdims=True)
     shifted = jnp.concatenate([pad, ordered[:, :-1]], axis=1)
     ordered = jnp.where(slot < put, ordered, jnp.where(slot == put, x[:, None], shifted))
-    return WindowState(values, ordered, count + 1)
+    return WindowState(values, ordered, seen)
 
 
 def window_percentile(state: WindowState, percentile: ArrayLike) -> jax.Array:
@@ -566,6 +566,22 @@ def positive_part(x: jax.Array, eps: ArrayLike) -> jax.Array:
     statistics: as ``eps``.
     """
     return jnp.where(x > 0, x, jnp.asarray(eps, x.dtype))
+
+
+def ring_push(
+    values: jax.Array, seen: jax.Array, x: jax.Array, enters: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Writes ``x`` into a ring buffer (the last axis of ``values``, leading axes
+    per group): value ``k`` (0-based) goes to slot ``k % size``; only where
+    ``enters`` (None: everywhere). Returns the buffer and ``seen`` advanced."""
+    size = values.shape[-1]
+    at_slot = jnp.arange(size) == (seen % size)[..., None]
+    if enters is not None:
+        at_slot = at_slot & enters[..., None]
+        seen = seen + enters.astype(seen.dtype)
+    else:
+        seen = seen + 1
+    return jnp.where(at_slot, jnp.asarray(x, values.dtype)[..., None], values), seen
 
 
 def ring_mean_std(
