@@ -1,10 +1,4 @@
-"""``clip_by_historical_norm``: Levanter's clip at mean + k std of a window of past norms.
-
-From stanford-crfm/levanter at commit 9263f81e8b453241332c2c0b2d2001bfb2d2241c,
-``src/levanter/optim/clip_update_norm.py`` (``clip_update_by_historical_norm``),
-which Levanter's ``AdamConfig`` chains after the optimizer's moments and weight
-decay and before the learning rate (``src/levanter/optim/config.py``).
-"""
+"""``clip_by_historical_norm``: Levanter's clip at mean + k std of a window of past norms."""
 
 from __future__ import annotations
 
@@ -24,12 +18,11 @@ NORM_FLOOR = 1e-6
 
 
 class HistoricalNormClipState(NamedTuple):
-    """State of :func:`clip_by_historical_norm`: a window of norms per group, then
-    the fields every clipper state ends with (:class:`~clipjax.ClipTransform`).
+    """State of :func:`clip_by_historical_norm`: a window of norms per group.
 
     Attributes:
       window: ``[groups, rolling_interval_length]`` ring buffer of the observed
-        norms (Levanter's ``update_norms``; slot ``seen % length`` is next).
+        norms (Levanter's ``update_norms``).
       seen: ``int32[groups]`` norms ever written to the window.
 
     Examples:
@@ -67,27 +60,14 @@ def clip_by_historical_norm(
         scale = T / max(g, 1e-6)  where g > T and the window holds >= min_history norms
         then g enters the window
 
-    Levanter places it after the optimizer, on the update (the recipe in the
-    docs' *More spike defences* page); it clips gradients as well. What enters
-    the window is set by ``feedback``: ``"raw"`` (default, Levanter's: the
-    unclipped norm, "to prevent collapse"), ``"clipped"`` (``min(g, T)``: a
-    spike then widens the window's spread no more than a norm at the
-    threshold) or ``"skip"`` (nothing on a clipped step; a lasting rise can
-    then be clipped for good).
-
-    What ``"raw"`` costs: a spike is clipped, but its norm then sits in the
-    window for ``rolling_interval_length`` steps and lifts the threshold to
-    about ``3 / sqrt(length)`` of itself (a quarter with the default window),
-    so a second, smaller spike in that time passes whole (measured in
-    :doc:`/defences_2025`). ``feedback="clipped"`` is one argument away and
-    catches it.
-
-    A NaN or infinite norm passes unchanged and never enters the window, unlike
-    Levanter's (:doc:`/defences_2025`).
-
-    Static arguments: ``rolling_interval_length`` (it sizes the window: name it
-    in static_args); ``sigma_factor`` and ``min_history`` may be injected or
-    scheduled with ``optax.inject_hyperparams``.
+    Levanter places it after the optimizer, on the update; it clips gradients
+    as well. ``feedback`` is what enters the window: the unclipped norm
+    (``"raw"``, Levanter's), ``min(g, T)`` (``"clipped"``, which also catches
+    a second, smaller spike) or nothing on a clipped step (``"skip"``). A NaN
+    or infinite norm passes unchanged and never enters the window. Why and
+    how it differs from Levanter: :doc:`/defences_2025`.
+    ``rolling_interval_length`` is static; ``sigma_factor`` and
+    ``min_history`` may be injected with ``optax.inject_hyperparams``.
 
     Args:
       rolling_interval_length: the window's length (an int ``>= 1``); default
@@ -95,9 +75,8 @@ def clip_by_historical_norm(
       sigma_factor: how many standard deviations above the mean (``> 0``).
       min_history: norms in the window before any clip, an int in ``[1,
         rolling_interval_length]``; default Levanter's
-        ``max(2, rolling_interval_length // 2)``, which a window of length 1
-        never holds: with ``rolling_interval_length=1`` nothing is clipped, as
-        in Levanter, unless ``min_history=1`` is passed.
+        ``max(2, rolling_interval_length // 2)`` (so a window of length 1
+        never clips unless ``min_history=1``).
       scope: ``"global"`` (Levanter's), ``"per_param"``, ``"per_layer"``, a
         callable or :func:`clipjax.stacked`.
       feedback: ``"raw"`` (default), ``"clipped"`` or ``"skip"``.

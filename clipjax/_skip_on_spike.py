@@ -24,12 +24,9 @@ ROUTES = ("fold", "select", "cond")
 class ConditionalRouteWarning(UserWarning):
     """skip_on_spike runs an optimizer with full-size moments under ``lax.cond``.
 
-    The step is correct, but the conditional's boundary costs about two extra
-    passes over the updates. :func:`clipjax.adam`, :func:`clipjax.adamw` and
-    :func:`clipjax.chain`, passed directly (a wrapper such as
-    ``optax.inject_hyperparams`` hides their ``update_if``), fold the skip in
-    instead. Silence it with
-    ``warnings.filterwarnings("ignore", category=clipjax.ConditionalRouteWarning)``.
+    The step is correct but costs more than :func:`clipjax.adamw` passed
+    directly, which folds the skip in (:doc:`/reference_skip_step`). Silence it
+    with ``warnings.filterwarnings("ignore", category=clipjax.ConditionalRouteWarning)``.
     """
 
 
@@ -37,10 +34,8 @@ class SkipOnSpikeTransform(optax.GradientTransformationExtraArgs):
     """The transform :func:`clipjax.skip_on_spike` returns.
 
     An ``optax.GradientTransformationExtraArgs`` with one more attribute,
-    ``route``: how a skipped step leaves the inner transform's state as it
-    was (``"fold"``, ``"select"`` or ``"cond"``, see
-    :func:`clipjax.skip_on_spike`), decided when it is built from what the
-    inner transform is.
+    ``route``: how a skipped step leaves the inner state as it was
+    (``"fold"``, ``"select"`` or ``"cond"``).
     """
 
     route: _conditional.Route
@@ -62,17 +57,14 @@ class SkipOnSpikeState(NamedTuple):
     Attributes:
       inner_state: the wrapped transform's state; unchanged by a skipped step.
       grad_norm_window: ``float32[window_size]`` ring buffer of the last
-        global gradient norms it observed (what enters is set by ``feedback``).
+        global gradient norms observed (as ``feedback`` says).
       value_window: ``float32[window_size]`` the same for the losses.
-      grad_norm_seen: ``int32`` norms ever written to ``grad_norm_window``
-        (its next slot is ``grad_norm_seen % window_size``).
+      grad_norm_seen: ``int32`` norms ever written to ``grad_norm_window``.
       value_seen: ``int32`` the same for ``value_window``.
-      metrics: ``[1]``-shaped arrays (group ``global``): the step's
-        ``grad_norm``, ``value`` (NaN without one), ``grad_threshold``,
-        ``value_threshold`` (``+inf`` below ``min_history`` values),
-        ``skipped``, and the counters ``skipped_count`` (all skips),
-        ``consecutive_skips``, ``nonfinite_count``, ``step`` (update calls)
-        and ``count`` (taken steps).
+      metrics: ``[1]``-shaped arrays (group ``global``): ``grad_norm``,
+        ``value``, ``grad_threshold``, ``value_threshold``, ``skipped``,
+        ``skipped_count``, ``consecutive_skips``, ``nonfinite_count``,
+        ``step`` (update calls) and ``count`` (taken steps).
       info: static names, ``GroupInfo(algo="skip_on_spike", ...)``.
 
     Examples:
@@ -102,11 +94,8 @@ def _threshold(window: jax.Array, seen: jax.Array, sigma: Any, min_history: int)
 def _observation(
     x: jax.Array, threshold: jax.Array, skip: jax.Array, forced: jax.Array, feedback: str
 ) -> tuple[jax.Array, jax.Array]:
-    """What a step teaches one buffer: ``(value, enters)``, by the clippers' own
-    feedback rule: under ``"clipped"`` a value above its threshold enters at the
-    threshold, except on a forced step (a run of skips ends: the value is the new
-    level); under ``"skip"`` a skipped step enters nothing. A non-finite value
-    never enters."""
+    """What a step teaches one buffer, ``(value, enters)``: the clippers' feedback
+    rule, except that a forced step enters as it is."""
     fires = skip if feedback == "skip" else (x > threshold) & ~forced
     return _kit.observation(feedback, x, boundary=threshold, fires=fires)
 
@@ -125,34 +114,19 @@ def skip_on_spike(
     """Skips a whole optimizer step when its gradient norm or loss spikes.
 
     Wraps a transform (usually the whole optimizer) like
-    ``optax.apply_if_finite``. Each step it takes the global L2 norm ``g`` of
-    the updates (float32) and the loss given as ``update(..., value=loss)``,
-    and keeps ring buffers of the last ``window_size`` observed values of
-    each. A step is **skipped** when ``g`` or the loss is NaN or infinite, or
-    when a buffer holds at least ``min_history`` values and ``x > T_x = mean +
-    sigma * std`` (population std) for ``x = g`` or the loss. A skipped step
-    returns zero updates (each leaf in its dtype) and leaves the inner state
-    bit-identical; the clipjax transforms inside report it as skipped
-    (``grad_norm`` NaN, ``skipped`` True in :func:`clipjax.metrics`).
+    ``optax.apply_if_finite``. It keeps ring buffers of the last
+    ``window_size`` global L2 norms ``g`` of the updates and losses (passed as
+    ``update(..., value=loss)``). A step is **skipped** when ``g`` or the loss
+    is not finite, or when a buffer holds ``min_history`` values and ``x >
+    T_x = mean + sigma * std`` (population std). A skipped step returns zero
+    updates and leaves the inner state bit-identical.
 
-    ``feedback`` is what a step teaches the buffers (a NaN never enters):
-    ``min(x, T_x)`` on every step (``"clipped"``, the default: a spike cannot
-    open the door to the next one, a lasting shift is learnt), ``x`` of taken
-    steps only (``"skip"``: a lasting shift stalls training unless
-    ``max_consecutive_skips`` is set), or every ``x`` (``"raw"``, OLMo-core's
-    and Levanter's). After ``max_consecutive_skips`` skips the next finite
-    step is taken and enters the buffers as it is.
-
-    The inner transform skips by its ``route``, decided here from what it is:
-    :func:`clipjax.adam`, :func:`clipjax.adamw`, :func:`clipjax.chain` fold
-    the decision into their moments (``"fold"``), clipjax clippers
-    run and have their state selected (``"select"``), any other transform
-    runs under ``lax.cond`` (``"cond"``; warned once with
-    :class:`clipjax.ConditionalRouteWarning` around full-size state). The
-    routes and the differences from ``optax.apply_if_finite``, OLMo-core and
-    Levanter: :doc:`/reference_skip_step`.
-
-    Static arguments: ``window_size`` (it sizes the buffers); every other number
+    ``feedback`` is what enters the buffers (never a NaN): ``min(x, T_x)``
+    (``"clipped"``), ``x`` of taken steps (``"skip"``) or every ``x``
+    (``"raw"``, OLMo-core's and Levanter's). After ``max_consecutive_skips``
+    skips the next finite step is taken. How the inner transform skips
+    (its ``route``: ``"fold"``, ``"select"`` or ``"cond"``):
+    :doc:`/reference_skip_step`. ``window_size`` is static; every other number
     may be injected with ``optax.inject_hyperparams``.
 
     Args:
@@ -293,9 +267,8 @@ def run_inner(
     warned: list[bool],
     **extra_args: Any,
 ) -> tuple[Any, Any]:
-    """``inner``'s update where ``take`` holds, with zero updates and its state as
-    it was where not, by ``route`` (warned once, through ``warned``, where a
-    conditional runs an optimizer with full-size state)."""
+    """``inner``'s update where ``take`` holds, zero updates and its state as it
+    was where not (by ``route``; ``warned`` holds whether it warned)."""
     if route == "cond" and not warned[0] and _has_full_size(inner_state, updates):
         warned[0] = True
         _warn_conditional(who)

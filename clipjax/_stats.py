@@ -1,28 +1,10 @@
 """Streaming statistics as pure functions on stacked ``[groups]`` arrays.
 
-Every state below is a ``NamedTuple`` whose leaves carry a leading ``[G]``
-axis (one row per clipping group) and every ``*_update(state, x)`` takes one
-observation per group, ``x: [G]``, and returns a state of identical structure,
-shapes and dtypes, so states can be ``lax.scan`` carries and never re-trace.
-Nothing branches on values in Python: "not initialised yet" is encoded in the
-int32 ``count`` leaf, not by ``None``.
-
-The updates assume ``x`` is finite. Callers mask rows whose observation is
-not (``jnp.where(finite, new, old)`` per group), which is how a NaN
-never enters a statistic.
-
-Statistics:
-
-* Welford mean / variance over the whole history (Welford 1962).
-* P² streaming quantile (Jain & Chlamtac 1985), textbook parabolic step, or
-  smartclip's variant for reproduction.
-* EMA mean / variance with the cancellation-free variance recursion, and EMA
-  moments started from a warm-up sample kept as running sums.
-* Ring-buffer window with an incrementally sorted copy and numpy's "linear"
-  percentile (or median and std).
-* A scale-free stochastic-approximation quantile that forgets at a rate
-  proportional to ``1 - decay`` (replaces smartclip's ``EmaQuantile``).
-* The geometric quantile of Andrew et al. (2021).
+Each state's leaves lead with a ``[G]`` axis (one row per group); each
+``*_update(state, x)`` takes ``x: [G]`` and returns a state of the same
+structure, shapes and dtypes (a ``lax.scan`` carry). "Not initialised yet" is
+the int32 ``count`` leaf. The updates assume a finite ``x``: callers mask the
+rows whose observation is not.
 """
 
 from __future__ import annotations
@@ -60,11 +42,7 @@ def welford_init(num_groups: int, dtype: DTypeLike = jnp.float32) -> WelfordStat
 
 
 def welford_update(state: WelfordState, x: ArrayLike) -> WelfordState:
-    """``n += 1; δ = x - mean; mean += δ/n; m2 += δ·(x - mean_new)``.
-
-    Same operation order as smartclip's ``WelfordVariance``: in float64 the
-    mean agrees bit for bit and the std to the last bit.
-    """
+    """``n += 1; δ = x - mean; mean += δ/n; m2 += δ·(x - mean_new)`` (smartclip's order)."""
     x = jnp.asarray(x, state.mean.dtype)
     count = state.count + 1
     delta = x - state.mean
@@ -85,8 +63,7 @@ class SampleState(NamedTuple):
     Attributes:
       count: int32 ``[G]``, observations seen.
       total: ``[G]``, their sum.
-      m2: ``[G]``, the sum of squared deviations from their mean (Welford's
-        recursion, which does not cancel as a sum of squares would).
+      m2: ``[G]``, the sum of squared deviations from their mean.
     """
 
     count: jax.Array
@@ -102,9 +79,7 @@ def sample_init(num_groups: int, dtype: DTypeLike = jnp.float32) -> SampleState:
 def sample_update(state: SampleState, x: ArrayLike) -> SampleState:
     """Adds ``x``: ``m2 += (x - mean_before) * (x - mean_after)``, each mean ``total / count``.
 
-    The mean is the sum over the count, as a two-pass mean of the stored
-    sample is (zclip's and drytorch's warm-up), not Welford's running mean,
-    so that both agree to the last bit on the same values.
+    ``total / count`` is the two-pass mean of zclip's and drytorch's warm-up.
     """
     dtype = state.total.dtype
     x = jnp.asarray(x, dtype)
@@ -133,9 +108,7 @@ class P2State(NamedTuple):
         ``count`` slots hold the raw observations in arrival order.
       positions: int32 ``[G, 5]`` marker positions (0-based ranks).
       desired: ``[G, 5]`` desired marker positions, advanced by
-        ``[0, p/2, p, (1+p)/2, 1]`` per observation as smartclip does. In
-        float32 they stay exact for p = 0.5 up to about 5.6 million
-        observations (multiples of 1/4 below 2**22).
+        ``[0, p/2, p, (1+p)/2, 1]`` per observation as smartclip does.
       count: int32 ``[G]``, observations seen.
     """
 
@@ -200,20 +173,11 @@ def _select(mask: jax.Array, new: _State, old: _State) -> _State:
 def p2_update(state: P2State, x: ArrayLike, p: ArrayLike = 0.5, textbook: bool = True) -> P2State:
     """One P² step (Jain & Chlamtac 1985, CACM 28(10)).
 
-    The first five observations are stored; the fifth sorts them and sets
-    positions ``0..4`` and desired positions ``[0, 2p, 4p, 2+2p, 4]``. Later
-    observations locate their cell (``x <= q[4]`` is inside, as in smartclip),
-    extend the extreme markers, shift the positions above the cell, advance the
-    desired positions, and move markers 1, 2, 3 in turn (each seeing its
-    already-moved neighbours) by one rank towards their desired position when
-    that is at least 1 away and the neighbour is more than 1 rank away:
-
-        q_i += d/(n[i+1]-n[i-1]) · [(n_i-n[i-1]+d)(q[i+1]-q_i)/(n[i+1]-n_i)
-                                    + (n[i+1]-n_i-d)(q_i-q[i-1])/(n_i-n[i-1])]
-
-    falling back to linear interpolation towards the neighbour when that value
-    is not strictly between the neighbours. ``textbook=False`` omits the
-    ``1/(n[i+1]-n[i-1])`` factor, reproducing smartclip's ``P2Quantile``.
+    The first five observations are stored, the fifth starts the markers;
+    later ones move markers 1, 2, 3 in turn by one rank towards their desired
+    position with the piecewise-parabolic formula (linear when that leaves
+    the neighbours). ``textbook=False`` omits its ``1/(n[i+1]-n[i-1])``
+    factor, reproducing smartclip's ``P2Quantile``.
     """
     heights, positions, desired, count = state
     dtype = heights.dtype
@@ -253,11 +217,7 @@ def p2_update(state: P2State, x: ArrayLike, p: ArrayLike = 0.5, textbook: bool =
 
 
 def p2_value(state: P2State) -> jax.Array:
-    """Middle marker once ``count >= 5``; before that the exact (numpy) median.
-
-    smartclip has no value before the 5th observation. Empty
-    groups report 0.
-    """
+    """Middle marker once ``count >= 5``; before that the exact median (0 if empty)."""
     count = state.count
     slot = jnp.arange(5)
     seen = jnp.sort(jnp.where(slot < count[:, None], state.heights, jnp.inf), axis=1)
@@ -296,11 +256,9 @@ def ema_moments_init(num_groups: int, dtype: DTypeLike = jnp.float32) -> EmaMome
 def ema_moments_update(state: EmaMomentsState, x: ArrayLike, decay: ArrayLike) -> EmaMomentsState:
     """``mean ← d·mean + (1-d)·x``, ``var ← d·var + d(1-d)·(x - mean_old)²``.
 
-    smartclip's ``EmaMoments`` (ZScoreClip) keeps EMAs ``m`` of x and ``m2`` of
-    x², both started at the first value, and reports ``m2 - m²``. The
-    recursion above equals that exactly in real arithmetic but does not cancel
-    when the spread is tiny next to the mean (Finch 2009,
-    "Incremental calculation of weighted mean and variance").
+    Equal in real arithmetic to smartclip's ``m2 - m²``, without its
+    cancellation (Finch 2009, "Incremental calculation of weighted mean and
+    variance").
     """
     x = jnp.asarray(x, state.mean.dtype)
     d = jnp.asarray(decay, x.dtype)
@@ -352,10 +310,8 @@ def window_init(num_groups: int, size: int, dtype: DTypeLike = jnp.float32) -> W
 def window_update(state: WindowState, x: ArrayLike) -> WindowState:
     """Push ``x``, evicting the oldest value once the window is full.
 
-    The sorted copy is maintained in O(size) per group: the evicted value
-    (``+inf`` padding while filling) is removed at its first rank and ``x`` is
-    inserted after its equals, by comparisons and one-place shifts rather than
-    a sort. Assumes finite ``x`` (an inf would be confused with padding).
+    The sorted copy is kept in O(size) per group by shifts, not a sort;
+    ``x`` must be finite (an inf would be taken for padding).
     """
     values, ordered, count = state
     size = values.shape[1]
@@ -376,12 +332,7 @@ def window_update(state: WindowState, x: ArrayLike) -> WindowState:
 
 
 def window_percentile(state: WindowState, percentile: ArrayLike) -> jax.Array:
-    """Linearly interpolated percentile of the window (numpy's default method).
-
-    ``pos = percentile/100 · (n-1)``; ``(1-f)·v[floor] + f·v[ceil]`` with
-    ``f = pos - floor(pos)``, the same expression as smartclip's
-    ``utils.percentile``. Empty groups report 0.
-    """
+    """Linearly interpolated percentile of the window (numpy's and smartclip's; 0 if empty)."""
     ordered = state.sorted
     dtype = ordered.dtype
     n = jnp.minimum(state.count, ordered.shape[1])
@@ -452,31 +403,9 @@ def squantile_update(
         r ← r + 0.2·a·s·(p - 1[x < r]) / min(p, 1 - p)     (Robbins-Monro)
         value = EMA_{a/8}(r), bias-corrected               (Polyak averaging)
 
-    * Converges: the step is a stochastic gradient of the pinball loss, whose
-      expectation ``p - F(r)`` vanishes only at the ``p``-quantile; the small
-      constant gain leaves a jitter that the averaging removes.
-    * Scale-free: ``s`` and ``r`` scale with the stream, so multiplying every
-      observation by ``c > 0`` multiplies ``estimate``, ``spread``,
-      ``average`` and the value by ``c`` (exactly, for powers of two).
-    * Decreases: each observation below ``r`` lowers it by ``0.2·a·s`` (the
-      ``/min(p, 1-p)`` makes the slower direction this fast for every ``p``);
-      smartclip's ``q += a(x-q)(p-1[x<q])`` never decreases. Far from the
-      target ``s ≈ |r - x|`` grows, so the approach is geometric.
-    * Forgets at a rate proportional to ``a``: every time constant is a
-      multiple of ``1/a``. Levels beyond ``[a, 1 - a]`` are clamped, which
-      bounds the rare-side jump by ``0.2·s`` (``q = 1`` tracks the
-      ``1 - a`` quantile rather than a never-decreasing maximum).
-
-    Measured (NumPy float64, q = 0.95, decay = 0.99, 200 seeds, |relative
-    error| of the value after 10k stationary steps: mean / 99th pct / max):
-    |N(1, .2)| 0.6 / 1.8 / 2.2 %, lognormal(0, .25) 1.0 / 3.2 / 4.2 %,
-    uniform(.5, 1.5) 0.3 / 1.0 / 1.3 %, gamma(9) 1.1 / 3.1 / 5.8 %; bias
-    below +0.3 %. Heavier tails are noisier (lognormal(0, .5) 1.9 / 6.5 %,
-    exponential 2.7 / 8.2 %). After the stream is scaled by 0.2 the value is
-    back within 20 % of the new quantile after at most 3,000 steps (median
-    2,850; required bound 5,000; heavy tails 3,300), after a 5x rise within 1,500.
-    These scale with ``1/a`` (decay = 0.999: 28,900 steps). The float32 JAX
-    version gives the same figures (50 seeds).
+    A stochastic gradient step of the pinball loss: it converges to the
+    ``p``-quantile, scales with the stream, goes down as well as up (unlike
+    smartclip's ``EmaQuantile``) and forgets in a multiple of ``1/a`` steps.
     """
     dtype = state.estimate.dtype
     x = jnp.asarray(x, dtype)
@@ -542,10 +471,8 @@ def gquantile_update(
 ) -> GeometricQuantileState:
     """``quantile <- quantile * exp(-lr * (1[x <= quantile] - q))``; starts at ``x``.
 
-    The multiplicative update of Andrew, Thakkar, McMahan & Ramaswamy (2021):
-    its fixed point in expectation is ``P(x <= quantile) = q``, it is
-    scale-free (each step moves by a factor, never by an absolute amount) and
-    it follows a drifting scale at a geometric rate set by ``lr``.
+    Andrew, Thakkar, McMahan & Ramaswamy (2021); scale-free, its fixed point
+    is ``P(x <= quantile) = q``.
     """
     dtype = state.quantile.dtype
     x = jnp.asarray(x, dtype)
@@ -560,20 +487,16 @@ def gquantile_update(
 
 
 def positive_part(x: jax.Array, eps: ArrayLike) -> jax.Array:
-    """smartclip's ``ensure_positive``: ``x if x > 0 else eps``.
-
-    With ``guard_nans=False`` this is also how a NaN enters smartclip's
-    statistics: as ``eps``.
-    """
+    """smartclip's ``ensure_positive``: ``x if x > 0 else eps`` (a NaN becomes ``eps``)."""
     return jnp.where(x > 0, x, jnp.asarray(eps, x.dtype))
 
 
 def ring_push(
     values: jax.Array, seen: jax.Array, x: jax.Array, enters: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
-    """Writes ``x`` into a ring buffer (the last axis of ``values``, leading axes
-    per group): value ``k`` (0-based) goes to slot ``k % size``; only where
-    ``enters`` (None: everywhere). Returns the buffer and ``seen`` advanced."""
+    """Writes ``x`` into slot ``seen % size`` of the last axis where ``enters`` (None: everywhere).
+
+    Returns the buffer and ``seen`` advanced."""
     size = values.shape[-1]
     at_slot = jnp.arange(size) == (seen % size)[..., None]
     if enters is not None:
@@ -587,12 +510,9 @@ def ring_push(
 def ring_mean_std(
     values: jax.Array, seen: jax.Array, ddof: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Mean, std and size of the values a ring buffer holds (along the last axis).
+    """Mean, std and size ``n = min(seen, size)`` of the values a ring buffer holds.
 
-    A ring of ``size`` slots that has seen ``seen`` values holds ``n =
-    min(seen, size)`` of them, in its first ``n`` slots while it fills. Two
-    passes over them (no float32 cancellation); the std divides by ``n -
-    ddof`` and is 0 with ``n <= ddof``.
+    Two passes; the std divides by ``n - ddof`` and is 0 with ``n <= ddof``.
     """
     size = values.shape[-1]
     n = jnp.minimum(seen, size)
@@ -616,9 +536,8 @@ class WarmupEmaState(NamedTuple):
     Attributes:
       mean: ``[G]`` running mean.
       var: ``[G]`` running variance.
-      warmup: the warm-up sample's running sums (:class:`SampleState`, each
-        ``[G]``), so the number of warm-up steps fixes no shape and may be a
-        traced value.
+      warmup: the warm-up sample's running sums (:class:`SampleState`), so
+        the number of warm-up steps may be traced.
     """
 
     mean: jax.Array
@@ -630,13 +549,11 @@ class WarmupEmaState(NamedTuple):
 class WarmupEma:
     """EMA mean (and variance) started from the first ``warmup_steps`` observations.
 
-    The observation that completes the warm-up sample sets ``mean`` and ``var``
-    to the sample's (``ddof``; with ``ddof=1`` only a positive variance, as
-    drytorch's ``StatsCollector``). The sample is kept as running sums, so
-    ``warmup_steps`` may be an array (``optax.inject_hyperparams``). Then, with
-    ``a = alpha``: ``mean <- a mean + (1-a) x`` and ``var <- a var + (1-a)
+    The observation that completes the warm-up sets ``mean`` and ``var`` to
+    the sample's (``ddof=1``: only a positive variance, as drytorch's). Then,
+    with ``a = alpha``, ``mean <- a mean + (1-a) x``, ``var <- a var + (1-a)
     (x - mean)**2`` with the new mean (``variance="after_mean"``, zclip's) or
-    the old one (``"before_mean"``, drytorch's ZStat); ``None``: no variance.
+    the old one (``"before_mean"``, drytorch's); ``None``: no variance.
     """
 
     alpha: ArrayLike = 0.97
