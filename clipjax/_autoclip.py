@@ -247,26 +247,20 @@ def autoclip(
         scale = min(scale, max_grad_norm / (g + 1e-6))  where g > max_grad_norm
 
     The gate opens at ``max(warmup_steps, min_history)`` finite observations.
-    ``history`` is what the statistics keep: every norm (P² median, Welford
-    std), the last ``window_size``, a forgetting quantile (``"ema"``) or the
-    geometric quantile (``"geometric"``). ``feedback="observe_first"``
-    observes ``g`` before its own threshold (a spike raises it); the others
-    judge ``g`` by the statistics before it, then observe ``g`` (``"raw"``),
-    ``min(g, T)`` (``"clipped"``, the setting that stops spikes) or nothing on
-    a clipped step (``"skip"``). A non-finite norm passes unchanged and is
-    never observed. Each history and feedback, and where this differs from
-    smartclip: :doc:`/reference_smartclip`. Metrics per group: ``grad_norm``,
-    ``threshold``, ``scale``, ``clipped``, ``spike``, the counters, ``median``
-    and ``std`` or ``quantile``; ``capped`` and ``headroom`` with a ceiling.
+    ``feedback="observe_first"`` observes ``g`` before its own threshold; the
+    others judge ``g`` first, then observe ``g`` (``"raw"``), ``min(g, T)``
+    (``"clipped"``) or nothing on a clipped step (``"skip"``). A non-finite
+    norm passes unchanged and is never observed. The histories and where
+    this differs from smartclip: :doc:`/reference_smartclip`.
     ``window_size`` is static; a callable ``scope`` goes in ``static_args``.
 
     Args:
       mode: ``"auto"`` or ``"percentile"``.
       percentile: on the 0-100 scale, in (1, 100] (percentile mode); default 95.
-      history: ``mode="auto"``: ``"all"`` or ``"window"``; None (default)
-        means ``"all"`` under ``feedback="observe_first"`` (smartclip's) and
-        ``"window"`` otherwise. ``mode="percentile"``: ``"window"`` (None
-        means this), ``"ema"`` or ``"geometric"``.
+      history: what the statistics keep. ``mode="auto"``: ``"all"`` (P²
+        median, Welford std) or ``"window"``; ``mode="percentile"``:
+        ``"window"``, ``"ema"`` (a forgetting quantile) or ``"geometric"``.
+        None: ``"window"``, or ``"all"`` in auto mode under ``"observe_first"``.
       window_size: length of the window (``>= 1``) of ``history="window"``;
         None (default) means 1024 in percentile mode, 100 in auto mode.
       ema_decay: decay of ``history="ema"``'s quantile, in (0, 1); default 0.99.
@@ -287,7 +281,9 @@ def autoclip(
       name: metrics prefix (default ``autoclip``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform` whose state is an :class:`AutoClipState`.
+      A :class:`~clipjax.ClipTransform` whose state is an :class:`AutoClipState`;
+      metrics per group: ``grad_norm``, ``threshold``, ``scale``, ``clipped``,
+      ``spike``, the counters, ``median`` and ``std`` or ``quantile``.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax

@@ -240,29 +240,20 @@ def hist_clip(
     """Clip by a criterion on the history of gradient norms (drytorch HistClipper).
 
     Per group, the first ``warmup_steps`` finite norms are collected while
-    ``warmup_clip`` is applied (default ``clip_by_global_norm(1.0)``, None for
-    none); the criterion then starts from their mean and ddof=1 variance
-    (kept at 1.0 unless positive) and judges the next step. Afterwards, with
-    the statistics from *before* the step (clip, then observe): where the
-    criterion fires the gradient is scaled by ``min(1, clip / (g + 1e-6))``,
-    then the statistics observe the step. No clipping while ``mu == 0``.
+    ``warmup_clip`` is applied; the criterion then starts from their mean and
+    ddof=1 variance (1.0 unless positive). Afterwards, with the statistics
+    from *before* the step: where the criterion fires the gradient is scaled
+    by ``min(1, clip / (g + 1e-6))``, then the statistics observe the step.
+    No clipping while ``mu == 0``.
 
-    ``feedback`` says what a step teaches the statistics, with ``B`` the
-    spike boundary (``mu + z_thresh * sqrt(v)`` for zstat, ``mu * r_thresh``
-    for ema): the norm (``"raw"``, drytorch's), ``min(g, B)`` (``"clipped"``:
-    a lasting rise is learnt), the clip value on a high-side fire
-    (``"clip_target"``) or nothing then (``"skip"``). ``scope="per_param"`` is
-    drytorch's ParamHistClipper. A ``warmup_clip`` given applies as it is
-    built. A NaN/Inf norm passes unchanged and never enters the statistics.
-    The feedbacks, the warm-up clip and the differences from drytorch:
-    :doc:`/reference_drytorch`.
-
-    Metrics per group: ``grad_norm``, ``threshold`` (``B``; in the warm-up
-    the warm-up clip's, else +inf), ``clip_to``, ``scale``, ``clipped``,
-    ``spike``, ``mean``, ``std`` and ``z`` (zstat), the counters; ``capped``
-    and ``headroom`` with a ceiling; the warm-up clip's under
-    ``hist_clip/<its name>/...``. Every number may be injected with
-    ``optax.inject_hyperparams``; a callable ``scope`` goes in ``static_args``.
+    ``feedback`` is what the statistics observe, with ``B`` the spike
+    boundary (``mu + z_thresh * sqrt(v)`` for zstat, ``mu * r_thresh`` for
+    ema): the norm (``"raw"``, drytorch's), ``min(g, B)`` (``"clipped"``),
+    the clip value on a high-side fire (``"clip_target"``) or nothing then
+    (``"skip"``). A NaN/Inf norm passes unchanged and is never observed.
+    ``scope="per_param"`` is drytorch's ParamHistClipper; the differences
+    from drytorch: :doc:`/reference_drytorch`. Every number may be injected;
+    a callable ``scope`` goes in ``static_args``.
 
     Args:
       criterion: :func:`zstat_criterion` (default) or :func:`ema_criterion`.
@@ -278,7 +269,10 @@ def hist_clip(
       name: metrics prefix (default ``hist_clip``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform` whose state is a :class:`HistClipState`.
+      A :class:`~clipjax.ClipTransform` whose state is a :class:`HistClipState`;
+      metrics per group: ``grad_norm``, ``threshold``, ``clip_to``, ``scale``,
+      ``clipped``, ``spike``, ``mean``, ``std``, ``z`` (zstat), the counters,
+      and the warm-up clip's under ``hist_clip/<its name>/``.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax

@@ -302,40 +302,26 @@ def _merge_nnx_split(opt_state: Any) -> Any:
 def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
     """Reads the metrics of every clipjax transform inside an optax state.
 
-    Works on any optax state (``chain``, ``named_chain``,
-    ``inject_hyperparams``, ``MultiSteps``, ``masked``, ``partition``,
-    ``apply_if_finite``, flax optimizer wrappers), inside or outside ``jit``.
-    Outside ``jit`` the values are NumPy arrays, each field read from the
-    device once (nothing is compiled); inside ``jit`` they are traced jax
-    arrays, and arrays that span other processes' devices stay jax arrays.
+    Works on any optax state (``chain``, ``inject_hyperparams``,
+    ``MultiSteps``, ``masked``, flax optimizer wrappers), inside ``jit``
+    (traced arrays) or outside it (NumPy arrays, nothing compiled). Each
+    transform reports under its ``name=`` or its kind (``algo``, then
+    ``algo_1``, ... in tree order); a nested one under its owner's prefix.
 
     Args:
       opt_state: an optimizer state, or any pytree containing one: with flax
         NNX, ``optimizer.opt_state``, the ``nnx.Optimizer`` itself, or the
-        tuple ``nnx.split(optimizer)`` returns. Not ``nnx.state(optimizer)``
-        alone: flax keeps a clipjax state's static names (its
-        :class:`GroupInfo`) in the graphdef; given it, ``metrics`` warns and
-        says what to pass instead.
-      flat: return one flat ``dict`` (True, default) or a nested one (False);
-        anything but a bool raises a ``TypeError``.
+        tuple ``nnx.split(optimizer)`` returns (not ``nnx.state(optimizer)``,
+        whose names flax keeps in the graphdef).
+      flat: return one flat ``dict`` (True, default) or a nested one (False).
 
     Returns:
       With ``flat=True``, a ``dict`` of scalar arrays named
       ``"{algo}/{group}/{field}"``, e.g. ``"autoclip/global/threshold"``; with
       ``leaf_norms=True`` also ``"{algo}/leaf/{leaf path}/grad_norm"``. With
       ``flat=False`` the same values nested as ``{algo: {group: {field:
-      array}}}`` (leaf norms under ``{algo: {"leaf": {leaf path: {...}}}}``;
-      a nested transform's group name keeps its own prefix, e.g.
-      ``{"hist_clip": {"clip_by_global_norm/global": {...}}}``). A state
-      with leading axes (``jax.pmap``, ``vmap``, ``lax.scan``) gives arrays
-      of those axes instead of scalars.
-
-    Names: one prefix per transform. A transform given ``name=`` reports under
-    that name; the others under their kind, ``algo``, then ``algo_1``,
-    ``algo_2``, ... in tree order, skipping every name given with ``name=``
-    (``chain(zclip(name="zclip_1"), zclip(), zclip())`` reports ``zclip_1``,
-    ``zclip`` and ``zclip_2``). The transforms nested in another
-    (hist_clip's ``warmup_clip``) are named the same way under its prefix.
+      array}}}``. A state with leading axes (``pmap``, ``vmap``, ``scan``)
+      gives arrays of those axes instead of scalars.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -358,9 +344,7 @@ def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
 
     Warns:
       UserWarning: ``opt_state`` holds no clipjax state, so the result is
-        ``{}``; the warning says why where it can tell (a checkpoint restored
-        without a target, ``nnx.state(optimizer)``, an ``nnx.Optimizer``
-        whose transform holds no clipjax state); once per calling line.
+        ``{}``; it says why where it can tell; once per calling line.
     """
     if isinstance(opt_state, (optax.GradientTransformation, types.FunctionType, functools.partial)):
         raise TypeError(

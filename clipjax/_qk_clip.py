@@ -40,19 +40,14 @@ _LOGITS_KEY = "max_logits"
 class QKHeads:
     """Where a query or key projection's heads lie in the leaves a pattern names.
 
-    ``pattern`` is ``/``-separated regular expressions, each matching one
-    whole key of a leaf's path, consecutively (``"query"``, ``"attn/q_proj"``,
-    ``"wq_b"``); every leaf whose path holds them is this part, and the keys
-    before the match name its attention module. The heads lie along
-    ``axis``: in ``span`` (default: the whole axis) it holds ``count`` heads
-    of equal, contiguous blocks (``[..., heads * head_dim]``, or ``[...,
-    heads, head_dim]`` with blocks of one). ``dims`` keeps each head's
-    dimensions in a range: inside the block where a block holds several,
-    else along the axis after ``axis`` (MLA's ``wq_b [rank, heads, nope +
-    rope]``: ``axis=-2, dims=(0, nope)``).
+    In ``span`` of ``axis``, the leaf holds ``count`` heads in equal,
+    contiguous blocks; ``dims`` keeps a range of each head's dimensions (in
+    its block, or along the next axis). Layouts: :doc:`/qk_clip`.
 
     Attributes:
-      pattern: the path pattern.
+      pattern: ``/``-separated regular expressions, each matching one whole
+        key of a leaf's path, consecutively (``"attn/q_proj"``); the keys
+        before the match name the attention module.
       axis: the head axis of one layer's leaf (None: ``qk_clip``'s ``head_axis``).
       span: ``(start, stop)`` along ``axis`` (a fused ``qkv`` kernel's third).
       dims: ``(start, stop)`` of each head's dimensions.
@@ -330,13 +325,8 @@ def _layout(
 def _inferred_axis(
     leaf: _Leaf, shape: tuple[int, ...], kind: str, spec: QKHeads, heads: int, kv_heads: int
 ) -> int:
-    """The head axis of a part given none: the one of the last two axes its heads split.
-
-    Where both split, an axis before the last of exactly ``count`` entries is flax's
-    ``[..., heads, head_dim]``, and one head (MQA's key) is the whole leaf on either; any
-    other pair (``[d_model, heads * head_dim]`` and ``[heads * head_dim, d_model]`` look
-    alike) is refused: a wrong guess rescales other rows than the heads' and passes without
-    a word."""
+    """The head axis of a part given none: the one of the last two axes its heads split;
+    where both do, -2 only if it holds exactly the heads, else refused (no silent guess)."""
     ndim = len(shape)
     readings = {
         a: _layout(leaf, shape, a, kind, spec, heads, kv_heads)
@@ -364,9 +354,8 @@ def _inferred_axis(
 def _source(
     leaf: _Leaf, head_axis: int | None, heads: int, kv_heads: int
 ) -> tuple[np.ndarray, tuple[int, ...]]:
-    """Which factor each entry of the leaf's head axis (and the axis after it, where a
-    part's ``dims`` run along it) takes: an index into ``[gamma**alpha (query), gamma**(1 -
-    alpha) (key), gamma (rotary query), 1]``, each ``[kv_heads]``; and those axes."""
+    """The factor (index into query, key, rotary query, 1) each entry of the leaf's
+    head axis (and the next, for ``dims``) takes; and those axes."""
     shape = list(leaf.shape)
     if leaf.layer_axis is not None:
         del shape[leaf.layer_axis]
@@ -569,29 +558,17 @@ def qk_clip(
     """QK-Clip (MuonClip): ``optimizer``'s step, then the query and key weights of heads
     whose logits exceed ``tau`` rescaled.
 
-    It wraps the optimizer, so that the rescale cannot land before it. Each
-    ``update`` runs ``optimizer`` on the gradients, then takes each step's
-    largest pre-softmax logit ``S_h`` of every query head (``update(...,
-    max_logits=...)``) and returns updates such that ``params + updates`` is
-    the optimizer's new weights with, for every head over ``tau``::
+    It runs ``optimizer``, then, given each query head's largest pre-softmax
+    logit ``S_h`` (``update(..., max_logits=...)``), returns updates such that
+    ``params + updates`` is the optimizer's new weights with, for every head
+    over ``tau``::
 
         gamma = tau / S_h;   W_q[h] *= gamma**alpha;   W_k[h] *= gamma**(1 - alpha)
         MLA: W_q_rope[h] *= gamma   (the shared rotary key untouched)
 
-    Under GQA/MQA a key head is shared: its factor is the smallest of its
-    query heads' (``tau`` over their largest logit), and it scales every query
-    head of that group, as Megatron-LM does. The updates of heads under
-    ``tau`` are the optimizer's, bit for bit.
-
-    The heads of a leaf lie along ``head_axis``; without one, along the one
-    of its last two axes that splits into the heads of the max logits, or
-    the axis before the last where it holds exactly the heads (``[...,
-    heads, head_dim]``). A leaf both of whose last axes split (a square
-    ``[d_model, heads * head_dim]`` kernel) raises a ``ValueError`` asking
-    for ``head_axis`` at the first ``update``.
-
-    Static arguments: ``optimizer``, ``head_axis`` and ``kv_heads``; ``tau``
-    and ``alpha`` may be injected or scheduled with ``optax.inject_hyperparams``.
+    Under GQA/MQA a shared key head takes the smallest factor of its query
+    heads, as Megatron-LM does. ``tau`` and ``alpha`` may be injected with
+    ``optax.inject_hyperparams``; the other arguments are static.
 
     Args:
       optimizer: the optimizer whose new weights are rescaled (e.g.
@@ -601,9 +578,9 @@ def qk_clip(
         (default ``"query"``, flax's ``MultiHeadAttention``).
       key: the key weights (default ``"key"``).
       rotary_query: MLA's per-head rotary query weights, scaled by ``gamma``.
-      head_axis: the head axis of each matched leaf (of one layer). Default:
-        inferred, as above; -2 fits flax's ``[features, heads, head_dim]``
-        and ``[heads * head_dim, features]``, -1 ``[features, heads * head_dim]``.
+      head_axis: the head axis of each matched leaf (of one layer): -2 for
+        ``[features, heads, head_dim]``, -1 for ``[features, heads * head_dim]``.
+        Default: inferred where unambiguous, else a ``ValueError``.
       kv_heads: key heads under GQA/MQA (default: as many as query heads).
       alpha: the query's share of the factor (Megatron's ``qk_clip_alpha``).
       scope: ``clipjax.stacked(layers=..., axis=...)`` for layer-stacked leaves:
@@ -613,11 +590,9 @@ def qk_clip(
 
     Returns:
       A :class:`~clipjax.ClipTransform` whose ``update(grads, state, params,
-      *, max_logits)`` needs the params and ``max_logits``: ``[groups, heads]``
-      in ``state.info.groups`` order, or a tree (flax intermediates) whose
-      leaves under each module's path (those named ``max_logits``, where some
-      are) are its ``[..., heads]`` maxima, or a function that returns them
-      for the optimizer's new weights (``params + updates``).
+      *, max_logits)`` needs the params and ``max_logits``: ``[groups, heads]``,
+      a tree of ``[..., heads]`` maxima under each module's path (flax
+      intermediates), or a function of the new weights that returns either.
       Its state is a :class:`QKClipState`.
 
     Examples:

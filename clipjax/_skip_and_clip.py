@@ -181,25 +181,15 @@ def skip_and_clip_by_global_norm(
         dropped  if g is NaN or infinite, or g >= D for any threshold D of drop_norm
         else     inner(updates * min(1, max_norm / (g + eps)))
 
-    A dropped step returns zero updates and leaves ``inner``'s state as it was
-    (as :func:`clipjax.skip_on_spike` does). ``drop_norm`` is a
-    number, or a rule over EMAs of the norm, :func:`drop_norm_by_grad_norm_ema`
-    (``k * mean``) or :func:`drop_norm_by_grad_norm_stddev` (``mean + k * std``
-    after ``min_count`` norms); then ``grad_norm_ema_decay`` ``d`` is required
-    and, with ``c`` the number of norms observed before::
-
-        d_c = d (1 - d**c) / (1 - d**(c + 1))   (bias correction)
-        mean <- d_c mean + (1 - d_c) x;  var <- d_c var + d_c (1 - d_c) (x - mean_old)**2
-
-    ``x`` is set by ``feedback``: ``"skip"`` (default, AXLearn's) observes the
-    norm of a taken step only, so a lasting rise past the thresholds drops
-    every later step; ``"clipped"`` observes ``min(g, D)`` on every finite step;
-    ``"raw"`` observes every finite ``g``.
-
-    Differences from AXLearn: :doc:`/defences_2025`. Every number may be
-    injected with ``optax.inject_hyperparams``; a rule ``drop_norm`` goes in
-    ``static_args``. At least one of ``drop_norm`` and ``max_norm`` must be
-    given (else ``ValueError``).
+    A dropped step returns zero updates and leaves ``inner``'s state as it was.
+    ``drop_norm`` is a number or a rule over bias-corrected EMAs (decay
+    ``grad_norm_ema_decay``) of the observed norms ``x``:
+    :func:`drop_norm_by_grad_norm_ema` or :func:`drop_norm_by_grad_norm_stddev`.
+    ``feedback`` sets ``x``: the norm of taken steps only (``"skip"``,
+    AXLearn's; a lasting rise then drops every later step), ``min(g, D)``
+    (``"clipped"``) or every finite ``g`` (``"raw"``). Differences from
+    AXLearn: :doc:`/defences_2025`. A rule ``drop_norm`` goes in
+    ``static_args``; every number may be injected.
 
     Args:
       inner: the transform run on taken steps (``clipjax.adamw(...)`` folds).

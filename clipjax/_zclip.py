@@ -214,25 +214,15 @@ def zclip(
         mean <- alpha mean + (1 - alpha) v;  var <- alpha var + (1 - alpha) (v - mean)**2
 
     ``feedback`` sets ``v``: ``clip_val`` on a spike (``"clip_target"``, the
-    reference's), ``min(g, B)`` (``"clipped"``: a lasting rise is learnt),
-    ``g`` (``"raw"``) or nothing on a spike (``"skip"``). The ceiling is
-    ``max_grad_norm`` or, the default under ``"clipped"``, relative to the
-    run's own norms: 1.5 times the smallest norm so far during the warm-up,
-    then 1.5 times the median of the last 100. A non-finite norm passes
-    unchanged and is never observed.
-
-    ``start`` says what the warm-up does to the optimizer: ``"hold"`` holds
-    its steps, which :func:`clipjax.chain` skips for the optimizer (through
-    ``optax.chain`` they reach it, the first zeroed); ``"weight"`` multiplies
-    step ``t`` by ``(t + 1) / warmup_steps``. The start, the feedbacks, the
-    ceilings and the metrics against the ``zclip`` package:
-    :doc:`/reference_zclip`.
-
-    Metrics per group: ``grad_norm``, ``threshold``, ``clip_to``, ``scale``,
-    ``clipped``, ``spike``, ``capped``, ``z``, ``mean``, ``std``, the
-    counters; ``held`` or ``weight`` with a ``start`` rule, ``headroom`` with an
-    absolute ceiling. ``mode``, ``clip_option``, ``scope``, ``feedback``,
-    ``ceiling_window`` and ``start`` are static; every other number may be injected.
+    reference's), ``min(g, B)`` (``"clipped"``), ``g`` (``"raw"``) or nothing
+    on a spike (``"skip"``). The ceiling is ``max_grad_norm`` or, under
+    ``"clipped"``, 1.5 times the run's level (the smallest norm so far in the
+    warm-up, then the median of the last 100). A non-finite norm passes
+    unchanged and is never observed. ``start="hold"`` holds the warm-up's
+    steps (:func:`clipjax.chain` skips them for the optimizer); ``"weight"``
+    multiplies step ``t`` by ``(t + 1) / warmup_steps``. Details and the
+    ``zclip`` package: :doc:`/reference_zclip`. ``mode``, ``clip_option``,
+    ``scope``, ``feedback``, ``ceiling_window`` and ``start`` are static.
 
     Args:
       alpha: EMA smoothing factor of mean and variance, in (0, 1).
@@ -260,7 +250,10 @@ def zclip(
       name: metrics prefix (default ``zclip``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform` whose state is a :class:`ZClipState`.
+      A :class:`~clipjax.ClipTransform` whose state is a :class:`ZClipState`;
+      metrics per group: ``grad_norm``, ``threshold``, ``clip_to``, ``scale``,
+      ``clipped``, ``spike``, ``capped``, ``z``, ``mean``, ``std``, the
+      counters, and ``held``, ``weight`` or ``headroom`` where they apply.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
