@@ -143,13 +143,9 @@ class UpdateClippingState(NamedTuple):
         ``optax.adam``.
       decay: the weight decay's state (``adamw``), or ``()``.
       metrics: ``{"rms": [leaves], "divisor": [leaves]}``: each tensor's
-        ``RMS(g**2 / max(v_hat, eps**2))`` on the last step taken and the
-        divisor ``max(1, rms)`` of its step; read by :func:`clipjax.metrics` as
-        ``update_clipping/{leaf path}/rms``.
-      info: static names, ``GroupInfo(algo="update_clipping", ...)`` with one
-        group per leaf.
-      leaf_index: each leaf's index, int32 scalars (empty for one leaf), read
-        at run time so that every leaf of a shape compiles to the same code.
+        RMS on the last step taken and its divisor ``max(1, rms)``.
+      info: static names, ``GroupInfo(algo="update_clipping", ...)``, a group per leaf.
+      leaf_index: each leaf's index, int32 scalars (empty for one leaf).
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -174,11 +170,7 @@ def _scale_by_stable_adam(
     nesterov: bool,
     decay: optax.GradientTransformation | None,
 ) -> SkippableTransform:
-    """Adam (and the weight decay) with StableAdamW's per-tensor update clipping.
-
-    Each leaf's step is divided by ``max(1, sqrt(mean(g**2 / max(v_hat,
-    eps**2))))``, ``v_hat`` the bias-corrected second moment after this step.
-    """
+    """Adam (and the weight decay) with StableAdamW's per-tensor update clipping."""
     base = optax.scale_by_adam(
         b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov
     )
@@ -268,15 +260,12 @@ def _scale_by_stable_adam(
 class AdamWClipState(NamedTuple):
     """The metrics of ``clipjax.adam``/``adamw(clip_grad_adapt=...)``, next to optax's moments.
 
-    The optimizer's state is ``(ScaleByAdamState, AdamWClipState)`` in the
-    chain's first slot: the clip reads the second moment and keeps no state.
+    The chain's first slot is ``(ScaleByAdamState, AdamWClipState)``.
 
     Attributes:
       metrics: ``{field: [leaves]}``, one group per leaf: ``grad_norm`` (before
-        the clip), ``clipped_fraction`` (the share of the leaf's elements
-        clipped this step), ``clipped`` (any), and the counters ``step``,
-        ``clipped_count`` (steps with a clipped element) and
-        ``nonfinite_count`` (steps with a NaN or infinite element).
+        the clip), ``clipped_fraction`` (of the leaf's elements), ``clipped``,
+        and the counters ``step``, ``clipped_count``, ``nonfinite_count``.
       info: static names, ``GroupInfo(algo="adamw_clip", ...)``.
 
     Examples:
@@ -298,11 +287,8 @@ def _check_clip(clip_grad_adapt: Any, clip_grad_min: Any, clip_grad_warm_up: Any
 
 
 def _clip_leaf(g: Array, v: Array, bound: Array, on: Array) -> tuple[Array, Array, Array]:
-    """The clipped gradient, the leaf's sum of squares and clipped elements (one reduction).
-
-    ``bound`` is ``(1 / (1 - b2**(t - 1)), k, clip_grad_min)``: the threshold is
-    ``max(k * sqrt(v_hat), clip_grad_min)``, ``v_hat`` bias-corrected before the step.
-    """
+    """The clipped gradient, the leaf's sum of squares and clipped elements;
+    ``bound`` is ``(1 / (1 - b2**(t - 1)), k, clip_grad_min)``."""
     dtype = _grouping.norm_dtype([g])
     threshold = jnp.sqrt(jnp.real(v).astype(dtype) * bound[0]) * bound[1]
     threshold = jnp.maximum(threshold, bound[2])
@@ -325,11 +311,7 @@ def _scale_by_adam_clip(
     clip_grad_min: Any,
     clip_grad_warm_up: Any,
 ) -> SkippableTransform:
-    """optax's ``scale_by_adam`` on gradients clipped element-wise by AdamWClip's rule.
-
-    Once ``t > max(clip_grad_warm_up, 1)``: ``g <- clip(g, -T, T)``, ``T =
-    max(clip_grad_adapt * sqrt(v / (1 - b2**(t - 1))), clip_grad_min)``.
-    """
+    """optax's ``scale_by_adam`` on gradients clipped element-wise by AdamWClip's rule."""
     base = optax.scale_by_adam(
         b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov
     )
@@ -454,10 +436,7 @@ def adam(
     weight decay.
 
     ``init`` and ``update`` are ``optax.adam``'s, bit for bit; ``update_if``
-    (:class:`SkippableTransform`) folds a skip into the moments.
-    ``update_clipping`` and ``clip_grad_adapt`` are as in :func:`adamw`. Every
-    number may be injected with ``optax.inject_hyperparams``; ``mu_dtype``
-    goes in ``static_args``.
+    folds a skip into the moments. ``mu_dtype`` is static.
 
     Args:
       learning_rate: a float or a schedule (``step -> float``).
@@ -515,20 +494,17 @@ def adamw(
 ) -> SkippableTransform:
     """``optax.adamw`` that can skip a step without a conditional.
 
-    ``init`` and ``update`` are ``optax.adamw``'s, bit for bit (checkpoints
-    interchange); ``update_if`` (:class:`SkippableTransform`) folds a skip
-    into the moments, for :func:`clipjax.skip_on_spike`.
+    ``init`` and ``update`` are ``optax.adamw``'s, bit for bit; ``update_if``
+    (:class:`SkippableTransform`) folds a skip into the moments, for
+    :func:`clipjax.skip_on_spike`.
 
-    ``update_clipping=True`` is StableAdamW: per tensor, the step (Adam update
-    and weight decay) is divided by ``max(1, RMS)``, ``RMS = sqrt(mean(g**2 /
-    max(v_hat, eps**2)))`` with ``v_hat`` after this step; the state is wrapped
-    in an :class:`UpdateClippingState`. ``clip_grad_adapt=k`` is AdamWClip:
-    each gradient element is clipped to ``[-T, T]``, ``T = max(k *
-    sqrt(v_hat), clip_grad_min)`` with ``v_hat`` before the step; metrics in
-    an :class:`clipjax.AdamWClipState`. Both against their references:
-    :doc:`/reference_spam`. Every number may be injected with
-    ``optax.inject_hyperparams``; ``mu_dtype`` and a callable ``mask`` go in
-    ``static_args``.
+    ``update_clipping=True`` is StableAdamW: per tensor, the step is divided
+    by ``max(1, sqrt(mean(g**2 / max(v_hat, eps**2))))``, ``v_hat`` after the
+    step (:class:`UpdateClippingState`). ``clip_grad_adapt=k`` is AdamWClip:
+    each gradient element is clipped to ``max(k * sqrt(v_hat),
+    clip_grad_min)``, ``v_hat`` before the step (:class:`clipjax.AdamWClipState`).
+    Against their references: :doc:`/reference_spam`. ``mu_dtype`` and a
+    callable ``mask`` go in ``static_args``.
 
     Args:
       learning_rate: a float or a schedule (``step -> float``).
@@ -540,15 +516,14 @@ def adamw(
       weight_decay: the decoupled weight decay rate (a schedule too, where the
         installed optax takes one).
       mask: a tree of bools (or a function of the params returning one): the
-        leaves to decay; None decays all. Given with ``weight_decay=0`` it
-        raises ``ValueError``.
+        leaves to decay; None decays all.
       nesterov: use Nesterov momentum (NAdamW).
       update_clipping: StableAdamW's per-tensor update clipping (above).
       clip_grad_adapt: AdamWClip's threshold in standard deviations (``> 0``;
         the package's default is 3), or None (default) for plain AdamW.
       clip_grad_min: AdamWClip's smallest threshold (``>= 0``); None: 1e-10.
-      clip_grad_warm_up: steps taken before AdamWClip's clip starts (an int
-        ``>= 0``; the clip never applies to the first step); None: 0.
+      clip_grad_warm_up: steps before AdamWClip's clip starts (an int
+        ``>= 0``; never the first step); None: 0.
 
     Returns:
       A :class:`SkippableTransform`.

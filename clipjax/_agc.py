@@ -77,11 +77,9 @@ def _unit_norms(leaves: list[jax.Array], dtype: Any, axis: Axis) -> list[jax.Arr
 
 
 def _unit_scale(g_unit: jax.Array, w_unit: jax.Array, clipping: Any, eps: Any) -> jax.Array:
-    """optax's rule, formed on the unit norms: keep where ``g < max_norm``.
+    """optax's rule on the unit norms: keep where ``g < max_norm``.
 
-    One division (``1 / 1`` where kept), not a trailing select: XLA forms it
-    once rather than in each fusion that reads it.
-    """
+    One division (``1 / 1`` where kept), not a trailing select, which XLA forms in each fusion."""
     max_norm = clipping * jnp.maximum(w_unit, eps)
     keep = (g_unit < max_norm) | ~jnp.isfinite(g_unit)
     return jnp.where(keep, 1.0, max_norm) / jnp.where(keep, 1.0, jnp.maximum(g_unit, _DIV_EPS))
@@ -99,12 +97,8 @@ def _leaf_metrics(
     clipping: Any,
     eps: Any,
 ) -> dict[str, jax.Array]:
-    """Each leaf's metrics from its unit norms, in a few operations for the whole tree.
-
-    The leaves with the same number of units are stacked into ``[leaves,
-    units]`` arrays and reduced once along the units (not one reduction per
-    leaf, which costs compile time), then put back in leaf order.
-    """
+    """Each leaf's metrics from its unit norms: leaves with as many units are
+    stacked and reduced once (one reduction per leaf costs compile time)."""
     by_size: dict[int, list[int]] = {}
     for i, g in enumerate(g_units):
         by_size.setdefault(g.size, []).append(i)
@@ -231,9 +225,7 @@ def agc(
 
 
 def _new_metrics(num_groups: int, dtype: Any, *, unitwise: bool) -> dict[str, Any]:
-    """A new state's metrics: per group (per leaf when unitwise) ``grad_norm``,
-    ``weight_norm``, ``target``, ``scale``, ``clipped``, unitwise
-    ``clipped_fraction``, and the counters."""
+    """A new state's metrics per group (per leaf when unitwise), with the counters."""
     fields = ("grad_norm", "weight_norm", "target", "scale", "clipped")
     fields += ("clipped_fraction",) if unitwise else ()
     return _kit.new_metrics(num_groups, dtype, fields)
@@ -332,9 +324,8 @@ def _unitwise(
     unit_axis_name: str | None,
     scope: Scope = "per_param",
 ) -> ClipTransform:
-    """Unitwise AGC: each leaf scaled unit by unit, its metrics per group of
-    ``scope`` (a leaf each). The unit norms are averaged over ``unit_axis_name``,
-    agc's own ``axis_name``."""
+    """Unitwise AGC: each leaf scaled unit by unit, its unit norms averaged over
+    ``unit_axis_name``; metrics per group of ``scope``."""
     setup = _kit.setup("agc", scope=scope, name=name, leaf_norms=leaf_norms, stacked=False)
 
     def init_fn(params: Any) -> AGCState:

@@ -625,24 +625,19 @@ def stacked(
 ) -> Stacked:
     """A scope that splits layer-stacked leaves into one group per layer.
 
-    Slice ``k`` of a stacked leaf is read as a leaf of its own at the path
-    with ``k`` inserted and grouped by ``scope``: with ``layers="layers"``,
-    slice 3 of ``params/layers/attn/kernel`` is
-    ``params/layers/3/attn/kernel``, the path of the same model unstacked, so
-    every group norm, statistic and metric equals the unstacked model's.
-    Leaves below a key named ``layers`` are stacked (the index goes after that
-    key), or those for which the callable ``layers(path, leaf)`` is True (the
-    index goes before the leaf's own key). Other leaves are grouped by
-    ``scope`` as they are. For every norm-based clipper with a ``scope`` (not
-    ``clip_by_value`` and ``clip_by_percentile``).
+    Slice ``k`` of a stacked leaf is grouped by ``scope`` as a leaf at the
+    path with ``k`` inserted (slice 3 of ``params/layers/attn/kernel`` is
+    ``params/layers/3/attn/kernel``), so every group norm, statistic and
+    metric equals the unstacked model's. Other leaves are grouped as they
+    are. For every norm-based clipper with a ``scope``.
 
     Args:
       scope: how each slice (and each unstacked leaf) is grouped:
         ``"per_layer"``, ``"per_param"`` or a callable ``(path, leaf) -> str``
-        that receives the slice's path (and, as ``leaf``, a
-        ``jax.ShapeDtypeStruct`` of one slice).
-      layers: the key under which leaves are stacked, or a callable ``(path,
-        leaf) -> bool`` that says which leaves are.
+        (given the slice's path and shape).
+      layers: the key under which leaves are stacked (the index goes after
+        it), or a callable ``(path, leaf) -> bool`` that says which leaves are
+        (the index goes before the leaf's own key).
       axis: the layer axis of the stacked leaves (flax's ``nn.scan`` puts it
         at 0, MaxText's ``param_scan_axis`` at 1).
 
