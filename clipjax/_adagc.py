@@ -64,14 +64,10 @@ def adagc(
       the step), ``scale_i = min(1, T_i / (g_i + eps))``, then
       ``gamma_i <- beta * gamma_i + (1 - beta) * scale_i * g_i``.
 
-    The EMA absorbs the *clipped* norm (``feedback="clipped"``, the paper's
-    rule), so a spike cannot raise its own threshold. ``feedback="raw"``
-    absorbs ``g_i`` instead; ``feedback="skip"`` leaves ``gamma`` (and the
-    group's ``count``) unchanged on a clipped step. How it learns a rise of
-    the norm: :doc:`/reference_adagc`. A non-finite group norm passes that
-    group through unchanged, never enters ``gamma`` and increments
-    ``nonfinite_count``. Every number may be injected with
-    ``optax.inject_hyperparams``; a callable ``scope`` goes in ``static_args``.
+    The EMA absorbs the clipped norm (``feedback="clipped"``, the paper's),
+    ``g_i`` (``"raw"``) or nothing on a clipped step (``"skip"``); see
+    :doc:`/reference_adagc`. A non-finite group norm passes unchanged and
+    never enters ``gamma``. A callable ``scope`` goes in ``static_args``.
 
     Args:
       relative_threshold: ``T_i / gamma_i`` (``> 0``; the paper uses 1.05).

@@ -30,22 +30,11 @@ Array = jax.Array
 class SkippableTransform(optax.GradientTransformationExtraArgs):
     """An optax transform that can also skip a step: ``update_if``.
 
-    A ``SkippableTransform`` is an ``optax.GradientTransformationExtraArgs``
-    and goes wherever optax takes a transform. It adds one attribute,
-    ``update_if(pred, updates, state, params=None, **extra_args)``, where
-    ``pred`` is a scalar bool: where True it computes what ``update``
-    computes, in the same order (the last bit may differ where XLA fuses
-    differently); where False it returns zero updates (each leaf in its dtype)
-    and the state as it was, bit for bit, even for NaN or infinite updates.
-    The choice is made element-wise inside the update's own arithmetic: no
-    conditional. :func:`clipjax.adam`, :func:`clipjax.adamw` and
-    :func:`clipjax.chain` return one; a wrapper around one
-    (``optax.inject_hyperparams``, ``optax.MultiSteps``) is skipped through
-    ``lax.cond``.
-
-    ``keep_state_if`` (or None) is ``update_if`` without zeroing the updates:
-    :func:`clipjax.chain` runs its members through it and zeroes once, after
-    the last member.
+    An ``optax.GradientTransformationExtraArgs`` with ``update_if(pred,
+    updates, state, params=None, **extra_args)``: where the scalar ``pred``
+    is True, what ``update`` computes; where False, zero updates and the state
+    as it was, bit for bit, chosen element-wise without a conditional.
+    ``keep_state_if`` (or None) is the same without zeroing the updates.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax

@@ -61,16 +61,10 @@ def clip_norm_growth(
         p <- min(g, T), or p / max_decay where g / p < 1 / max_decay;
              then max(p, min_value)
 
-    So a norm may be at most ``mul`` times (or ``add`` above) the last one, and
-    the norm it may grow from falls by at most ``max_decay`` a step. ``p``
-    learns the clipped norm (``feedback="clipped"``, torchzero's rule); ``"raw"``
-    learns ``g`` itself (a spike then lets the next one through), ``"skip"``
-    keeps ``p`` on a clipped step (a lasting rise is then clipped to ``p * mul``
-    at every step). A non-finite norm passes unchanged and leaves ``p`` as it is.
-
-    Differences from torchzero: :doc:`/defences_2025`. Every number may be
-    injected with ``optax.inject_hyperparams`` (which ones are None is fixed
-    by the call); a callable ``scope`` goes in ``static_args``.
+    ``p`` learns the clipped norm (``feedback="clipped"``, torchzero's), ``g``
+    (``"raw"``) or nothing on a clipped step (``"skip"``). A non-finite norm
+    passes unchanged and leaves ``p`` as it is. Differences from torchzero:
+    :doc:`/defences_2025`. A callable ``scope`` goes in ``static_args``.
 
     Args:
       add: the largest increment of the norm over ``p`` (``>= 0``), or None.
@@ -225,14 +219,10 @@ def clip_norm_by_ema(
         m <- m / max(1, e / cap);  e <- min(e, cap);  e_prev <- e
         scale = min(1, e / g)
 
-    So an update's norm is at most that of the running mean of the updates,
-    whose norm grows by at most ``max_ema_growth`` a step. The EMA sees each
-    update before its own clip (torchzero's order). With ``init=0`` the first
-    steps are clipped hard (``e`` is ``1 - beta`` of the first norm). The
-    state holds a float32 copy of the updates. A non-finite norm passes its
-    group unchanged and leaves its EMA as it was (:doc:`/defences_2025`).
-    Every number may be injected with ``optax.inject_hyperparams``; a
-    callable ``scope`` goes in ``static_args``.
+    The EMA, a float32 copy of the updates, sees each update before its own
+    clip (torchzero's order); with ``init=0`` the first steps are clipped
+    hard. A non-finite norm passes its group unchanged and leaves its EMA as
+    it was (:doc:`/defences_2025`). A callable ``scope`` goes in ``static_args``.
 
     Args:
       beta: EMA decay, in (0, 1).

@@ -48,18 +48,12 @@ JUDGE_FIRST_GATE = 10
 class ClipTransform(optax.GradientTransformationExtraArgs):
     """The transform every clipjax clipper returns: an optax transform.
 
-    A ``ClipTransform`` is an ``optax.GradientTransformationExtraArgs`` (a
-    named tuple of ``init`` and ``update``), so it goes wherever optax takes
-    a transform: ``optax.chain``, ``MultiSteps``, ``inject_hyperparams``, flax
-    optimizers. ``init(params)`` returns the clipper's state; ``update(updates,
-    state, params=None, **extra_args)`` returns the clipped updates and the
-    new state (the clippers that need ``params``, such as :func:`clipjax.agc`,
-    say so).
-
-    Every clipper's state ends with the fields ``metrics``, ``info``,
-    ``leaf_index`` and ``leaf_metrics``, and every norm clipper takes ``scope``,
-    ``axis_name``, ``leaf_norms`` and ``name`` as keywords; both are documented once, in
-    :doc:`/clipper_fields`, with the ceiling ``max_grad_norm``.
+    An ``optax.GradientTransformationExtraArgs``: it goes wherever optax takes
+    a transform. Every clipper's state ends with ``metrics``, ``info``,
+    ``leaf_index`` and ``leaf_metrics``, and every norm clipper takes
+    ``scope``, ``axis_name``, ``leaf_norms`` and ``name``: :doc:`/clipper_fields`.
+    Its numbers may be injected with ``optax.inject_hyperparams``
+    (:doc:`/optax_wrappers`).
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax

@@ -1,26 +1,8 @@
 """clipjax's states and ``flax.serialization``: registered when clipjax is imported.
 
-``flax.serialization`` walks a state with its own registry, not jax's pytree
-registry: it turns NamedTuples and dicts into dicts field by field and keeps
-an object of an unregistered type as it is, which msgpack then cannot write
-("can not serialize 'GroupInfo' object"). :class:`GroupInfo` (and
-``PlaceholderInfo``, which flax looks up by its exact type) hold a state's
-static names: they serialise to an empty dict and are restored from the
-target state. Nothing of the state's layout can avoid this (a NamedTuple
-field of any other type than arrays, dicts, lists and tuples needs a
-registration), so the registration cannot be skipped; it is done once, when
-clipjax is imported:
-
-* if ``flax.serialization`` is loaded already, with it;
-* else, if flax is installed, clipjax imports ``flax.serialization`` and
-  registers. That costs import time: ``import clipjax`` took 1.02 s instead
-  of 0.86 s (median of 5, flax 0.12, 2-core CPU), nothing for a program that
-  imports flax anyway;
-* else nothing: without flax there is nothing to register with.
-
-No import hook: clipjax does not touch ``sys.meta_path``. orbax flattens
-states with jax's pytree registry, where ``GroupInfo`` is a static node with
-no leaves: nothing to register there.
+:class:`GroupInfo` and ``PlaceholderInfo`` serialise to an empty dict and are
+restored from the target state; msgpack could not write them otherwise
+(:doc:`/checkpointing`). Without flax installed nothing is registered.
 """
 
 from __future__ import annotations

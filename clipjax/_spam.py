@@ -319,13 +319,10 @@ def spam(
        on): ``w = 1 - 0.99 (1 + cos(pi (c + 1) / (warmup_steps + 1))) / 2`` on
        the ``c``-th step after the reset.
 
-    Defaults and arguments are pytorch-optimizer's ``SPAM``'s (its mapping,
-    and where this differs: :doc:`/reference_spam`). A NaN or infinite
-    gradient element leaves its parameter and its moments as they were and
-    counts in ``nonfinite_count``. Its state is ``((ScaleByAdamState,
-    SpamState), EmptyState, EmptyState)``. Every number may be injected with
-    ``optax.inject_hyperparams``; ``mu_dtype`` and a callable ``mask`` go in
-    ``static_args``.
+    Defaults are pytorch-optimizer's ``SPAM``'s (differences:
+    :doc:`/reference_spam`). A NaN or infinite gradient element leaves its
+    parameter and moments as they were. ``mu_dtype`` and a callable ``mask``
+    go in ``static_args``.
 
     Args:
       learning_rate: a float or a schedule (``step -> float``).
@@ -415,19 +412,13 @@ def stable_spam(
       largest element;
     * :func:`clipjax.ada_norm` gives each tensor's gradient the norm ``mean /
       (sqrt(mean_square) + eps)`` of EMAs of its norm;
-    * Adam (``m_hat / (sqrt(v_hat) + eps)``, optax's formula) whose moments
-      are set to 0 every ``reset_interval`` steps (on steps ``t`` with ``t %
-      reset_interval == 0``, counting from 1), and whose bias correction
-      restarts there (the reference's ``group["step"] = 1``); no warm-up
-      follows a reset and there is no SPAM spike clip (as in the reference);
+    * Adam whose moments and bias correction restart on steps ``t`` with ``t %
+      reset_interval == 0`` (no warm-up, no spike clip, as in the reference);
     * decoupled weight decay ``-lr * weight_decay * param``.
 
-    Defaults are pytorch-optimizer's ``StableSPAM``'s (``update_proj_gap`` is
-    ``reset_interval``; ``t_max`` is not implemented; differences:
-    :doc:`/reference_spam`). Metrics: ``adaclip/{tensor}/...``,
-    ``ada_norm/{tensor}/...`` and ``stable_spam/global/...``. Every number may
-    be injected with ``optax.inject_hyperparams``; a callable ``scope``,
-    ``mu_dtype`` and a callable ``mask`` go in ``static_args``.
+    Defaults are pytorch-optimizer's ``StableSPAM``'s (differences:
+    :doc:`/reference_spam`). A callable ``scope``, ``mu_dtype`` and a
+    callable ``mask`` go in ``static_args``.
 
     Args:
       learning_rate: a float or a schedule (``step -> float``).

@@ -83,16 +83,12 @@ def zscore_clip(
         scale = min(scale, max_grad_norm / (g + 1e-6))  where g > max_grad_norm
 
     The gate opens at ``max(warmup_steps, min_history)`` finite observations.
-    ``feedback="observe_first"`` observes ``g`` before its own threshold (a
-    spike raises it); the others judge ``g`` by the EMAs before it, then
-    observe ``g`` (``"raw"``), ``min(g, T)`` (``"clipped"``, the setting that
-    stops spikes) or nothing on a clipped step (``"skip"``). A non-finite norm
-    passes unchanged and is never observed. Each feedback, and where this
-    differs from smartclip: :doc:`/reference_smartclip`. Metrics per group:
-    ``grad_norm``, ``threshold``, ``scale``, ``clipped``, ``spike``, the
-    counters and ``mean``, ``std`` after the step; ``capped`` and
-    ``headroom`` with a ceiling. Every number may be injected with
-    ``optax.inject_hyperparams``; a callable ``scope`` goes in ``static_args``.
+    ``feedback="observe_first"`` observes ``g`` before its own threshold; the
+    others judge ``g`` first, then observe ``g`` (``"raw"``), ``min(g, T)``
+    (``"clipped"``) or nothing on a clipped step (``"skip"``). A non-finite
+    norm passes unchanged and is never observed. Where this differs from
+    smartclip: :doc:`/reference_smartclip`. A callable ``scope`` goes in
+    ``static_args``.
 
     Args:
       zmax: z-score above which norms are clipped (``> 0``).
