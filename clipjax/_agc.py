@@ -77,9 +77,8 @@ def _unit_norms(leaves: list[jax.Array], dtype: Any, axis: Axis) -> list[jax.Arr
 
 
 def _unit_scale(g_unit: jax.Array, w_unit: jax.Array, clipping: Any, eps: Any) -> jax.Array:
-    """optax's rule on the unit norms: keep where ``g < max_norm``.
-
-    One division (``1 / 1`` where kept), not a trailing select, which XLA forms in each fusion."""
+    """optax's rule on the unit norms, keeping where ``g < max_norm``, as one division
+    (``1 / 1`` where kept): XLA would form a trailing select in each fusion."""
     max_norm = clipping * jnp.maximum(w_unit, eps)
     keep = (g_unit < max_norm) | ~jnp.isfinite(g_unit)
     return jnp.where(keep, 1.0, max_norm) / jnp.where(keep, 1.0, jnp.maximum(g_unit, _DIV_EPS))
