@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
-# `make test` runs `-m "not slow"` (a few minutes on 2 cores); `make test-all`
-# and .ci/run run everything. A file that is slow as a whole says so itself
-# (`pytestmark = pytest.mark.slow`, with the reason); the single slow tests and
-# parametrizations are listed here, in one place. Measured one file at a time
-# with `--durations`.
+# `make test` runs `-m "not slow"`: about 3.5 minutes on 2 cores, so that it
+# takes at most 5 from a fresh clone, install included (issue 51); `make
+# test-all` and .ci/run run everything. A file that is slow as a whole says so
+# itself (`pytestmark = pytest.mark.slow`, with the reason); the single slow
+# tests and parametrizations are listed here, in one place. Picked from the
+# fast suite's `--durations=0`: a case that shares its compiled functions with
+# another saves little (the compile moves to whichever case runs first).
 #
 # Single tests (node id prefixes, relative to tests/), and why.
 SLOW_TESTS = {
@@ -21,63 +23,30 @@ SLOW_TESTS = {
     (
         "contract/test_compat.py::test_tree_map_params_derives_sharding_on_8_devices"
     ): "8-device subprocess",
-    # Seven wrappers, each compiled twice (update and metrics), per clipper:
-    # the heaviest clippers run here; the fast suite keeps the others
-    # (global, per_param, per_layer, agc, adagc, the element-wise clippers)
-    # and every wrapper.
-    **{
-        (
-            f"contract/test_contract.py::test_metrics_found_in_every_wrapper[{name}]"
-        ): "7 wrappers compiled"
-        for name in (
-            "autoclip",
-            "autoclip_ema_per_param",
-            "autoclip_window",
-            "clip_by_percentile",
-            "hist_clip",
-            "hist_clip_ema_per_layer",
-            "zscore_clip",
-        )
-    },
     # Accumulates over MultiSteps for many steps, compiled per clipper; the
     # contract tests keep MultiSteps (and every other wrapper) in the fast suite.
     (
         "contract/test_wrappers.py::"
         "test_multi_steps_clips_the_accumulated_gradient_once_per_real_step"
     ): ("long accumulation run"),
-    # inject_hyperparams against the clipper rebuilt per value: the history
-    # clippers compile the longest; the others stay in the fast suite.
-    **{
-        "contract/test_wrappers.py::"
-        "test_inject_hyperparams_equals_the_clipper_built_with_those_values"
-        f"[{name}]": "compiles per hyperparameter value"
-        for name in ("autoclip", "autoclip_window")
-    },
-    # Hypothesis examples through autoclip's sorted history, one compile per
-    # example shape; the other clippers' properties stay in the fast suite.
-    (
-        "contract/test_properties.py::"
-        "test_dtype_preserved_and_unclipped_leaves_untouched[float32-autoclip]"
-    ): ("50 hypothesis examples"),
-    (
-        "contract/test_properties.py::test_scale_threshold_identity[autoclip]"
-    ): "50 hypothesis examples",
-    (
-        "contract/test_properties.py::test_scale_threshold_identity[autoclip_window]"
-    ): "50 hypothesis examples",
-    # Full flax training runs saved and resumed; the orbax standard
-    # checkpointer round trip stays in the fast suite.
+    # Full flax training runs saved and resumed; the orbax checkpointers' round
+    # trips stay in the fast suite.
     (
         "contract/test_checkpoint.py::test_flax_serialization_resumes_bit_identically"
     ): "train, save, resume",
     (
         "contract/test_checkpoint.py::test_nnx_optimizer_orbax_resumes_bit_identically"
     ): "train, save, resume",
-    # A linen TrainState training run per clipper; the nnx.Optimizer run per
-    # clipper and the linen per-layer names test stay in the fast suite.
+    # A linen TrainState training run per clipper; the nnx.Optimizer run and the
+    # linen per-layer names test stay in the fast suite.
     (
         "contract/test_flax.py::test_linen_train_state_trains_with_every_clipper"
     ): "a training run per clipper",
+    # Starts a subprocess with XLA:CPU kept off FMA instructions.
+    (
+        "skip_on_spike/test_fold.py::test_compiled_without_fma_skip_on_spike_is_optax_bit_for_bit"
+    ): "subprocess",
+    "contract/test_stacked.py::test_flax_linen_nn_scan_model": "a flax training run",
 }
 
 
@@ -86,175 +55,23 @@ def _cases(test: str, ids: str, reason: str) -> dict[str, str]:
     return {f"{test}[{case}]": reason for case in ids.split()}
 
 
-# Parametrized tests whose other cases stay in the fast suite: every clipper
-# and wrapper keeps at least one case there (`make test` measured 9 min on 2
-# idle cores before these moved; `--durations=0` picked them). A case that
-# shares its compiled functions with another saves little: the compile moves
-# to whichever case runs first.
+def _all_but(test: str, keep: str | tuple[str, ...], reason: str) -> dict[str, str]:
+    """A SLOW_PATTERNS entry: every parametrization of one test but those named in
+    ``keep`` (ids space-separated, or a tuple of ids), which stay in the fast suite.
+    A kept id also keeps the ids it begins, followed by ``-`` (``zclip`` keeps
+    ``zclip-complex``, not ``zclip_per_param``)."""
+    ids = keep.split() if isinstance(keep, str) else keep
+    kept = "|".join(re.escape(case) for case in ids)
+    return {rf"{re.escape(test)}\[(?!(?:{kept})[\]-])": reason}
+
+
+# Parametrized tests whose other cases stay in the fast suite.
 SLOW_TESTS.update(
     {
-        # Every page's code blocks (102 s for all on 2 loaded cores): the pages
-        # that train models; the fast suite keeps the other pages (about 50 s).
-        # getting_started's cells also run in the docs build (myst-nb).
-        **_cases(
-            "docs/test_docs_code_blocks.py::test_page_code_blocks_run",
-            "docs/qk_clip.md docs/flax.md docs/getting_started.md",
-            "trains models (10-30 s a page)",
-        ),
-        **_cases(
-            "contract/test_contract.py::test_metrics_found_in_every_wrapper",
-            "zscore_normalize agc_per_layer agc zclip_per_param clip_by_value "
-            "clip_by_global_norm_inf",
-            "7 wrappers compiled",
-        ),
-        **_cases(
-            "contract/test_bad_input.py::test_tree_map_params_keeps_names_and_metrics",
-            "agc_unitwise autoclip_per_layer adagc clip_by_percentile hist_clip_nested "
-            "zscore_normalize",
-            "a chain mapped and compiled per kind",
-        ),
-        **_cases(
-            "contract/test_flax.py::test_nnx_optimizer_trains_with_every_clipper",
-            "hist_clip_ema_per_layer clip_by_percentile autoclip_window_per_layer agc_per_layer "
-            "zscore_clip zclip_per_layer autoclip_ema clip_by_value",
-            "a training run per clipper",
-        ),
-        **_cases(
-            "contract/test_leaf_norms.py::test_leaf_norms_cost_no_second_pass",
-            "autoclip_window_per_layer hist_clip_ema_per_layer adagc autoclip hist_clip "
-            "clip_by_percentile agc_per_layer autoclip_ema zclip zscore_clip clip_by_value",
-            "XLA cost analysis per clipper",
-        ),
-        **_cases(
-            "contract/test_leaf_norms.py::test_leaf_norms_are_the_pre_clip_leaf_norms",
-            "adagc autoclip_window_per_layer clip_by_percentile hist_clip_ema_per_layer "
-            "autoclip agc_per_layer autoclip_ema zscore_clip clip_by_value",
-            "compiled per clipper",
-        ),
-        **_cases(
-            (
-                "contract/test_wrappers.py::"
-                "test_inject_hyperparams_equals_the_clipper_built_with_those_values"
-            ),
-            "hist_clip zscore_normalize autoclip_ema zscore_clip clip_by_value "
-            "clip_by_percentile agc_per_layer normalize_per_param",
-            "compiles per hyperparameter value",
-        ),
-        # Reference traces (torch and smartclip): each keeps two cases here.
-        **_cases(
-            "zclip/test_zclip.py::test_matches_zclip_step_by_step",
-            "default-constant default-regime_shift "
-            "clip_option=mean,max_grad_norm=5.0-regime_shift "
-            "clip_option=mean,max_grad_norm=5.0-spikes "
-            "clip_option=mean,max_grad_norm=5.0-constant "
-            "skip_update_on_spike=True,max_grad_norm=None-spikes "
-            "skip_update_on_spike=True,max_grad_norm=None-constant "
-            "max_grad_norm=None-spikes max_grad_norm=None-constant "
-            "mode=percentile,max_grad_norm=None-spikes mode=percentile,max_grad_norm=None-constant "
-            "alpha=0.9,z_thresh=2.0,clip_factor=0.7,warmup_steps=5,max_grad_norm=None-regime_shift "
-            "alpha=0.9,z_thresh=2.0,clip_factor=0.7,warmup_steps=5,max_grad_norm=None-constant",
-            "reference trace",
-        ),
-        **_cases(
-            "hist_clip/test_hist_clip.py::test_matches_drytorch_step_by_step",
-            "zstat-max-constant ema-max-spikes ema-max-regime_shift zstat-max-regime_shift "
-            "zstat-reciprocal-spikes ema-max-constant ema-reciprocal-constant "
-            "zstat-mean-regime_shift ema-reciprocal-spikes zstat-mean-constant "
-            "zstat-reciprocal-constant",
-            "reference trace",
-        ),
-        **_cases(
-            "autoclip/test_autoclip.py::test_window_percentile_matches_smartclip",
-            "50-95.0-constant 1024-99.0-constant 1024-99.0-regime_shift 50-95.0-regime_shift "
-            "7-50.0-constant 1-100.0-spikes 1-100.0-regime_shift 7-50.0-regime_shift",
-            "reference trace",
-        ),
-        # float64 restatements: the fast suite keeps one case per behaviour.
-        **_cases(
-            "adaptive/test_feedback.py::test_scopes_match_per_group_restatement",
-            "feedback-per_layer defaults-per_param feedback-per_param",
-            "per-group restatement, many groups",
-        ),
-        **_cases(
-            "skip_on_spike/test_skip_on_spike.py::test_decisions_match_the_float64_restatement",
-            "shift-novalue-3-raw shift-value-3-skip nan_grad-novalue-None-skip "
-            "shift-value-3-raw norm_spike-value-None-skip shift-novalue-3-skip "
-            "nan_loss-value-None-skip clean-value-None-skip clean-value-None-raw "
-            "nan_grad-novalue-None-raw nan_grad-value-None-raw both-value-None-raw "
-            "burst-novalue-None-raw loss_spike-value-None-raw norm_spike-novalue-None-raw "
-            "norm_spike-novalue-None-skip",
-            "restatement step by step",
-        ),
-        **_cases(
-            "adaptive/test_forgetting.py::test_auto_window_matches_restatement",
-            "2-skip 16-skip 16-raw 2-clipped 16-clipped 2-observe_first 2-raw 16-observe_first",
-            "restatement step by step",
-        ),
-        **_cases(
-            "adaptive/test_forgetting.py::test_judge_first_gate_defaults_to_ten",
-            "skip-autoclip raw-autoclip raw-zscore_clip skip-zscore_clip",
-            "restatement step by step",
-        ),
-        **_cases(
-            "autoclip/test_geometric_quantile.py::test_converges_to_the_true_quantile",
-            "abs_normal-0.2 uniform-0.2 uniform-0.05 abs_normal-0.05 pareto-0.05 lognormal-0.2",
-            "thousands of steps",
-        ),
-        # Per-clipper contract checks: the scoped variants of a clipper that
-        # the fast suite runs at another scope.
-        **{
-            f"contract/test_contract.py::{test}[{case}]": "a scoped variant, compiled"
-            for test in (
-                "test_no_host_transfer_inside_update",
-                "test_state_can_be_donated",
-                "test_scan_carry_and_single_trace",
-            )
-            for case in (
-                "hist_clip_ema_per_layer",
-                "autoclip_window",
-                "clip_by_global_norm_inf",
-                "autoclip_ema_per_param",
-                "agc_per_layer",
-                "normalize_per_param",
-                "zclip_per_param",
-            )
-        },
-        **_cases(
-            "adaptive/test_feedback.py::test_feedback_matches_restatement",
-            "autoclip_geometric hist_ema zclip_cap zclip_mean zclip_percentile",
-            "restatement step by step (a variant of a clipper kept here)",
-        ),
-        **_cases(
-            "adaptive/test_feedback.py::test_spike_moves_threshold_no_more_than_its_clip_value",
-            "hist_zstat zscore_clip",
-            "restatement step by step",
-        ),
-        **_cases(
-            (
-                "adaptive/test_forgetting.py::"
-                "test_judge_first_threshold_is_inf_before_first_observation"
-            ),
-            "autoclip_all-raw autoclip_all-skip autoclip_ema-raw autoclip_ema-skip "
-            "autoclip_geometric-raw autoclip_geometric-skip autoclip_percentile-raw "
-            "autoclip_percentile-skip autoclip_window-raw autoclip_window-skip "
-            "zscore_clip-raw zscore_clip-skip",
-            "one case per statistic kept (clipped)",
-        ),
         **_cases(
             "elementwise/test_elementwise.py::test_clip_by_percentile_exact_matches_numpy",
             "global-5.0 per_param-10.0 per_param-100.0 per_param-95.0",
             "a percentile per case",
-        ),
-        **_cases(
-            "adaptive/test_stats.py::test_state_structure_never_changes",
-            "float64-ema float64-p2 float64-p2_smartclip float64-squantile float64-welford "
-            "float64-window",
-            "float64 variant of a float32 case",
-        ),
-        **_cases(
-            "contract/test_bad_input.py::test_scope_callables_of_two_arguments_are_accepted",
-            "adagc agc clip_by_percentile clip_by_value hist_clip zscore_clip",
-            "compiled per clipper",
         ),
         **_cases(
             "zclip/test_nonfinite.py::test_nonfinite_step_reports_spike_boundary",
@@ -262,146 +79,669 @@ SLOW_TESTS.update(
             "nan-1.05-percentile nan-100.0-percentile",
             "compiled per case",
         ),
-        **{
-            f"contract/test_compat.py::test_every_clipper_runs_on_every_leaf_kind[{name}-": (
-                "a scoped variant, compiled per leaf kind"
-            )
-            for name in (
-                "agc_per_layer",
-                "autoclip_ema_per_param",
-                "autoclip_window",
-                "clip_by_global_norm_inf",
-                "hist_clip_ema_per_layer",
-                "normalize_per_param",
-                "zclip_per_param",
-            )
-        },
-        # Starts a subprocess with XLA:CPU kept off FMA instructions.
+    }
+)
+
+# The torch references (zclip, drytorch, pytorch-optimizer, torch-optimi,
+# adamwclip) are installed for `make test-all` only (.venv/.installed-references):
+# every test that runs one is slow, so that `make test` leaves it out instead of
+# skipping it. tests/zclip/test_zclip.py and tests/spam/test_stable_adamw.py are
+# slow as files; smartclip (pure Python, no torch) stays in `make test`.
+SLOW_TESTS.update(
+    {
+        test: "runs a torch reference (make test-all installs it)"
+        for test in (
+            "adamwclip/test_adamwclip.py::test_trace_equals_the_package",
+            "adamwclip/test_adamwclip.py::"
+            "test_a_later_warm_up_and_a_threshold_floor_equal_the_package",
+            "adamwclip/test_adamwclip.py::"
+            "test_fix_the_package_clips_its_first_steps_to_clip_grad_min",
+            "elementwise/test_elementwise.py::test_normalisers_match_drytorch",
+            "hist_clip/test_hist_clip.py::test_matches_drytorch_step_by_step",
+            "hist_clip/test_hist_clip.py::test_per_param_is_param_hist_clipper",
+            "hist_clip/test_hist_clip.py::test_no_warmup_clip_and_short_warmup",
+            "hist_clip/test_hist_clip.py::test_ema_mean_clipping_fix",
+            "spam/test_spam.py::test_spam_matches_pytorch_optimizer",
+            "spam/test_spam.py::test_spam_metrics_say_what_the_step_did",
+            "spam/test_spam.py::test_spam_nan_element_is_fixed_and_the_rest_matches",
+            "spam/test_spam.py::test_spam_zero_second_moment_is_not_clipped_to_zero",
+            "spam/test_spam.py::test_stable_spam_matches_pytorch_optimizer",
+            "spam/test_spam.py::test_a_nan_step_around_skip_on_spike_is_the_reference_without_it",
+            "spam/test_spam.py::test_stable_spam_nan_keeps_every_statistic_finite",
+            "spam/test_spam.py::test_the_restatements_are_the_references_without_nan",
+            "spam/test_spam.py::test_spam_weight_decay_maps_exactly_onto_the_reference",
+        )
+    }
+)
+
+# `make test` within 5 minutes (issue 51): whole tests that run long traces,
+# training runs, sweeps, hypothesis examples, subprocesses, XLA cost analyses,
+# or a property another fast test checks through another helper (the reason
+# names what stays in the fast suite where it is not plain).
+SLOW_TESTS.update(
+    {
+        "adagc/test_adagc.py::test_axis_name_replicas_use_averaged_group_norms": (
+            "vmapped replicas; tests/adaptive keeps zclip's axis_name run"
+        ),
+        "adagc/test_adagc.py::test_callable_scope_matches_restatement": (
+            "restatement step by step; the named scopes stay"
+        ),
+        "adagc/test_adagc.py::test_chain_with_adam_jit_and_scan": (
+            "a scan of a chain; the registry's contract checks adagc jitted"
+        ),
+        (
+            "adamwclip/test_adamwclip.py::"
+            "test_skip_on_spike_folds_it_with_no_conditional_and_no_copy"
+        ): "HLO of the donated step (test_fold keeps adamw's)",
+        "adamwclip/test_adamwclip.py::test_update_if_skips_bit_identically_and_takes_as_update": (
+            "the fold's update_if, run per optimizer (test_fold keeps adam's)"
+        ),
+        "adaptive/test_feedback.py::test_ema_percentile_judge_first_is_observe_first_shifted": (
+            "two traces compared step by step"
+        ),
+        "adaptive/test_feedback.py::test_scopes_match_per_group_restatement": (
+            "per-group restatement step by step; the global restatements stay"
+        ),
+        "adaptive/test_feedback.py::test_spike_moves_threshold_no_more_than_its_clip_value": (
+            "restatement step by step; feedback_matches_restatement stays"
+        ),
+        "adaptive/test_follow.py::test_a_ceiling_is_judged_on_the_scaled_grid": (
+            "a run per clipper; required_settings_follow_a_run stays"
+        ),
+        "adaptive/test_follow.py::test_a_relative_ceiling_is_judged_on_the_grid_itself": (
+            "a run per grid point; required_settings_follow_a_run stays"
+        ),
+        "adaptive/test_follow.py::test_adagc_follows_a_rise_at_most_point_one_percent_a_step": (
+            "a long run; adagc's restatements stay (tests/adagc)"
+        ),
+        "adaptive/test_follow.py::test_whole_history_autoclip_lets_spikes_through_after_a_drop": (
+            "a long run"
+        ),
+        "adaptive/test_forgetting.py::test_judge_first_gate_defaults_to_ten": (
+            "restatement step by step"
+        ),
+        "adaptive/test_forgetting.py::test_window_follows_a_noisy_shift_as_restated": (
+            "restatement step by step; auto_window_matches_restatement stays"
+        ),
+        (
+            "adaptive/test_forgetting.py::"
+            "test_window_median_follows_a_noise_free_shift_in_half_a_window"
+        ): "a run per shift",
+        "adaptive/test_replay.py::test_an_absolute_ceiling_protects_at_one_scale_only": (
+            "a run per scale"
+        ),
+        (
+            "adaptive/test_replay.py::"
+            "test_the_recommended_setting_holds_every_step_of_a_synthetic_start"
+        ): "a long synthetic start; the recorded replay stays",
+        "adaptive/test_replay.py::test_the_same_protection_at_every_scale": (
+            "a sweep over scales; the recording's transient and reference bound stay"
+        ),
+        (
+            "adaptive/test_replay.py::"
+            "test_without_a_ceiling_the_transient_stays_in_adams_second_moment"
+        ): "Adam over the recorded start, per setting; the recording's transient stays",
+        "adaptive/test_stats.py::test_p2_textbook_tracks_true_median": "a long stream",
+        "adaptive/test_stats.py::test_squantile_converges_on_stationary_streams": "long streams",
+        "adaptive/test_stats.py::test_window_percentile_property": "hypothesis examples",
+        "agc/test_agc.py::test_agc_axis_matches_optax": (
+            "a large unitwise tree per axis; unitwise_equals_optax stays"
+        ),
+        "agc/test_agc.py::test_exclude_bias_bn": "compiled per scope",
+        "agc/test_agc.py::test_unitwise_axis_name_gives_every_replica_the_same_scale": (
+            "vmapped replicas; tests/adaptive keeps zclip's axis_name run"
+        ),
+        "autoclip/test_autoclip.py::test_nan_never_enters_the_statistics": (
+            "three modes, two traces each; guard_nans=False's trace stays"
+        ),
+        "autoclip/test_geometric_quantile.py::test_converges_to_the_true_quantile": (
+            "thousands of steps; the step-by-step restatement stays"
+        ),
+        "autoclip/test_geometric_quantile.py::test_follows_a_5x_downward_shift": (
+            "thousands of steps"
+        ),
+        "autoclip/test_geometric_quantile.py::test_follows_a_slow_exponential_drift": (
+            "thousands of steps"
+        ),
+        "contract/test_bad_input.py::test_tree_map_params_keeps_names_and_metrics": (
+            "a chain mapped and compiled; tree_map_params_maps_params_shaped_parts_only stays"
+        ),
+        (
+            "contract/test_checkpoint.py::"
+            "test_flax_restore_of_a_global_state_into_another_model_is_allowed"
+        ): "a restore and an update compiled",
+        (
+            "contract/test_checkpoint.py::"
+            "test_orbax_restore_of_a_placed_state_does_not_recompile_the_step"
+        ): "compiles the step twice; the resumed runs stay",
+        (
+            "contract/test_checkpoint.py::"
+            "test_orbax_restore_of_another_models_state_fails_at_restore"
+        ): "orbax save and restore; flax restores of another model's state stay",
+        "contract/test_grouping.py::test_many_groups_compile_like_one": "compiles twice per scope",
+        "contract/test_leaf_norms.py::test_nested_metrics_every_clipper_with_leaf_norms": (
+            "every clipper in one program"
+        ),
+        "contract/test_serialization.py::test_flax_imported_before_or_after_clipjax": (
+            "a subprocess per order"
+        ),
+        "contract/test_serialization.py::test_without_flax_clipjax_imports_and_works": (
+            "a subprocess"
+        ),
+        "contract/test_stacked.py::test_flax_nnx_scan_model": (
+            "a flax training run; the stacked slices and lax.scan chain stay"
+        ),
+        "contract/test_stacked.py::test_jit_and_eager_agree": (
+            "eager and jitted runs; the stacked slices stay"
+        ),
+        (
+            "contract/test_update_clipping.py::"
+            "test_levanter_style_update_norm_clip_stops_an_update_spike"
+        ): "a training run; after_the_optimizer stays",
+        "contract/test_update_clipping.py::test_under_skip_on_spike_on_the_fold_route": (
+            "a training run on the fold route; after_the_optimizer stays"
+        ),
+        (
+            "contract/test_wrappers.py::"
+            "test_apply_if_finite_drops_the_step_before_the_clipper_sees_it"
+        ): "every clipper in one program",
+        "contract/test_wrappers.py::test_masked_clips_only_the_selected_leaves": (
+            "every clipper in one program"
+        ),
+        "docs/test_docs_claims.py::test_the_readme_example_prints_what_the_readme_shows": (
+            "trains the README example; make test-all runs it with every README block"
+        ),
+        "docs/test_docs_code_blocks.py::test_page_code_blocks_run": (
+            "runs every page's code blocks; the extraction checks stay"
+        ),
+        "docs/test_docs_nnx_metrics.py::test_a_split_optimizer_is_read_inside_jit": (
+            "a flax nnx step"
+        ),
+        "docs/test_docs_nnx_metrics.py::test_every_nnx_form_gives_the_opt_state_metrics": (
+            "a flax nnx step per form; the nnx optimizer run stays (contract/test_flax)"
+        ),
+        "elementwise/test_elementwise.py::test_clip_by_percentile_approx_and_auto": (
+            "a percentile per scope; tests/percentile checks the approximation"
+        ),
+        "elementwise/test_elementwise.py::test_clip_by_percentile_inject_hyperparams": (
+            "inject_hyperparams per transform (contract/test_inject keeps a few)"
+        ),
+        "elementwise/test_elementwise.py::test_clip_by_percentile_property": (
+            "50 hypothesis examples; exact_matches_numpy stays"
+        ),
+        "growth_clip/test_growth_clip.py::test_ema_trace_equals_torchzero": (
+            "a reference trace per scope; the per_param growth trace stays"
+        ),
+        "growth_clip/test_growth_clip.py::test_per_layer_and_global_traces_equal_torchzero": (
+            "reference traces per scope; the per_param trace stays"
+        ),
+        (
+            "hist_clip/test_hist_clip.py::"
+            "test_warmup_clip_metrics_are_nested_and_generic_transforms_work"
+        ): "a run per warm-up clip; test_nested_warmup_clip stays",
+        "historical_clip/test_historical_clip.py::test_per_param_and_per_layer_groups": (
+            "a trace per scope; the global trace against Levanter stays"
+        ),
+        (
+            "historical_clip/test_historical_clip.py::"
+            "test_the_recipe_after_the_optimizer_equals_levanters_chain"
+        ): "a training run; the Levanter trace stays",
+        "percentile/test_percentile.py::test_approx_with_static_percentiles": (
+            "a distribution per case; approx_within_documented_bound stays"
+        ),
+        "percentile/test_percentile.py::test_approx_within_bound_on_a_million_elements": (
+            "a million elements; the smaller sizes stay"
+        ),
+        "qk_clip/test_contract.py::test_a_scanned_model_trained_in_a_scan_over_steps": (
+            "a training run; the jitted run and a tree of logits stay"
+        ),
+        "qk_clip/test_contract.py::test_a_stacked_module_reads_layers_by_heads_from_a_tree": (
+            "a flax module per layer; a tree of logits stays"
+        ),
+        "qk_clip/test_contract.py::test_multi_steps_with_a_tree_of_logits": (
+            "MultiSteps compiled; MultiSteps with one logits array stays"
+        ),
+        "qk_clip/test_contract.py::test_update_under_vmap_takes_the_max_over_axis_name": (
+            "vmapped replicas; the jitted run stays"
+        ),
+        "qk_clip/test_reference.py::test_flax_layout_within_the_budget": (
+            "a flax attention per layout; the inferred layouts stay"
+        ),
+        (
+            "skip_and_clip/test_skip_and_clip.py::"
+            "test_scan_carry_single_trace_donation_and_wrappers"
+        ): "a scan, a donated step and the wrappers compiled",
         (
             "skip_on_spike/test_fold.py::"
-            "test_compiled_without_fma_skip_on_spike_is_optax_bit_for_bit"
-        ): ("subprocess"),
-        **_cases("agc/test_agc.py::test_agc_axis_matches_optax", "None", "a large unitwise tree"),
-        **_cases(
-            "agc/test_agc.py::test_unitwise_equals_optax", "0.001", "a long run against optax"
+            "test_composes_with_inject_hyperparams_multisteps_and_low_precision_params"
+        ): "three wrappers compiled; the contract's wrapper checks stay",
+        "skip_on_spike/test_fold.py::test_skip_on_spike_is_the_same_as_around_optax": (
+            "a run per inner optimizer; init_and_update_are_optax_bit_for_bit stays"
         ),
-        **_cases(
-            ("contract/test_grouping.py::test_many_groups_compile_like_one"),
-            "per_param",
-            "compiles twice",
+        (
+            "skip_on_spike/test_skip_on_spike_steps.py::"
+            "test_a_taken_step_costs_the_norm_and_one_round_trip_of_the_updates"
+        ): "XLA cost analysis; test_fold keeps a taken step's cost",
+        (
+            "skip_on_spike/test_skip_on_spike_steps.py::"
+            "test_a_wrapper_around_clipjax_adamw_is_the_conditional_around_optax"
+        ): "a run per wrapper; the conditional around optax's runs stay",
+        (
+            "skip_on_spike/test_skip_on_spike_steps.py::"
+            "test_a_wrapper_costs_what_the_conditional_around_optax_costs"
+        ): "XLA cost analysis per wrapper; test_fold keeps a taken step's cost",
+        "skip_on_spike/test_skip_on_spike_steps.py::test_nnx_optimizer_passes_the_loss_through": (
+            "a flax nnx step"
         ),
-    }
-)
-
-# SPAM / Stable-SPAM (tests/spam/ keeps their references and the fold in
-# the fast suite): the scoped variants of adaclip and ada_norm, and
-# stable_spam's chain of both, whose members the fast suite checks one by one.
-SLOW_TESTS.update(
-    {
-        **{
-            f"contract/test_contract.py::{test}[{case}]": "a scoped variant, compiled"
-            for test in (
-                "test_no_host_transfer_inside_update",
-                "test_state_can_be_donated",
-                "test_scan_carry_and_single_trace",
-                "test_metrics_found_in_every_wrapper",
-            )
-            for case in ("adaclip_global", "ada_norm_per_layer")
-        },
-        **{
-            f"contract/test_compat.py::test_every_clipper_runs_on_every_leaf_kind[{name}-": (
-                "a scoped variant, compiled per leaf kind"
-            )
-            for name in ("adaclip_global", "ada_norm_per_layer")
-        },
-        "contract/test_contract.py::test_metrics_found_in_every_wrapper[stable_spam]": (
-            "7 wrappers compiled, a chain of adaclip, ada_norm and Adam"
+        (
+            "skip_on_spike/test_skip_on_spike_steps.py::"
+            "test_orbax_checkpoint_continues_bit_identically"
+        ): "orbax save and restore; contract/test_serialization keeps skip_on_spike's",
+        (
+            "skip_on_spike/test_skip_on_spike_steps.py::"
+            "test_the_donated_step_copies_no_optimizer_state"
+        ): "HLO of the donated step; test_fold keeps it",
+        "spam/test_spam_pieces.py::test_alone_it_copies_no_more_than_adamw": (
+            "XLA cost analysis; the donated step's HLO stays"
         ),
-    }
-)
-
-# `make test` within 5 minutes from a fresh clone on 2 cores: the costliest
-# cases of tests whose other cases stay in the fast suite, each clipper family
-# keeping at least one (`--durations=0` of the fast suite picked them: about 80
-# test-seconds of 620).
-SLOW_TESTS.update(
-    {
-        **_cases(
-            "contract/test_contract.py::test_metrics_found_in_every_wrapper",
-            "stable_spam_uncounted spam adaclip",
-            "7 wrappers compiled (ada_norm stays for the SPAM family)",
+        "spam/test_spam_pieces.py::test_inject_hyperparams": (
+            "inject_hyperparams per transform (contract/test_inject keeps a few)"
         ),
-        **_cases(
-            "contract/test_update_clipping.py::test_after_the_optimizer_it_clips_the_update",
-            "agc clip_by_percentile autoclip",
-            "a training run per clipper (agc_per_layer, clip_by_value, autoclip_ema stay)",
+        "spam/test_spam_pieces.py::test_update_if_skips_bit_identically_and_takes_as_update": (
+            "the fold's update_if, run per optimizer (test_fold keeps adam's)"
         ),
-        **_cases(
-            "contract/test_stacked.py::test_each_slice_is_the_unstacked_layer",
-            "per_param-1-hist_clip per_param-1-hist_clip_ema per_param-1-adagc "
-            "per_param-1-autoclip_window per_param-1-autoclip_ema per_param-1-zscore_clip "
-            "per_param-1-agc_exclude_bias",
-            "the per_layer case and per_param zclip and agc stay",
+        "zclip/test_scale_free.py::test_a_zero_norm_carries_no_scale": "a run per case",
+        "zclip/test_scale_free.py::test_an_absolute_ceiling_is_not_the_same_run": (
+            "two runs compared; a_loss_times_k_is_the_same_run stays"
         ),
-        **_cases(
-            "contract/test_serialization.py::test_orbax_round_trip",
-            "skip_on_spike_chain skip_on_spike_select skip_on_spike_cond hist_clip_ema_per_layer "
-            "zclip_per_param clip_by_percentile autoclip_ema_per_param autoclip_window "
-            "agc_per_layer ada_norm_per_layer zscore_normalize clip_by_global_norm_inf",
-            "a round trip per state class stays (flax bytes keep every case)",
+        "zclip/test_scale_free.py::test_headroom_shows_a_ceiling_that_is_wrong_for_the_run": (
+            "a run per clipper"
         ),
-        **_cases(
-            "spam/test_spam_pieces.py::test_update_if_skips_bit_identically_and_takes_as_update",
-            "stable_spam",
-            "spam stays; stable_spam's members are checked one by one",
+        "zclip/test_start.py::test_0_4s_time_weight_enlarges_it": "a long trace",
+        "zclip/test_start.py::test_the_hold_costs_no_bytes_and_no_copy_in_clipjax_chain": (
+            "XLA cost analysis; the held steps stay"
         ),
-        **_cases(
-            "adaptive/test_feedback.py::test_scopes_match_per_group_restatement",
-            "boundary-per_param",
-            "the per_layer cases stay",
+        "zclip/test_start.py::test_the_recommended_route_never_enlarges_adams_step": (
+            "a long trace; the held steps stay"
         ),
-        "contract/test_stacked.py::test_flax_linen_nn_scan_model": (
-            "a flax training run; the nnx scan model stays"
-        ),
-        **_cases(
-            "skip_on_spike/test_dtypes.py::test_updates_and_state_keep_the_inner_optimizers_dtypes",
-            " ".join(
-                f"{route}-{dtypes}-mu_f32"
-                for route in ("fold_clipjax_adamw", "cond_optax_adam", "cond_chain_zclip_adam")
-                for dtypes in ("f32-f32", "f32-bf16", "bf16-f32")
-            ),
-            "mu_dtype float32 stays with bfloat16 params and gradients, on every route",
-        ),
-        **_cases(
-            "contract/test_inject.py::test_injected_equals_the_factory_called_with_the_same_values",
-            "hist_clip_zstat autoclip_percentile zclip_percentile",
-            "a second mode of a clipper whose default mode stays",
-        ),
-        "contract/test_serialization.py::test_flax_imported_before_or_after_clipjax[before]": (
-            "a subprocess; flax imported after clipjax stays"
-        ),
+        "zclip/test_start.py::test_what_optax_chain_gets": "a long trace; the held steps stay",
     }
 )
 
 # Every contract test runs with and without jit (chex.variants). The fast
-# suite keeps both for `state_is_stable_and_dtypes_kept` (every norm-based
-# clipper and one of each other family, eagerly) and the jitted variant of the
-# others; bfloat16 stands for the low-precision dtypes.
+# suite keeps, for every transform of the registry, the jitted
+# `state_is_stable_and_dtypes_kept` and `empty_tree`; eagerly, in low precision
+# or twice in one chain, the global norm and zclip; bfloat16 stands for the
+# low-precision dtypes.
+_CLASS = r"contract/test_contract\.py::TestContractWithAndWithoutJit::"
 SLOW_PATTERNS = {
-    # float16 as well as bfloat16: bfloat16 stays for every clipper.
-    r"contract/test_contract\.py::TestContractWithAndWithoutJit::test_low_precision_leaves_keep_dtype_"
-    r"(?!clip_by_global_norm_float16|zclip_float16|agc_float16).*_float16__with_jit$": (
-        "float16 variant"
+    rf"{_CLASS}test_(?!state_is_stable_and_dtypes_kept_(?:clip_by_global_norm|zclip)__)"
+    r".*__without_jit$": "eager variant (the global norm and zclip stay eager)",
+    rf"{_CLASS}test_low_precision_leaves_keep_dtype_"
+    r"(?!(?:clip_by_global_norm|zclip)_bfloat16__).*__with_jit$": (
+        "a low-precision variant compiled per transform (the global norm and zclip stay)"
     ),
-    r"contract/test_contract\.py::TestContractWithAndWithoutJit::"
-    r"test_(?!state_is_stable_and_dtypes_kept_).*__without_jit$": "eager variant",
-    # Eagerly, op by op, the SPAM family, the normalisers and the element-wise
-    # clippers take seconds each: adaclip_global, ada_norm's, clip_by_value and
-    # every norm-based clipper stay eager in the fast suite.
-    r"contract/test_contract\.py::TestContractWithAndWithoutJit::test_state_is_stable_and_dtypes_kept_"
-    r"(spam|stable_spam|stable_spam_uncounted|adaclip|ada_norm|zscore_normalize|agc|"
-    r"clip_by_percentile)__without_jit$": "eager variant of an element-wise transform",
+    rf"{_CLASS}test_two_of_a_kind_get_distinct_names_"
+    r"(?!(?:clip_by_global_norm|zclip)__).*__with_jit$": (
+        "a chain of two compiled per transform (the global norm and zclip stay)"
+    ),
 }
+
+# Parametrized tests that repeat one check per clipper, scope, route, dtype or
+# setting: the cases named first stay in the fast suite (one or two
+# representatives), the others run in `make test-all`, for the reason given.
+# The cheap per-transform checks (the jitted contract above, bad input, flax
+# bytes) keep every transform of the registry in the fast suite.
+_REPRESENTATIVES: dict[str, tuple[str | tuple[str, ...], str]] = {
+    "adagc/test_adagc.py::test_global_matches_restatement": ("clipped", "restatement step by step"),
+    "adagc/test_adagc.py::test_per_layer_matches_restatement": (
+        "clipped",
+        "restatement step by step",
+    ),
+    "adagc/test_adagc.py::test_per_param_matches_restatement": (
+        "clipped",
+        "restatement step by step",
+    ),
+    "adaptive/test_feedback.py::test_axis_name_every_replica_sees_the_averaged_norm": (
+        "zclip-None",
+        "vmapped replicas per clipper",
+    ),
+    "adaptive/test_feedback.py::test_default_matches_restatement": (
+        "zclip",
+        "restatement step by step",
+    ),
+    "adaptive/test_feedback.py::test_feedback_matches_restatement": (
+        "zclip",
+        "restatement step by step",
+    ),
+    "adaptive/test_feedback.py::test_inject_hyperparams_zscore_clip_feedback": (
+        "skip",
+        "a run per feedback",
+    ),
+    "adaptive/test_follow.py::test_clip_target_ratchets_after_a_lasting_rise": (
+        "zclip-clip_target",
+        "a run per clipper",
+    ),
+    "adaptive/test_follow.py::test_required_settings_follow_a_run": (
+        "recommended",
+        "a run per setting",
+    ),
+    "adaptive/test_forgetting.py::test_auto_window_matches_restatement": (
+        "64-clipped",
+        "restatement step by step",
+    ),
+    "adaptive/test_forgetting.py::test_judge_first_threshold_is_inf_before_first_observation": (
+        "zscore_clip-clipped",
+        "a run per statistic and feedback",
+    ),
+    "adaptive/test_forgetting.py::test_observe_first_gate_keeps_smartclip_defaults": (
+        "zscore_clip",
+        "a run per clipper",
+    ),
+    (
+        "adaptive/test_forgetting.py::"
+        "test_the_ceiling_bounds_the_steps_before_the_first_observation"
+    ): ("zscore_clip", "a run per statistic"),
+    "adaptive/test_stats.py::test_groups_are_independent": ("ema window", "a statistic per case"),
+    "adaptive/test_stats.py::test_state_structure_never_changes": (
+        "float32-ema float32-window",
+        "a statistic per case",
+    ),
+    "agc/test_agc.py::test_grouped_equals_float64_restatement": ("per_layer", "compiled per scope"),
+    "agc/test_agc.py::test_unitwise_equals_optax": ("0.05", "a long run against optax"),
+    "autoclip/test_autoclip.py::test_auto_mode_textbook_median_and_welford_std": (
+        "spikes",
+        "a trace per stream",
+    ),
+    "autoclip/test_autoclip.py::test_injected_defaults_are_not_taken_for_other_values": (
+        "percentile",
+        "a run per mode",
+    ),
+    "autoclip/test_autoclip.py::test_window_percentile_matches_smartclip": (
+        "50-95.0-spikes",
+        "reference trace",
+    ),
+    "autoclip/test_geometric_quantile.py::test_matches_restatement_step_by_step": (
+        "0.2-95.0",
+        "restatement step by step",
+    ),
+    "contract/test_bad_input.py::test_scope_callables_of_two_arguments_are_accepted": (
+        "zclip",
+        "compiled per clipper",
+    ),
+    "contract/test_careless_input.py::test_numpy_float64_gradients_are_cast_quietly": (
+        "clip_by_global_norm zclip zscore_clip chain",
+        "compiled per transform",
+    ),
+    "contract/test_compat.py::test_agc_accepts_what_optax_accepts": (
+        "python_float masked",
+        "agc against optax per leaf kind",
+    ),
+    "contract/test_compat.py::test_clip_by_value_accepts_what_optax_accepts": (
+        "none python_float",
+        "compiled per leaf kind",
+    ),
+    "contract/test_compat.py::test_every_clipper_runs_on_every_leaf_kind": (
+        "zclip",
+        "compiled per transform and leaf kind (zclip stays)",
+    ),
+    "contract/test_compat.py::test_inside_optax_masked_equals_optax": (
+        "clip_by_global_norm",
+        "compiled per transform",
+    ),
+    "contract/test_compile.py::test_a_folded_skip_zeroes_the_updates_once": (
+        "skip_on_spike(adamw)",
+        "compiled per inner optimizer",
+    ),
+    "contract/test_compile.py::test_distinct_fusions_do_not_grow_with_the_leaves": (
+        "normalize_per_param",
+        "compiled at two tree sizes per transform",
+    ),
+    "contract/test_compile.py::test_each_leaf_adds_about_as_much_hlo_as_optax": (
+        ("zclip vs optax.clip_by_global_norm",),
+        "compiled at two tree sizes per transform",
+    ),
+    "contract/test_compile.py::test_each_leaf_adds_no_more_to_the_trace_than_optax": (
+        "clip_by_value agc",
+        "traced at two tree sizes per transform",
+    ),
+    "contract/test_compile.py::test_tracing_once_per_leaf_signature_compiles_the_same_step": (
+        "zscore_normalize",
+        "compiled per leaf signature per transform",
+    ),
+    "contract/test_contract.py::test_metrics_found_in_every_wrapper": (
+        "clip_by_global_norm",
+        "7 wrappers compiled per transform",
+    ),
+    "contract/test_contract.py::test_no_host_transfer_inside_update": (
+        "zclip skip_and_clip",
+        "compiled per transform (zclip and skip_and_clip stay)",
+    ),
+    "contract/test_contract.py::test_scan_carry_and_single_trace": (
+        "zclip skip_and_clip",
+        "compiled per transform (zclip and skip_and_clip stay)",
+    ),
+    "contract/test_contract.py::test_state_can_be_donated": (
+        "zclip skip_and_clip",
+        "compiled per transform (zclip and skip_and_clip stay)",
+    ),
+    "contract/test_flax.py::test_nnx_optimizer_trains_with_every_clipper": (
+        "clip_by_global_norm",
+        "a training run per clipper",
+    ),
+    "contract/test_inject.py::test_injected_equals_the_factory_called_with_the_same_values": (
+        "clip_by_global_norm zclip",
+        "compiled per hyperparameter value",
+    ),
+    "contract/test_leaf_norms.py::test_leaf_norms_are_the_pre_clip_leaf_norms": (
+        "zclip",
+        "compiled per clipper",
+    ),
+    "contract/test_leaf_norms.py::test_leaf_norms_cost_no_second_pass": (
+        "zclip_per_layer",
+        "XLA cost analysis per clipper",
+    ),
+    "contract/test_leaks.py::test_no_tracer_leaks_under_inject_hyperparams": (
+        "clip_by_global_norm zclip agc adamw",
+        "compiled per transform",
+    ),
+    "contract/test_overflow.py::test_a_finite_spike_has_a_finite_norm_and_is_clipped": (
+        "clip_by_global_norm zclip clip_by_value",
+        "compiled per transform",
+    ),
+    "contract/test_overflow.py::test_a_global_clip_bounds_the_spike_by_its_threshold": (
+        "clip_by_global_norm zclip",
+        "a run per clipper",
+    ),
+    "contract/test_overflow.py::test_adam_after_it_keeps_moving": (
+        "clip_by_global_norm skip_on_spike",
+        "a run per transform",
+    ),
+    "contract/test_overflow.py::test_an_ordinary_step_compiles_without_full_size_copies": (
+        "zclip",
+        "XLA cost analysis per clipper",
+    ),
+    "contract/test_overflow.py::test_group_norms_equal_a_float64_restatement": (
+        "True",
+        "eager variant (the jitted cases stay)",
+    ),
+    "contract/test_overflow.py::test_the_wrappers_skip_it_as_non_finite_and_report_its_norm": (
+        "skip_on_spike",
+        "compiled per wrapper",
+    ),
+    "contract/test_properties.py::test_dtype_preserved_and_unclipped_leaves_untouched": (
+        "bfloat16-zclip float32-hist_clip",
+        "50 hypothesis examples",
+    ),
+    "contract/test_properties.py::test_scale_threshold_identity": (
+        "zclip hist_clip",
+        "50 hypothesis examples",
+    ),
+    "contract/test_serialization.py::test_flax_bytes_round_trip": (
+        "clip_by_global_norm zclip agc hist_clip skip_on_spike_fold",
+        "a round trip per state class",
+    ),
+    "contract/test_serialization.py::test_flax_state_dict_round_trip": (
+        "skip_on_spike_fold",
+        "a round trip per state class (flax bytes keep every class)",
+    ),
+    "contract/test_serialization.py::test_orbax_round_trip": (
+        "clip_by_global_norm skip_on_spike_fold",
+        "a round trip per state class (flax bytes keep every class)",
+    ),
+    "contract/test_stacked.py::test_each_slice_is_the_unstacked_layer": (
+        "per_layer-0-zclip",
+        "stacked and unstacked compiled per transform",
+    ),
+    "contract/test_update_clipping.py::test_after_the_optimizer_it_clips_the_update": (
+        "zclip",
+        "a training run per clipper",
+    ),
+    (
+        "contract/test_wrappers.py::"
+        "test_inject_hyperparams_equals_the_clipper_built_with_those_values"
+    ): ("clip_by_global_norm", "compiled per hyperparameter value"),
+    "docs/test_docs_metrics_table.py::test_the_row_says_what_the_transform_reports": (
+        "clip_by_global_norm zclip",
+        "a run per transform against its docs row",
+    ),
+    "elementwise/test_elementwise.py::test_dtype_kept_and_statistics_in_float32": (
+        "normalize_per_param",
+        "compiled per element-wise transform (normalize_per_param stays)",
+    ),
+    "elementwise/test_elementwise.py::test_float64_leaves": (
+        "normalize_per_param",
+        "compiled per element-wise transform (normalize_per_param stays)",
+    ),
+    "elementwise/test_elementwise.py::test_none_leaves_empty_trees_and_wrong_tree": (
+        "normalize_per_param",
+        "compiled per element-wise transform (normalize_per_param stays)",
+    ),
+    "elementwise/test_elementwise.py::test_normalisers_inject_eps": (
+        "zscore_normalize",
+        "compiled per normaliser",
+    ),
+    "elementwise/test_elementwise.py::test_normalisers_pass_nonfinite_leaves_unchanged": (
+        "zscore_normalize",
+        "compiled per normaliser",
+    ),
+    "growth_clip/test_growth_clip.py::test_inject_hyperparams": (
+        "clip_norm_growth",
+        "compiled per transform",
+    ),
+    "growth_clip/test_growth_clip.py::test_other_feedbacks_equal_their_restatement": (
+        "skip",
+        "restatement step by step (one feedback stays)",
+    ),
+    "growth_clip/test_growth_clip.py::test_per_param_trace_equals_torchzero": (
+        "defaults",
+        "a reference trace per setting",
+    ),
+    "historical_clip/test_historical_clip.py::test_other_feedbacks_equal_their_restatement": (
+        "clipped",
+        "restatement step by step (one feedback stays)",
+    ),
+    (
+        "historical_clip/test_historical_clip.py::"
+        "test_short_windows_take_levanters_default_min_history"
+    ): ("2", "a trace per window"),
+    "historical_clip/test_historical_clip.py::test_trace_equals_levanter": (
+        "settings0-spiky",
+        "a reference trace per setting and stream",
+    ),
+    "percentile/test_percentile.py::test_approx_within_documented_bound": ("1", "a size per case"),
+    "percentile/test_percentile.py::test_radix_select_resolving_every_bit_is_exact": (
+        "2048-3",
+        "a size per case",
+    ),
+    "qk_clip/test_contract.py::test_after_the_optimizer_heads_under_tau_keep_its_updates": (
+        "adamw",
+        "a run per optimizer",
+    ),
+    "qk_clip/test_max_logits.py::test_a_mask_and_a_scale": ("4", "compiled per case"),
+    "qk_clip/test_max_logits.py::test_equals_the_full_matrix": (
+        "False-batch1-10-7-6-3-3 True-batch2-9-9-4-1-512",
+        "compiled per shape",
+    ),
+    "qk_clip/test_reference.py::test_each_layout_inferred_or_given_within_the_budget": (
+        ("gqa-inferred-flax", "mha-head_axis given-transposed"),
+        "a run per layout",
+    ),
+    (
+        "skip_and_clip/test_skip_and_clip.py::"
+        "test_a_dropped_step_leaves_the_inner_state_and_the_params"
+    ): ("fold", "a run per route"),
+    "skip_and_clip/test_skip_and_clip.py::test_other_feedbacks_equal_their_restatement": (
+        "clipped",
+        "restatement step by step (one feedback stays)",
+    ),
+    "skip_and_clip/test_skip_and_clip.py::test_trace_equals_axlearn": (
+        "stddev-1.0",
+        "a reference trace per rule",
+    ),
+    "skip_on_spike/test_dtypes.py::test_the_conditional_route_copies_no_full_size_buffer": (
+        "bf16-mu_f32",
+        "XLA cost analysis per dtype",
+    ),
+    "skip_on_spike/test_dtypes.py::test_updates_and_state_keep_the_inner_optimizers_dtypes": (
+        "fold_clipjax_adamw-bf16-bf16-mu_f32 cond_optax_adam-bf16-bf16-mu_none",
+        "compiled per route and dtypes (bfloat16 on the fold and cond routes stays)",
+    ),
+    "skip_on_spike/test_fold.py::test_init_and_update_are_optax_bit_for_bit": (
+        "adam-0 adamw-5",
+        "compiled per hyperparameter set",
+    ),
+    "skip_on_spike/test_fold.py::test_the_donated_step_has_no_conditional_and_no_copy": (
+        "adamw",
+        "compiled per inner optimizer",
+    ),
+    "skip_on_spike/test_fold.py::test_update_if_skips_bit_identically_and_takes_as_update": (
+        "adam-0 adamw-5",
+        "compiled per hyperparameter set",
+    ),
+    (
+        "skip_on_spike/test_skip_on_spike.py::"
+        "test_a_skipped_step_leaves_the_inner_state_bit_identical"
+    ): ("chain_zclip_adamw", "compiled per inner optimizer"),
+    "skip_on_spike/test_skip_on_spike.py::test_a_skipped_step_reads_as_skipped_on_every_route": (
+        "fold",
+        "compiled per route",
+    ),
+    "skip_on_spike/test_skip_on_spike.py::test_decisions_match_the_float64_restatement": (
+        "shift-value-3-clipped nan_grad-value-None-skip norm_spike-value-None-raw",
+        "restatement step by step (one case per feedback stays)",
+    ),
+    "spam/test_spam.py::test_a_nan_element_stays_and_the_others_step_as_without_it": (
+        "spam",
+        "restatement step by step",
+    ),
+    "spam/test_spam_pieces.py::test_the_donated_step_has_no_conditional_and_no_copy": (
+        "spam",
+        "compiled per transform",
+    ),
+    "static/test_static.py::test_equals_optax_with_eps_zero": ("1.0", "compiled per bound"),
+    "zclip/test_scale_free.py::test_a_loss_times_k_is_the_same_run": (
+        "clipjax.chain-100.0",
+        "a run per route and scale",
+    ),
+    "zclip/test_scale_free.py::test_other_settings_match_the_restatement": (
+        "config1",
+        "restatement step by step",
+    ),
+    "zclip/test_start.py::test_held_steps_leave_the_optimizer_untouched": (
+        "chain",
+        "a run per route",
+    ),
+    "zscore_clip/test_zscore_clip.py::test_matches_smartclip": (
+        "2.0-0.9-spikes 3.0-0.99-regime_shift",
+        "a reference trace per setting and stream",
+    ),
+}
+SLOW_PATTERNS.update(
+    pattern
+    for test, (keep, reason) in _REPRESENTATIVES.items()
+    for pattern in _all_but(test, keep, reason).items()
+)
 
 _TESTS_DIR = Path(__file__).parent
 
