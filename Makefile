@@ -7,9 +7,10 @@ PYTEST_WORKERS ?= 2
 
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check
-# zclip and drytorch (test references) depend on torch. Installed first and
-# kept pinned, torch resolves to the CPU wheel on the machine's pip index;
-# left to the resolver it pulls the CUDA build and gigabytes of wheels.
+# The torch references (zclip, drytorch, pytorch-optimizer, torch-optimi,
+# adamwclip; `make test-all` only) depend on torch. Installed first and kept
+# pinned, torch resolves to the CPU wheel on the machine's pip index; left to
+# the resolver it pulls the CUDA build and gigabytes of wheels.
 TORCH ?= torch==2.13.0
 
 # `make test-min`: the oldest versions pyproject.toml declares (keep in step
@@ -29,8 +30,9 @@ help:
 	@echo "make demo       train a small model with injected gradient spikes (examples/demo.py)"
 	@echo "make notebooks  run notebooks/*.ipynb top to bottom; executed copies in build/notebooks/"
 	@echo "make test       ruff check, then pytest -m 'not slow' (tests/ and doctests; ~13 min on 2 cores, install included)"
-	@echo "make test-all   ruff check, then every test: also notebooks, docs site, reference traces,"
-	@echo "                8-device and multi-process runs, long scans, examples, wheel (what CI runs)"
+	@echo "make test-all   ruff check, then every test: also notebooks, docs site, reference traces"
+	@echo "                (installs torch's CPU build and the references), 8-device and multi-process"
+	@echo "                runs, long scans and sweeps, examples, wheel (what CI runs)"
 	@echo "make test-min   the fast suite on the oldest declared jax, optax, chex, numpy ($(VENV_MIN))"
 	@echo "make lint       ruff check, ruff format --check, then make typecheck"
 	@echo "make typecheck  pyright on clipjax/ ([tool.pyright] in pyproject.toml)"
@@ -48,10 +50,15 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
-# Full development environment: tests, lint, notebooks tooling.
+# Development environment: tests, lint, notebooks tooling; no torch.
 $(VENV)/.installed: pyproject.toml clipjax/__init__.py | $(BIN)/python
+	$(PIP) install -e ".[test]"
+	@touch $@
+
+# `make test-all` (CI): adds torch's CPU build and the torch references.
+$(VENV)/.installed-references: $(VENV)/.installed
 	$(PIP) install "$(TORCH)"
-	$(PIP) install -e ".[test]" "$(TORCH)"
+	$(PIP) install -e ".[references]" "$(TORCH)"
 	@touch $@
 
 # Lighter environments: no torch.
@@ -91,12 +98,13 @@ $(VENV_MIN)/.installed: pyproject.toml Makefile | $(BIN_MIN)/python
 
 # The long runs carry the `slow` marker (their file's pytestmark, or the lists in
 # tests/slow_marks.py): `make test` leaves them out, `make test-all` (and .ci/run)
-# runs everything.
+# runs everything. Every test that needs torch is slow: `make test`'s
+# environment has none.
 test: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist worksteal -m "not slow"
 
-test-all: $(VENV)/.installed
+test-all: $(VENV)/.installed-references
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist worksteal
 
