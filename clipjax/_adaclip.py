@@ -142,6 +142,8 @@ def adaclip(
     reference: :doc:`/reference_spam`. Every number may be injected with
     ``optax.inject_hyperparams``; a callable ``scope`` goes in ``static_args``.
 
+    Static arguments: none; every number may be injected.
+
     Args:
       theta: the EMA's decay rate, in (0, 1) (the paper's gamma_3).
       scope: ``"per_param"`` (default, the reference's), ``"per_layer"``,
@@ -252,6 +254,8 @@ def ada_norm(
     (``nonfinite_count`` counts the step). Differences from the reference:
     :doc:`/reference_spam`. Every number may be injected with
     ``optax.inject_hyperparams``; a callable ``scope`` goes in ``static_args``.
+
+    Static arguments: none; every number may be injected.
 
     Args:
       gamma1: the norm EMA's decay rate, in (0, 1).

@@ -69,6 +69,8 @@ def adagc(
     :doc:`/reference_adagc`. A non-finite group norm passes unchanged and
     never enters ``gamma``. A callable ``scope`` goes in ``static_args``.
 
+    Static arguments: none; every number may be injected.
+
     Args:
       relative_threshold: ``T_i / gamma_i`` (``> 0``; the paper uses 1.05).
       beta: EMA decay of ``gamma``, in (0, 1).

@@ -438,6 +438,8 @@ def adam(
     ``init`` and ``update`` are ``optax.adam``'s, bit for bit; ``update_if``
     folds a skip into the moments. ``mu_dtype`` is static.
 
+    Static arguments: none; every number may be injected.
+
     Args:
       learning_rate: a float or a schedule (``step -> float``).
       b1: decay rate of the first moment.
@@ -505,6 +507,8 @@ def adamw(
     clip_grad_min)``, ``v_hat`` before the step (:class:`clipjax.AdamWClipState`).
     Against their references: :doc:`/reference_spam`. ``mu_dtype`` and a
     callable ``mask`` go in ``static_args``.
+
+    Static arguments: none; every number may be injected.
 
     Args:
       learning_rate: a float or a schedule (``step -> float``).

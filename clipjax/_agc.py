@@ -175,6 +175,8 @@ def agc(
     ``axis`` is static; every other number may be injected with
     ``optax.inject_hyperparams``.
 
+    Static arguments: ``axis`` (it picks the unit axes); every other number may be injected.
+
     Args:
       clipping: the maximum ratio of gradient norm to weight norm (``> 0``).
       eps: floor of the weight norm (unitwise) / additive guard (grouped).

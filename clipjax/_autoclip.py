@@ -254,6 +254,8 @@ def autoclip(
     this differs from smartclip: :doc:`/reference_smartclip`.
     ``window_size`` is static; a callable ``scope`` goes in ``static_args``.
 
+    Static arguments: ``window_size``; every other number may be injected.
+
     Args:
       mode: ``"auto"`` or ``"percentile"``.
       percentile: on the 0-100 scale, in (1, 100] (percentile mode); default 95.

@@ -149,6 +149,8 @@ def clip_by_value(
     naming it. ``max_abs`` may be injected with ``optax.inject_hyperparams``;
     a callable ``scope`` goes in ``static_args``.
 
+    Static arguments: none; every number may be injected.
+
     Args:
       max_abs: the largest magnitude kept, ``!= 0``. A negative value means
         its absolute value (``-1.0`` clamps like ``1.0``); zero, which would
@@ -253,6 +255,8 @@ def clip_by_percentile(
     magnitude clamped; with bfloat16/float16 leaves the bound is rounded to
     the leaf dtype. ``percentile`` may be injected with
     ``optax.inject_hyperparams``; a callable ``scope`` goes in ``static_args``.
+
+    Static arguments: none; every number may be injected.
 
     Args:
       percentile: on the 0-100 scale, in ``(1, 100]``; 100 is the maximum

@@ -98,6 +98,9 @@ def clip_by_global_norm(
     ``optax.apply_if_finite`` to drop such steps). Every number but the static
     ``norm_type`` may be injected with ``optax.inject_hyperparams``.
 
+    Static arguments: ``norm_type`` (it picks the norm's arithmetic, a maximum or a sum of
+    powers); every other number may be injected.
+
     Args:
       max_norm: the maximum norm, ``!= 0``. A negative value means its
         absolute value (``-1.0`` clips like ``1.0``); zero, which would zero
@@ -197,6 +200,8 @@ def normalize_per_param(eps: float = 1e-8, *, name: str | None = None) -> ClipTr
     norm passes through unchanged and increments ``nonfinite_count``. ``eps``
     may be injected with ``optax.inject_hyperparams``.
 
+    Static arguments: none; every number may be injected.
+
     Args:
       eps: added to the norm in the denominator, ``>= 0``.
       name: metrics prefix (default ``normalize_per_param``).
@@ -269,6 +274,8 @@ def zscore_normalize(eps: float = 1e-8, *, name: str | None = None) -> ClipTrans
     through unchanged and increments ``nonfinite_count``; a one-element leaf
     becomes 0 (:doc:`/reference_drytorch`). ``eps`` may be injected with
     ``optax.inject_hyperparams``.
+
+    Static arguments: none; every number may be injected.
 
     Args:
       eps: added to the standard deviation in the denominator, ``>= 0``.

@@ -66,6 +66,8 @@ def clip_norm_growth(
     passes unchanged and leaves ``p`` as it is. Differences from torchzero:
     :doc:`/defences_2025`. A callable ``scope`` goes in ``static_args``.
 
+    Static arguments: none; every number may be injected.
+
     Args:
       add: the largest increment of the norm over ``p`` (``>= 0``), or None.
       mul: the largest growth factor over ``p`` (``> 0``), or None; one of
@@ -223,6 +225,8 @@ def clip_norm_by_ema(
     clip (torchzero's order); with ``init=0`` the first steps are clipped
     hard. A non-finite norm passes its group unchanged and leaves its EMA as
     it was (:doc:`/defences_2025`). A callable ``scope`` goes in ``static_args``.
+
+    Static arguments: none; every number may be injected.
 
     Args:
       beta: EMA decay, in (0, 1).

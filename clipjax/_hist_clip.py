@@ -255,6 +255,8 @@ def hist_clip(
     from drytorch: :doc:`/reference_drytorch`. Every number may be injected;
     a callable ``scope`` goes in ``static_args``.
 
+    Static arguments: none; every number may be injected.
+
     Args:
       criterion: :func:`zstat_criterion` (default) or :func:`ema_criterion`.
       warmup_steps: number of finite norms collected before the criterion.

@@ -62,12 +62,15 @@ def clip_by_historical_norm(
 
     Levanter places it after the optimizer, on the update; it clips gradients
     as well. ``feedback`` is what enters the window: the unclipped norm
-    (``"raw"``, Levanter's), ``min(g, T)`` (``"clipped"``, which also catches
-    a second, smaller spike) or nothing on a clipped step (``"skip"``). A NaN
-    or infinite norm passes unchanged and never enters the window. Why and
-    how it differs from Levanter: :doc:`/defences_2025`.
-    ``rolling_interval_length`` is static; ``sigma_factor`` and
-    ``min_history`` may be injected with ``optax.inject_hyperparams``.
+    (``"raw"``, Levanter's), ``min(g, T)`` (``"clipped"``) or nothing on a
+    clipped step (``"skip"``). Under ``"raw"`` a clipped spike's norm sits in
+    the window and lifts the threshold, so a second, smaller spike in that
+    time passes whole; ``feedback="clipped"`` is one argument away and
+    catches it. A NaN or infinite norm passes unchanged and never enters the
+    window. Why and how it differs from Levanter: :doc:`/defences_2025`.
+
+    Static arguments: ``rolling_interval_length`` (it sizes the window: name it in static_args);
+    every other number may be injected.
 
     Args:
       rolling_interval_length: the window's length (an int ``>= 1``); default

@@ -570,6 +570,9 @@ def qk_clip(
     heads, as Megatron-LM does. ``tau`` and ``alpha`` may be injected with
     ``optax.inject_hyperparams``; the other arguments are static.
 
+    Static arguments: ``optimizer``, ``head_axis`` and ``kv_heads``; every other number may be
+    injected.
+
     Args:
       optimizer: the optimizer whose new weights are rescaled (e.g.
         ``optax.contrib.muon(lr)``); it gets the gradients and the extra args.

@@ -191,6 +191,9 @@ def skip_and_clip_by_global_norm(
     AXLearn: :doc:`/defences_2025`. A rule ``drop_norm`` goes in
     ``static_args``; every number may be injected.
 
+    Static arguments: ``drop_norm`` when it is a rule (name it in static_args); every other
+    number may be injected.
+
     Args:
       inner: the transform run on taken steps (``clipjax.adamw(...)`` folds).
       drop_norm: None (only non-finite steps are dropped), a number ``> 0``, or

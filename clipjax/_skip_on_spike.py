@@ -129,6 +129,8 @@ def skip_on_spike(
     :doc:`/reference_skip_step`. ``window_size`` is static; every other number
     may be injected with ``optax.inject_hyperparams``.
 
+    Static arguments: ``window_size`` (it sizes the buffers); every other number may be injected.
+
     Args:
       inner: the transform run on taken steps (e.g. ``clipjax.adamw(1e-3)``).
       window_size: how many observed steps the buffers remember (``>= 1``);

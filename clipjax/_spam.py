@@ -324,6 +324,8 @@ def spam(
     parameter and moments as they were. ``mu_dtype`` and a callable ``mask``
     go in ``static_args``.
 
+    Static arguments: none; every number may be injected.
+
     Args:
       learning_rate: a float or a schedule (``step -> float``).
       b1: decay rate of the first moment.
@@ -419,6 +421,8 @@ def stable_spam(
     Defaults are pytorch-optimizer's ``StableSPAM``'s (differences:
     :doc:`/reference_spam`). A callable ``scope``, ``mu_dtype`` and a
     callable ``mask`` go in ``static_args``.
+
+    Static arguments: none; every number may be injected.
 
     Args:
       learning_rate: a float or a schedule (``step -> float``).

@@ -224,6 +224,9 @@ def zclip(
     ``zclip`` package: :doc:`/reference_zclip`. ``mode``, ``clip_option``,
     ``scope``, ``feedback``, ``ceiling_window`` and ``start`` are static.
 
+    Static arguments: ``mode``, ``clip_option``, ``scope``, ``feedback``, ``ceiling_window`` and
+    ``start``; every other number may be injected.
+
     Args:
       alpha: EMA smoothing factor of mean and variance, in (0, 1).
       z_thresh: z-score threshold (``> 0``).

@@ -90,6 +90,8 @@ def zscore_clip(
     smartclip: :doc:`/reference_smartclip`. A callable ``scope`` goes in
     ``static_args``.
 
+    Static arguments: none; every number may be injected.
+
     Args:
       zmax: z-score above which norms are clipped (``> 0``).
       ema_decay: decay of the EMAs, in (0, 1). None (default) means

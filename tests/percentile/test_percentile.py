@@ -157,7 +157,7 @@ def test_auto_switches_at_the_documented_size() -> None:
     for n, expected in [(AUTO_EXACT_MAX_SIZE, "exact"), (AUTO_EXACT_MAX_SIZE + 1, "approx")]:
         x = jnp.asarray(data("normal", n, seed=11))
         select = jax.jit(
-            lambda x, method: _percentile._select(x, 37.0, method)[0], static_argnums=1
+            lambda x, method: _percentile.select(x, 37.0, method)[0], static_argnums=1
         )
         auto, exact, approx = (select(x, method) for method in ("auto", "exact", "approx"))
         assert float(exact) != float(approx)  # otherwise the test proves nothing
