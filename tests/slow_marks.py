@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-# `make test` runs `-m "not slow"`: about 3.5 minutes on 2 cores, so that it
+# `make test` runs `-m "not slow"`: about 3 minutes on 2 cores, so that it
 # takes at most 5 from a fresh clone, install included (issue 51); `make
 # test-all` and .ci/run run everything. A file that is slow as a whole says so
 # itself (`pytestmark = pytest.mark.slow`, with the reason); the single slow
