@@ -156,9 +156,7 @@ def test_auto_switches_at_the_documented_size() -> None:
     assert isinstance(AUTO_EXACT_MAX_SIZE, int) and AUTO_EXACT_MAX_SIZE == 2**12
     for n, expected in [(AUTO_EXACT_MAX_SIZE, "exact"), (AUTO_EXACT_MAX_SIZE + 1, "approx")]:
         x = jnp.asarray(data("normal", n, seed=11))
-        select = jax.jit(
-            lambda x, method: _percentile.select(x, 37.0, method)[0], static_argnums=1
-        )
+        select = jax.jit(lambda x, method: _percentile.select(x, 37.0, method)[0], static_argnums=1)
         auto, exact, approx = (select(x, method) for method in ("auto", "exact", "approx"))
         assert float(exact) != float(approx)  # otherwise the test proves nothing
         assert float(auto) == float({"exact": exact, "approx": approx}[expected])
