@@ -436,9 +436,10 @@ def adam(
     weight decay.
 
     ``init`` and ``update`` are ``optax.adam``'s, bit for bit; ``update_if``
-    folds a skip into the moments. ``mu_dtype`` is static.
+    folds a skip into the moments.
 
-    Static arguments: none; every number may be injected.
+    Static arguments: none; every number may be injected (``mu_dtype``, a
+    dtype, is static).
 
     Args:
       learning_rate: a float or a schedule (``step -> float``).
@@ -505,10 +506,10 @@ def adamw(
     step (:class:`UpdateClippingState`). ``clip_grad_adapt=k`` is AdamWClip:
     each gradient element is clipped to ``max(k * sqrt(v_hat),
     clip_grad_min)``, ``v_hat`` before the step (:class:`clipjax.AdamWClipState`).
-    Against their references: :doc:`/reference_spam`. ``mu_dtype`` and a
-    callable ``mask`` go in ``static_args``.
+    Against their references: :doc:`/reference_spam`.
 
-    Static arguments: none; every number may be injected.
+    Static arguments: none; every number may be injected (``mu_dtype`` and a
+    callable ``mask`` go in ``static_args``).
 
     Args:
       learning_rate: a float or a schedule (``step -> float``).
