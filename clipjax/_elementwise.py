@@ -183,13 +183,6 @@ def clip_by_value(
       (section 3.2.2: clipping gradient values).
     """
     _checks.nonzero_bound("max_abs", max_abs)
-    return _clip_by_value(max_abs, scope=scope, leaf_norms=leaf_norms, name=name)
-
-
-def _clip_by_value(
-    max_abs: Any, *, scope: Scope, leaf_norms: bool, name: str | None
-) -> ClipTransform:
-    """:func:`clip_by_value` once its arguments are checked."""
     setup = _kit.setup(
         "clip_by_value", scope=scope, name=name, leaf_norms=leaf_norms, stacked=False
     )
@@ -291,13 +284,6 @@ def clip_by_percentile(
     """
     _checks.percentile("percentile", percentile)
     _checks.choice("method", method, PERCENTILE_METHODS)
-    return _clip_by_percentile(percentile, method, scope=scope, leaf_norms=leaf_norms, name=name)
-
-
-def _clip_by_percentile(
-    percentile: Any, method: str, *, scope: Scope, leaf_norms: bool, name: str | None
-) -> ClipTransform:
-    """:func:`clip_by_percentile` once its arguments are checked."""
     setup = _kit.setup(
         "clip_by_percentile", scope=scope, name=name, leaf_norms=leaf_norms,
         scopes=PERCENTILE_SCOPES, stacked=False,

@@ -303,6 +303,8 @@ def hist_clip(
     fields = ("clip_to",) if score_name is None else ("clip_to", score_name)
     fields += ("headroom",) if ceiling is not None else ()
 
+    # How the warm-up clip skips the steps no group warms up (_conditional.route_of).
+    warm_route = _conditional.route_of(warm)
     setup = _kit.setup(
         "hist_clip", scope=scope, name=name, axis_name=axis_name, leaf_norms=leaf_norms
     )
@@ -369,7 +371,7 @@ def hist_clip(
             warm_in = updates if ceiling is None else grads.treedef.unflatten(leaves)
             warming_now = warming & finite
             leaves, nested = _run_warmup(
-                warm, warm_in, state.nested, params, leaves, grads.grouping,
+                warm, warm_route, warm_in, state.nested, params, leaves, grads.grouping,
                 warming_now, state.leaf_index,
             )  # fmt: skip
             warm_scale, warm_threshold = _warmup_decision(
@@ -462,6 +464,7 @@ def _warmup_decision(
 
 def _run_warmup(
     warmup: Any,
+    route: _conditional.Route,
     updates: Any,
     nested: Any,
     params: Any,
@@ -482,7 +485,6 @@ def _run_warmup(
         idle = _conditional.idle_metrics(metrics)
         return new._replace(metrics=_kit.select_groups(warming, metrics, idle))
 
-    route = _conditional.route_of(warmup)
     out, new_nested = _conditional.run_if(route, jnp.any(warming), warmup, updates, nested, params)
     mask = _grouping.leaf_scales(grouping, warming, index)
     # A select with a per-leaf mask that fuses into the scaling multiply.
