@@ -1,8 +1,6 @@
-"""SPAM: Adam with element-wise spike clipping, moment resets and a warm-up after each reset.
+"""SPAM and Stable-SPAM: Adam with element-wise spike clipping and moment resets.
 
-The moments live in optax's ``ScaleByAdamState``, next to a :class:`SpamState`
-that carries the metrics; the step is one loop per leaf (reset, clip, moments,
-update) with :class:`clipjax.SkippableTransform`'s skip folded in.
+The step is one loop per leaf (reset, clip, moments, update), skip folded in.
 """
 
 from __future__ import annotations
@@ -31,14 +29,11 @@ class SpamState(NamedTuple):
 
     Attributes:
       metrics: ``dict`` of ``[1]``-shaped arrays (group ``global``):
-        ``clipped_fraction`` (float32, the share of gradient elements the spike
-        clip replaced this step), ``warmup_scale`` (float32, the factor the
-        update was multiplied by this step: below 1 during the warm-up after a
-        reset), ``steps_since_reset`` (int32, 0 on a reset step), ``resets``
-        (int32, moment resets so far), ``nonfinite_count`` (int32, steps with a
-        NaN or infinite gradient element) and ``step`` (int32, steps taken);
-        ``clipped_fraction`` and ``nonfinite_count`` only with
-        ``count_clipped=True`` (the default).
+        ``clipped_fraction`` (share of elements the spike clip replaced),
+        ``warmup_scale`` (the update's factor, below 1 in a warm-up),
+        ``steps_since_reset`` (0 on a reset step), ``resets``,
+        ``nonfinite_count`` (steps with a non-finite element) and ``step``;
+        the two counts only with ``count_clipped=True``.
       info: static names, ``GroupInfo(algo="spam", ...)``.
 
     Examples:
@@ -159,12 +154,9 @@ def scale_by_spam(
     name: str | None = None,
     algo: str = ALGO,
 ) -> _conditional.SkippableTransform:
-    """SPAM's moments, spike clip, reset and warm-up, without the learning rate.
+    """SPAM without the learning rate; a non-finite element's update is NaN.
 
-    A non-finite gradient element gets a NaN update (:func:`_decay_finite` zeroes
-    it). ``restart_bias_correction`` and ``eps_inside_correction`` give
-    Stable-SPAM's variant: the bias correction restarts at each reset and the
-    update is ``m_hat / (sqrt(v_hat) + eps)``.
+    ``restart_bias_correction`` and ``eps_inside_correction``: Stable-SPAM's variant.
     """
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
 
@@ -320,9 +312,8 @@ def spam(
        the ``c``-th step after the reset.
 
     Defaults are pytorch-optimizer's ``SPAM``'s (differences:
-    :doc:`/reference_spam`). A NaN or infinite gradient element leaves its
-    parameter and moments as they were. ``mu_dtype`` and a callable ``mask``
-    go in ``static_args``.
+    :doc:`/reference_spam`). A non-finite gradient element leaves its parameter
+    and moments as they were. ``mu_dtype`` and a callable ``mask`` go in ``static_args``.
 
     Static arguments: none; every number may be injected.
 
@@ -344,9 +335,6 @@ def spam(
       count_clipped: report ``clipped_fraction`` and ``nonfinite_count``, at
         the cost of a reduction of its own over the gradient and ``v``.
       name: metrics prefix (default ``spam``).
-
-    Returns:
-      A :class:`clipjax.SkippableTransform`.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -410,14 +398,8 @@ def stable_spam(
     ``clipjax.chain(adaclip(theta), ada_norm(gamma1, gamma2, eps), <Adam with
     moment reset>, add_decayed_weights(weight_decay), scale_by_learning_rate)``:
 
-    * :func:`clipjax.adaclip` bounds each tensor's elements by an EMA of its
-      largest element;
-    * :func:`clipjax.ada_norm` gives each tensor's gradient the norm ``mean /
-      (sqrt(mean_square) + eps)`` of EMAs of its norm;
-    * Adam whose moments and bias correction restart on steps ``t`` with ``t %
-      reset_interval == 0`` (no warm-up, no spike clip, as in the reference);
-    * decoupled weight decay ``-lr * weight_decay * param``.
-
+    the Adam's moments and bias correction restart on steps ``t`` with ``t %
+    reset_interval == 0`` (no warm-up, no spike clip, as in the reference).
     Defaults are pytorch-optimizer's ``StableSPAM``'s (differences:
     :doc:`/reference_spam`). A callable ``scope``, ``mu_dtype`` and a
     callable ``mask`` go in ``static_args``.
@@ -442,9 +424,6 @@ def stable_spam(
       count_clipped: report AdaClip's ``clipped_fraction`` (see
         :func:`clipjax.adaclip`); ``False`` leaves out its counting pass.
       name: prefix of its own metrics (``resets``; default ``stable_spam``).
-
-    Returns:
-      A :class:`clipjax.SkippableTransform`.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
