@@ -1,10 +1,7 @@
 """Streaming statistics as pure functions on stacked ``[groups]`` arrays.
 
-Each state's leaves lead with a ``[G]`` axis (one row per group); each
-``*_update(state, x)`` takes ``x: [G]`` and returns a state of the same
-structure, shapes and dtypes (a ``lax.scan`` carry). "Not initialised yet" is
-the int32 ``count`` leaf. The updates assume a finite ``x``: callers mask the
-rows whose observation is not.
+Each state's leaves lead with a ``[G]`` axis; ``*_update(state, x: [G])`` keeps
+the state's structure, shapes and dtypes and assumes a finite ``x``.
 """
 
 from __future__ import annotations
@@ -77,10 +74,7 @@ def sample_init(num_groups: int, dtype: DTypeLike = jnp.float32) -> SampleState:
 
 
 def sample_update(state: SampleState, x: ArrayLike) -> SampleState:
-    """Adds ``x``: ``m2 += (x - mean_before) * (x - mean_after)``, each mean ``total / count``.
-
-    ``total / count`` is the two-pass mean of zclip's and drytorch's warm-up.
-    """
+    """Adds ``x``: ``m2 += (x - mean_before) * (x - mean_after)``, each mean ``total / count``."""
     dtype = state.total.dtype
     x = jnp.asarray(x, dtype)
     count = state.count + 1
@@ -171,14 +165,7 @@ def _select(mask: jax.Array, new: _State, old: _State) -> _State:
 
 
 def p2_update(state: P2State, x: ArrayLike, p: ArrayLike = 0.5, textbook: bool = True) -> P2State:
-    """One P² step (Jain & Chlamtac 1985, CACM 28(10)).
-
-    The first five observations are stored, the fifth starts the markers;
-    later ones move markers 1, 2, 3 in turn by one rank towards their desired
-    position with the piecewise-parabolic formula (linear when that leaves
-    the neighbours). ``textbook=False`` omits its ``1/(n[i+1]-n[i-1])``
-    factor, reproducing smartclip's ``P2Quantile``.
-    """
+    """One P² step (Jain & Chlamtac 1985); ``textbook=False`` is smartclip's ``P2Quantile``."""
     heights, positions, desired, count = state
     dtype = heights.dtype
     x = jnp.asarray(x, dtype)
@@ -254,12 +241,7 @@ def ema_moments_init(num_groups: int, dtype: DTypeLike = jnp.float32) -> EmaMome
 
 
 def ema_moments_update(state: EmaMomentsState, x: ArrayLike, decay: ArrayLike) -> EmaMomentsState:
-    """``mean ← d·mean + (1-d)·x``, ``var ← d·var + d(1-d)·(x - mean_old)²``.
-
-    Equal in real arithmetic to smartclip's ``m2 - m²``, without its
-    cancellation (Finch 2009, "Incremental calculation of weighted mean and
-    variance").
-    """
+    """``mean ← d·mean + (1-d)·x``, ``var ← d·var + d(1-d)·(x - mean_old)²`` (Finch 2009)."""
     x = jnp.asarray(x, state.mean.dtype)
     d = jnp.asarray(decay, x.dtype)
     dev = x - state.mean
@@ -285,12 +267,9 @@ class WindowState(NamedTuple):
     """Last ``size`` observations per group, raw and sorted.
 
     Attributes:
-      values: ``[G, size]`` ring buffer; observation ``k`` (0-based) sits in
-        slot ``k % size``, so once full the oldest is at ``count % size``.
-      sorted: ``[G, size]`` the valid values in ascending order, padded with
-        ``+inf``.
-      count: int32 ``[G]``, observations seen in total (window holds
-        ``min(count, size)``).
+      values: ``[G, size]`` ring buffer; observation ``k`` sits in slot ``k % size``.
+      sorted: ``[G, size]`` the valid values in ascending order, ``+inf`` padded.
+      count: int32 ``[G]``, observations seen in total.
     """
 
     values: jax.Array
@@ -308,11 +287,7 @@ def window_init(num_groups: int, size: int, dtype: DTypeLike = jnp.float32) -> W
 
 
 def window_update(state: WindowState, x: ArrayLike) -> WindowState:
-    """Push ``x``, evicting the oldest value once the window is full.
-
-    The sorted copy is kept in O(size) per group by shifts, not a sort;
-    ``x`` must be finite (an inf would be taken for padding).
-    """
+    """Push ``x``, evicting the oldest value once full; the sorted copy is kept by shifts."""
     values, ordered, count = state
     size = values.shape[1]
     x = jnp.asarray(x, values.dtype)
@@ -370,11 +345,9 @@ class StreamingQuantileState(NamedTuple):
     Attributes:
       count: int32 ``[G]``, observations seen.
       estimate: ``[G]``, raw stochastic-approximation iterate ``r``.
-      spread: ``[G]``, EMA of ``|x - r|`` (rate ``1 - decay``), not yet
-        bias-corrected.
+      spread: ``[G]``, EMA of ``|x - r|`` (rate ``1 - decay``), uncorrected.
       spread_weight: ``[G]``, the same EMA of 1, which bias-corrects it.
-      average: ``[G]``, EMA of ``r`` (rate ``(1 - decay)/8``), not yet
-        bias-corrected.
+      average: ``[G]``, EMA of ``r`` (rate ``(1 - decay)/8``), uncorrected.
       average_weight: ``[G]``, the same EMA of 1.
     """
 
@@ -469,11 +442,7 @@ def gquantile_init(num_groups: int, dtype: DTypeLike = jnp.float32) -> Geometric
 def gquantile_update(
     state: GeometricQuantileState, x: ArrayLike, q: ArrayLike, lr: ArrayLike
 ) -> GeometricQuantileState:
-    """``quantile <- quantile * exp(-lr * (1[x <= quantile] - q))``; starts at ``x``.
-
-    Andrew, Thakkar, McMahan & Ramaswamy (2021); scale-free, its fixed point
-    is ``P(x <= quantile) = q``.
-    """
+    """``quantile <- quantile * exp(-lr * (1[x <= quantile] - q))`` (Andrew et al. 2021)."""
     dtype = state.quantile.dtype
     x = jnp.asarray(x, dtype)
     below = (x <= state.quantile).astype(dtype)
@@ -494,9 +463,7 @@ def positive_part(x: jax.Array, eps: ArrayLike) -> jax.Array:
 def ring_push(
     values: jax.Array, seen: jax.Array, x: jax.Array, enters: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
-    """Writes ``x`` into slot ``seen % size`` of the last axis where ``enters`` (None: everywhere).
-
-    Returns the buffer and ``seen`` advanced."""
+    """Writes ``x`` into slot ``seen % size`` where ``enters``; the buffer and ``seen`` advanced."""
     size = values.shape[-1]
     at_slot = jnp.arange(size) == (seen % size)[..., None]
     if enters is not None:
@@ -510,10 +477,7 @@ def ring_push(
 def ring_mean_std(
     values: jax.Array, seen: jax.Array, ddof: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Mean, std and size ``n = min(seen, size)`` of the values a ring buffer holds.
-
-    Two passes; the std divides by ``n - ddof`` and is 0 with ``n <= ddof``.
-    """
+    """Mean, std (``ddof``; 0 with ``n <= ddof``) and ``n = min(seen, size)`` of a ring buffer."""
     size = values.shape[-1]
     n = jnp.minimum(seen, size)
     valid = jnp.arange(size) < n[..., None]
@@ -536,8 +500,7 @@ class WarmupEmaState(NamedTuple):
     Attributes:
       mean: ``[G]`` running mean.
       var: ``[G]`` running variance.
-      warmup: the warm-up sample's running sums (:class:`SampleState`), so
-        the number of warm-up steps may be traced.
+      warmup: the warm-up sample's running sums (:class:`SampleState`).
     """
 
     mean: jax.Array
