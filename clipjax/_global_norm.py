@@ -94,17 +94,14 @@ def clip_by_global_norm(
 
     and every leaf is multiplied by ``scale``. With ``eps=0`` and ``p=2`` this
     equals ``optax.clip_by_global_norm``. A non-finite norm leaves the updates
-    unchanged and increments ``nonfinite_count`` (chain
-    ``optax.apply_if_finite`` to drop such steps). Every number but the static
-    ``norm_type`` may be injected with ``optax.inject_hyperparams``.
+    unchanged and increments ``nonfinite_count``.
 
     Static arguments: ``norm_type`` (it picks the norm's arithmetic, a maximum or a sum of
     powers); every other number may be injected.
 
     Args:
-      max_norm: the maximum norm, ``!= 0``. A negative value means its
-        absolute value (``-1.0`` clips like ``1.0``); zero, which would zero
-        every update, raises ``ValueError``.
+      max_norm: the maximum norm; a negative value means its absolute value,
+        zero raises ``ValueError``.
       norm_type: the order p of the norm, ``> 0`` or ``float("inf")``;
         default 2.0.
       eps: added to the norm in the denominator.
@@ -115,8 +112,7 @@ def clip_by_global_norm(
       name: metrics prefix (default ``clip_by_global_norm``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform` whose state, a
-      :class:`ClipByGlobalNormState`, records ``grad_norm``, ``threshold``
+      A :class:`~clipjax.ClipTransform`; metrics: ``grad_norm``, ``threshold``
       (``|max_norm|``), ``scale``, ``clipped`` and the counters.
 
     Examples:
@@ -191,14 +187,10 @@ _COUNTERS = ("count", "step", "nonfinite_count")
 def normalize_per_param(eps: float = 1e-8, *, name: str | None = None) -> ClipTransform:
     """Scales every leaf to unit L2 norm: ``g / (‖g‖ + eps)``.
 
-    drytorch's ``GradParamNormalizer``. Per leaf::
+    Per leaf, with norms in float32 (float64 for float64 leaves)::
 
         out = g * 1 / (‖g‖ + eps)   where ‖g‖ is finite
-            = g                     otherwise
-
-    Norms in float32 (float64 for float64 leaves); a leaf with a non-finite
-    norm passes through unchanged and increments ``nonfinite_count``. ``eps``
-    may be injected with ``optax.inject_hyperparams``.
+            = g                     otherwise (nonfinite_count += 1)
 
     Static arguments: none; every number may be injected.
 
@@ -207,9 +199,8 @@ def normalize_per_param(eps: float = 1e-8, *, name: str | None = None) -> ClipTr
       name: metrics prefix (default ``normalize_per_param``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform` whose state, a
-      :class:`NormalizePerParamState`, records per leaf ``grad_norm`` (before
-      normalisation) and the counters ``count``, ``step``, ``nonfinite_count``.
+      A :class:`~clipjax.ClipTransform`; metrics per leaf: ``grad_norm`` and the
+      counters ``count``, ``step``, ``nonfinite_count``.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -264,16 +255,12 @@ def _standardise(x: Array, dtype: Any, eps: Any) -> tuple[Array, Array]:
 def zscore_normalize(eps: float = 1e-8, *, name: str | None = None) -> ClipTransform:
     """Standardises every leaf: ``(g - mean) / (std + eps)``, ``std`` with ddof=1.
 
-    drytorch's ``GradZScoreNormalizer``. Per leaf, over its elements::
+    Per leaf, over its elements, in float32 (float64 for float64 leaves)::
 
         out = (g - mean(g)) / (std(g) + eps)   where ‖g‖ is finite
-            = g                                otherwise
+            = g                                otherwise (nonfinite_count += 1)
 
-    Mean and standard deviation in float32 (float64 for float64 leaves), by
-    the corrected two-pass algorithm. A leaf with a non-finite norm passes
-    through unchanged and increments ``nonfinite_count``; a one-element leaf
-    becomes 0 (:doc:`/reference_drytorch`). ``eps`` may be injected with
-    ``optax.inject_hyperparams``.
+    A one-element leaf becomes 0 (:doc:`/reference_drytorch`).
 
     Static arguments: none; every number may be injected.
 
@@ -282,10 +269,8 @@ def zscore_normalize(eps: float = 1e-8, *, name: str | None = None) -> ClipTrans
       name: metrics prefix (default ``zscore_normalize``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform` whose state, a
-      :class:`ZScoreNormalizeState`, records per leaf ``grad_norm`` (L2,
-      before normalisation) and the counters ``count``, ``step``,
-      ``nonfinite_count``.
+      A :class:`~clipjax.ClipTransform`; metrics per leaf: ``grad_norm`` (L2)
+      and the counters ``count``, ``step``, ``nonfinite_count``.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
