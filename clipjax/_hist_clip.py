@@ -22,12 +22,9 @@ class HistClipState(NamedTuple):
 
     Attributes:
       mean: ``[groups]`` the criterion's running mean of the norms.
-      var: ``[groups]`` its running variance (the zstat criterion; 1.0 and
-        unused with the ema criterion).
-      sample: the warm-up sample's running sums (count, total, squared
-        deviations), ``[groups]`` each, whatever ``warmup_steps``.
-      nested: the ``warmup_clip`` state (None without one); its metrics are
-        reported under ``hist_clip/...``.
+      var: ``[groups]`` its running variance (1.0 and unused under ema).
+      sample: the warm-up sample's running sums, ``[groups]`` each.
+      nested: the ``warmup_clip`` state (None without one).
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -46,8 +43,7 @@ class HistClipState(NamedTuple):
     nested: Any = None
 
     def statistics(self) -> dict[str, jax.Array]:
-        """The statistics :func:`clipjax.metrics` reports: ``mean``, and ``std`` where
-        the criterion keeps a variance (``metrics`` holds ``z`` then)."""
+        """The statistics :func:`clipjax.metrics` reports: ``mean``, and ``std`` if kept."""
         if "z" in self.metrics:
             return {"mean": self.mean, "std": _metrics.sqrt(self.var)}
         return {"mean": self.mean}
@@ -74,9 +70,8 @@ def max_clipping(zt: jax.Array, thresh: Any) -> jax.Array:
 def mean_clipping(zt: jax.Array, thresh: Any) -> jax.Array:
     """Clip to the running mean (drytorch ``mean_clipping``).
 
-    The factor is 0 under :func:`zstat_criterion` and 1 under
-    :func:`ema_criterion`: the clip value is ``mu`` under both
-    (:doc:`/reference_drytorch`).
+    The factor is 0 under :func:`zstat_criterion`, 1 under :func:`ema_criterion`:
+    the clip value is ``mu`` under both.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -131,14 +126,11 @@ class Criterion:
       alpha: EMA decay of the statistics.
       thresh: ``z_thresh`` (zstat) or ``r_thresh`` (ema).
       clip_fn: ``(statistic, thresh) -> factor``.
-      variance: how the running variance updates: ``"before_mean"`` (with
-        the mean from before the step) or None (no variance is kept).
+      variance: ``"before_mean"`` (with the mean from before the step) or None.
       score: ``(g, mu, var) -> statistic`` compared with ``thresh``.
       clip_value: ``(factor, mu, var) -> clip value``.
-      boundary: ``(mu, var, thresh) -> norm`` above which the criterion fires
-        on the high side (the spike boundary).
-      mean_factor: the factor :func:`mean_clipping` stands for (the one that
-        makes the clip value ``mu``).
+      boundary: ``(mu, var, thresh) -> norm`` above which it fires (the spike boundary).
+      mean_factor: the factor :func:`mean_clipping` stands for.
       score_name: the metric that reports the statistic, or None.
 
     Examples:
@@ -252,8 +244,8 @@ def hist_clip(
     the clip value on a high-side fire (``"clip_target"``) or nothing then
     (``"skip"``). A NaN/Inf norm passes unchanged and is never observed.
     ``scope="per_param"`` is drytorch's ParamHistClipper; the differences
-    from drytorch: :doc:`/reference_drytorch`. Every number may be injected;
-    a callable ``scope`` goes in ``static_args``.
+    from drytorch: :doc:`/reference_drytorch`. A callable ``scope`` goes in
+    ``static_args``.
 
     Static arguments: none; every number may be injected.
 
@@ -271,10 +263,9 @@ def hist_clip(
       name: metrics prefix (default ``hist_clip``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform` whose state is a :class:`HistClipState`;
-      metrics per group: ``grad_norm``, ``threshold``, ``clip_to``, ``scale``,
-      ``clipped``, ``spike``, ``mean``, ``std``, ``z`` (zstat), the counters,
-      and the warm-up clip's under ``hist_clip/<its name>/``.
+      A :class:`~clipjax.ClipTransform` (state :class:`HistClipState`); metrics
+      per group: ``grad_norm``, ``threshold``, ``clip_to``, ``scale``, ``clipped``,
+      ``spike``, ``mean``, ``std``, ``z`` (zstat), the counters, the warm-up clip's.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -448,8 +439,7 @@ def _checked(
 def _warmup_decision(
     nested: Any, leaves: list[jax.Array], seen: jax.Array, grouping: Grouping, warming: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """``(scale, threshold)`` per group of what the warm-up clip did to the norm ``seen``
-    on the warming groups (1 and +inf elsewhere)."""
+    """``(scale, threshold)`` per group of the warm-up clip (1 and +inf where not warming)."""
     metrics = nested.metrics if _metrics.is_clipjax_state(nested) else {}
     if "scale" in metrics and metrics["scale"].shape == warming.shape:
         scale = metrics["scale"].astype(seen.dtype)
@@ -473,8 +463,7 @@ def _run_warmup(
     warming: jax.Array,
     index: tuple[jax.Array, ...],
 ) -> tuple[list[jax.Array], Any]:
-    """The warm-up transform on the groups that warm up, only while one does; a nested
-    clipjax state advances (and reports) only those groups."""
+    """The warm-up transform on the groups that warm up, only while one does."""
 
     def keep_idle(new: Any, old: Any) -> Any:
         if not _metrics.is_clipjax_state(new):
