@@ -422,16 +422,12 @@ _REPRESENTATIVES: dict[str, tuple[str | tuple[str, ...], str]] = {
         "zclip-None",
         "vmapped replicas per clipper",
     ),
-    "adaptive/test_feedback.py::test_default_matches_restatement": (
-        "zclip",
-        "restatement step by step",
-    ),
     "adaptive/test_feedback.py::test_feedback_matches_restatement": (
         "zclip",
         "restatement step by step",
     ),
-    "adaptive/test_feedback.py::test_inject_hyperparams_zscore_clip_feedback": (
-        "skip",
+    "adaptive/test_feedback.py::test_inject_hyperparams_feedback": (
+        ("zclip-clipped", "zscore_clip-skip"),
         "a run per feedback",
     ),
     "adaptive/test_follow.py::test_clip_target_ratchets_after_a_lasting_rise": (

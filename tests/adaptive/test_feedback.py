@@ -1,13 +1,7 @@
-"""``feedback``: every adaptive clipper against a float64 restatement.
+"""``feedback``: every adaptive clipper against its float64 restatement (``tests/restate/``).
 
-The restatements live in ``tests/restate/`` and are written from SPEC 3, 4,
-8, 9.1 and the 0.2 CONTRACT. ``test_default_*`` pin them against today's
-default behaviour (observe-first autoclip/zscore_clip, zclip "clipped",
-hist_clip "raw"), so that the tests of the new ``feedback`` values compare with
-an oracle that is known to agree where the behaviour already exists.
-
-Tolerance: rtol 3e-5 (float32 against float64) on every float field; ``z`` also has an
-absolute 5e-5 (see ``restate.Z_ATOL``); counters and ``clipped`` exactly.
+Tolerance: rtol 3e-5 (float32 against float64) on every float field; ``z`` also an
+absolute 5e-5 (``restate.Z_ATOL``); counters and ``clipped`` exactly.
 """
 
 from __future__ import annotations
@@ -25,10 +19,6 @@ import clipjax
 from tests import references as R
 from tests import restate as S
 
-# ----------------------------------------------------------------------------
-# Streams and clipper configurations
-# ----------------------------------------------------------------------------
-
 N = 300
 # spikes x10, x100, x1000, x30 at steps 90, 140, 190, 240; a NaN inside every
 # warm-up (step 10) and one after it (step 130), and an +inf at 200.
@@ -36,14 +26,8 @@ NORMS = R.with_nan(R.with_nan(R.spikes(N, 0)[0], [10, 130]), 200, math.inf)
 SPIKES = (90, 140, 190, 240)
 
 AUTO_KW = dict(warmup_steps=30, min_history=20)
-WINDOW_KW = dict(mode="percentile", history="window", window_size=50, **AUTO_KW)
-GEOM_KW = dict(mode="percentile", history="geometric", quantile_lr=0.05, **AUTO_KW)
 ZSCORE_KW = dict(warmup_steps=30, min_history=20)
 ZCLIP_KW = dict(warmup_steps=25, max_grad_norm=None)
-ZCLIP_CAP_KW = dict(warmup_steps=25, max_grad_norm=20.0)  # cap fires on the large spikes
-ZCLIP_PCT_KW = dict(warmup_steps=25, max_grad_norm=None, mode="percentile")
-ZCLIP_MEAN_KW = dict(warmup_steps=25, max_grad_norm=5.0, clip_option="mean")
-HIST_KW = dict(warmup_steps=20)
 
 
 def _hist_tx(criterion: str = "zstat", **kw):
@@ -51,67 +35,43 @@ def _hist_tx(criterion: str = "zstat", **kw):
     return clipjax.hist_clip(crit, warmup_clip=None, **kw)
 
 
-# name -> (algo prefix, clipjax factory(feedback or None), restatement(norms, feedback or None))
-def _cfg(algo, factory, restated, kw, rkw=None, default=None):
-    rkw = kw if rkw is None else rkw
-
-    def make(feedback=None, **extra):
-        fkw = {} if feedback is None else {"feedback": feedback}
-        return factory(**kw, **fkw, **extra)
-
-    def want(norms, feedback=None):
-        fb = default if feedback is None else feedback
-        return restated(norms, **rkw, feedback=fb)
-
-    return algo, make, want
-
-
+_AUTO = ("autoclip", clipjax.autoclip, S.autoclip)
+_ZCLIP = ("zclip", clipjax.zclip, S.zclip)
+_PCT = dict(mode="percentile", **AUTO_KW)
+# name -> (algo prefix, clipjax factory, restatement, kwargs, restatement's extra kwargs)
 CONFIGS = {
-    "autoclip_auto": _cfg(
-        "autoclip", clipjax.autoclip, S.autoclip, AUTO_KW, default="observe_first"
-    ),
-    "autoclip_window": _cfg(
-        "autoclip", clipjax.autoclip, S.autoclip, WINDOW_KW, default="observe_first"
-    ),
-    "autoclip_geometric": _cfg(
-        "autoclip", clipjax.autoclip, S.autoclip, GEOM_KW, default="observe_first"
-    ),
-    "zscore_clip": _cfg(
-        "zscore_clip", clipjax.zscore_clip, S.zscore_clip, ZSCORE_KW, default="observe_first"
-    ),
-    "zclip": _cfg("zclip", clipjax.zclip, S.zclip, ZCLIP_KW, default="clip_target"),
-    "zclip_cap": _cfg("zclip", clipjax.zclip, S.zclip, ZCLIP_CAP_KW, default="clip_target"),
-    "zclip_percentile": _cfg("zclip", clipjax.zclip, S.zclip, ZCLIP_PCT_KW, default="clip_target"),
-    "zclip_mean": _cfg("zclip", clipjax.zclip, S.zclip, ZCLIP_MEAN_KW, default="clip_target"),
-    **{
-        f"hist_{criterion}": _cfg(
-            "hist_clip",
-            partial(_hist_tx, criterion),
-            S.hist_clip,
-            HIST_KW,
-            dict(HIST_KW, criterion=criterion),
-            default="raw",
-        )
-        for criterion in ("zstat", "ema")
-    },
-}
-# Feedback values each configuration accepts besides its default.
+    "autoclip_auto": (*_AUTO, AUTO_KW, {}),
+    "autoclip_window": (*_AUTO, dict(history="window", window_size=50, **_PCT), {}),
+    "autoclip_geometric": (*_AUTO, dict(history="geometric", quantile_lr=0.05, **_PCT), {}),
+    "zscore_clip": ("zscore_clip", clipjax.zscore_clip, S.zscore_clip, ZSCORE_KW, {}),
+    "zclip": (*_ZCLIP, ZCLIP_KW, {}),
+    "zclip_cap": (*_ZCLIP, dict(ZCLIP_KW, max_grad_norm=20.0), {}),  # fires on the large spikes
+    "zclip_percentile": (*_ZCLIP, dict(ZCLIP_KW, mode="percentile"), {}),
+    "zclip_mean": (*_ZCLIP, dict(ZCLIP_KW, max_grad_norm=5.0, clip_option="mean"), {}),
+    **{f"hist_{c}": ("hist_clip", partial(_hist_tx, c), S.hist_clip, dict(warmup_steps=20),
+                     dict(criterion=c)) for c in ("zstat", "ema")},
+}  # fmt: skip
+DEFAULT = {"autoclip": "observe_first", "zscore_clip": "observe_first", "zclip": "clip_target",
+           "hist_clip": "raw"}  # fmt: skip
+_TARGET = ("raw", "clipped", "clip_target", "skip")
+# Feedback values each configuration accepts (its default among them).
 ACCEPTED = {
     "autoclip_auto": ("observe_first", "raw", "clipped", "skip"),
     "autoclip_window": ("observe_first", "raw", "clipped"),
     "autoclip_geometric": ("observe_first", "raw", "clipped"),
     "zscore_clip": ("observe_first", "raw", "clipped", "skip"),
-    "zclip": ("raw", "clipped", "clip_target", "skip"),
-    "zclip_cap": ("raw", "clipped", "clip_target", "skip"),
-    "zclip_percentile": ("raw", "clipped", "clip_target", "skip"),
-    "zclip_mean": ("raw", "clipped", "clip_target", "skip"),
-    "hist_zstat": ("raw", "clipped", "clip_target", "skip"),
-    "hist_ema": ("raw", "clipped", "clip_target", "skip"),
+    **{c: _TARGET for c in CONFIGS if c.startswith(("zclip", "hist"))},
 }
-DEFAULT = {"autoclip": "observe_first", "zscore_clip": "observe_first", "zclip": "clip_target",
-           "hist_clip": "raw"}  # fmt: skip
-# Configurations whose default exists today (geometric is new).
-TODAY = [c for c in CONFIGS if c != "autoclip_geometric"]
+
+
+def _make(config, feedback=None, **extra):
+    _, factory, _, kw, _ = CONFIGS[config]
+    return factory(**kw, **({} if feedback is None else {"feedback": feedback}), **extra)
+
+
+def _want(config, norms, feedback=None):
+    algo, _, restated, kw, rkw = CONFIGS[config]
+    return restated(norms, **kw, **rkw, feedback=DEFAULT[algo] if feedback is None else feedback)
 
 
 def _single(row):
@@ -119,10 +79,8 @@ def _single(row):
 
 
 def _run_many(txs, seq, trees):
-    """Runs every ``txs[i]`` on ``trees[i](row)`` of the same ``[steps, k]`` sequence in
-    one jitted scan (one compile for many transforms). Per transform: its own
-    ``clipjax.metrics`` (numpy ``[steps]``), output and input leaf norms, and
-    "output identical to input" per leaf."""
+    """Every ``txs[i]`` on ``trees[i](row)`` of one ``[steps, k]`` sequence in one jitted
+    scan: per transform its metrics, output and input leaf norms, "output identical"."""
     seq = jnp.asarray(np.asarray(seq, np.float64), jnp.float32)
     ones = jnp.ones(seq.shape[1], jnp.float32)
     params = [t(ones) for t in trees]
@@ -143,7 +101,7 @@ def _run_many(txs, seq, trees):
 
 
 def _check_rec(rec, want, prefix, what=""):
-    """One transform's record from ``_run_many`` vs a restatement (every leaf)."""
+    """Metrics, applied scale (every leaf) and pass-through of non-finite steps."""
     got, outs, ins, same = rec
     try:
         S.compare(got, want, prefix)
@@ -156,48 +114,29 @@ def _check_rec(rec, want, prefix, what=""):
 
 
 def _check_run(tx, norms, want, prefix):
-    """Metrics, applied scale and pass-through of non-finite steps vs the restatement."""
-    got, (outs, ins), same = S.run_tree(tx, np.asarray(norms)[:, None], _single)
-    S.compare(got, want, prefix)
-    finite = np.isfinite(want["grad_norm"])
-    applied = outs["w"][finite] / ins["w"][finite]
-    np.testing.assert_allclose(applied, want["scale"][finite], rtol=S.RTOL)
-    assert np.all(np.asarray(same["w"])[~finite]), "a non-finite step must pass unchanged"
-    return got
-
-
-# ----------------------------------------------------------------------------
-# The oracle agrees with today's defaults
-# ----------------------------------------------------------------------------
+    _check_rec(_run_many([tx], np.asarray(norms)[:, None], [_single])[0], want, prefix)
 
 
 def test_incremental_p2_is_the_shared_restatement():
     for seed in range(3):
         x = np.random.default_rng(seed).lognormal(0, 0.5, 400)
-        p2 = S.P2Median()
-        got = []
+        p2, got = S.P2Median(), []
         for v in x:
             p2.observe(float(v))
             got.append(p2.value())
         np.testing.assert_array_equal(got, S.p2_restated(x, 0.5, textbook=True))
 
 
-@pytest.mark.parametrize("config", TODAY)
-def test_default_matches_restatement(config):
-    algo, make, want = CONFIGS[config]
-    _check_run(make(), NORMS, want(NORMS), f"{algo}/global/")
-
-
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_feedback_matches_restatement(config):
-    """Every feedback the configuration accepts, plus the default, in one scan
-    (scope="global"); the default must equal its explicit value bit for bit."""
-    algo, make, want = CONFIGS[config]
+    """Every accepted feedback and the default, in one scan (scope="global"): each equals
+    the restatement, and the default equals its explicit value bit for bit."""
+    algo = CONFIGS[config][0]
     fbs = ACCEPTED[config]
-    txs = [make(fb) for fb in fbs] + [make()]
+    txs = [_make(config, fb) for fb in fbs] + [_make(config)]
     recs = _run_many(txs, NORMS[:, None], [_single] * len(txs))
-    for fb, rec in zip(fbs, recs):
-        _check_rec(rec, want(NORMS, fb), f"{algo}/global/", f"{config} feedback={fb}")
+    for fb, rec in zip((*fbs, None), recs):
+        _check_rec(rec, _want(config, NORMS, fb), f"{algo}/global/", f"{config} feedback={fb}")
         if fb == "skip":  # every spike fires and is not counted
             count = rec[0][f"{algo}/global/count"]
             assert all(count[t] == count[t - 1] for t in SPIKES), count[list(SPIKES)]
@@ -208,16 +147,14 @@ def test_feedback_matches_restatement(config):
 
 @pytest.mark.parametrize("feedback", ["raw", "clipped"])
 def test_ema_percentile_judge_first_is_observe_first_shifted(feedback):
-    """history="ema" has no float64 restatement here; instead: in percentile mode
-    "raw" and "clipped" both observe g, so the statistics (post-update)
-    are the observe-first ones, and the threshold of step t is the observe-first
-    quantile of step t-1 (floored at eps), used once count-before >= gate."""
+    """history="ema" (no restatement): percentile mode observes g under "raw" and
+    "clipped", so its statistics are observe-first's and the threshold of step t is the
+    observe-first quantile of step t-1 (floored at eps), used once count-before >= gate."""
     kw = dict(mode="percentile", history="ema", ema_decay=0.95, **AUTO_KW)
-    eps = 1e-8
+    eps, p = 1e-8, "autoclip/global/"
     base, _, _ = S.run_tree(clipjax.autoclip(**kw), NORMS[:, None], _single)
     tx = clipjax.autoclip(**kw, feedback=feedback, max_grad_norm=None)  # no ceiling
     got, _, _ = S.run_tree(tx, NORMS[:, None], _single)
-    p = "autoclip/global/"
     np.testing.assert_allclose(got[p + "quantile"], base[p + "quantile"], rtol=S.RTOL)
     np.testing.assert_array_equal(got[p + "count"], base[p + "count"])
     q_prev = np.concatenate([[np.nan], base[p + "quantile"][:-1]])
@@ -227,18 +164,12 @@ def test_ema_percentile_judge_first_is_observe_first_shifted(feedback):
     np.testing.assert_allclose(
         got[p + "threshold"][check], np.maximum(eps, q_prev[check]), rtol=S.RTOL
     )
-    gate = max(AUTO_KW.values())
-    open_ = finite & (count_before >= gate)
+    open_ = finite & (count_before >= max(AUTO_KW.values()))
     scale = np.where(open_, np.minimum(1.0, np.maximum(eps, q_prev) / (NORMS + eps)), 1.0)
     np.testing.assert_allclose(got[p + "scale"][finite], scale[finite], rtol=S.RTOL)
     assert np.all(got[p + "scale"][~finite] == 1.0)
-    # judged first, the spikes are cut to the quantile before them
-    assert np.all(got[p + "scale"][list(SPIKES)] < 0.2)
+    assert np.all(got[p + "scale"][list(SPIKES)] < 0.2)  # cut to the quantile before them
 
-
-# ----------------------------------------------------------------------------
-# Scopes: each group equals the single-group restatement on its own stream
-# ----------------------------------------------------------------------------
 
 STREAMS3 = np.stack(
     [
@@ -249,7 +180,6 @@ STREAMS3 = np.stack(
     axis=1,
 )
 SCOPE_CASES = {
-    # defaults only: passes on today's code
     "defaults": [("autoclip_auto", None), ("zclip", None), ("hist_zstat", None)],
     "feedback": [("autoclip_auto", "clipped"), ("zscore_clip", "skip"),
                  ("zclip_percentile", "skip"), ("hist_zstat", "clipped"), ("hist_ema", "skip")],
@@ -263,25 +193,20 @@ SCOPE_CASES = {
 @pytest.mark.parametrize("scope", ["per_param", "per_layer"])
 @pytest.mark.parametrize("cases", sorted(SCOPE_CASES))
 def test_scopes_match_per_group_restatement(cases, scope):
-    """A tree of 3 groups with different streams (scales 1, 0.1, 10; NaNs at different
-    steps): each group equals the single-group restatement on its own stream."""
+    """3 groups with different streams (scales 1, 0.1, 10; NaNs at different steps):
+    each equals the single-group restatement on its own stream."""
     make_tree = S.flat_tree if scope == "per_param" else S.layer_tree
     names = ["g0", "g1", "g2"] if scope == "per_param" else ["l0", "l1", "l2"]
     cases = SCOPE_CASES[cases]
-    txs = [CONFIGS[c][1](fb, scope=scope) for c, fb in cases]
+    txs = [_make(c, fb, scope=scope) for c, fb in cases]
     recs = _run_many(txs, STREAMS3, [make_tree] * len(txs))
     for (config, fb), (got, outs, ins, same) in zip(cases, recs):
-        algo, _, want = CONFIGS[config]
         for i, name in enumerate(names):
-            w = want(STREAMS3[:, i], fb)
-            group = {"g0": outs[name], "g1": ins[name], "g2": same[name]}
-            sub = (got, {"x": group["g0"]}, {"x": group["g1"]}, {"x": group["g2"]})
-            _check_rec(sub, w, f"{algo}/{name}/", f"{config} feedback={fb} {scope} {name}")
+            sub = (got, {"x": outs[name]}, {"x": ins[name]}, {"x": same[name]})
+            what = f"{config} feedback={fb} {scope} {name}"
+            algo = CONFIGS[config][0]
+            _check_rec(sub, _want(config, STREAMS3[:, i], fb), f"{algo}/{name}/", what)
 
-
-# ----------------------------------------------------------------------------
-# axis_name: replicas with different local norms see the averaged norm
-# ----------------------------------------------------------------------------
 
 REPLICA_FACTORS = np.array([0.5, 1.0, 1.8])
 AXIS_CASES = [("zclip", None), ("autoclip_auto", "raw"), ("zscore_clip", "clipped"),
@@ -290,8 +215,7 @@ AXIS_CASES = [("zclip", None), ("autoclip_auto", "raw"), ("zscore_clip", "clippe
 
 @pytest.mark.parametrize("config, feedback", AXIS_CASES)
 def test_axis_name_every_replica_sees_the_averaged_norm(config, feedback):
-    algo, make, want = CONFIGS[config]
-    tx = make(feedback, axis_name="i")
+    tx = _make(config, feedback, axis_name="i")
     reps = len(REPLICA_FACTORS)
     local = NORMS[:, None] * REPLICA_FACTORS[None, :]  # [steps, replicas]
     params = _single(jnp.ones(1))
@@ -306,43 +230,31 @@ def test_axis_name_every_replica_sees_the_averaged_norm(config, feedback):
 
     run = jax.jit(lambda seq: jax.lax.scan(step, state0, seq)[1])
     metrics, applied = run(jnp.asarray(local, jnp.float32))
-    w = want(local.mean(axis=1), feedback)
+    w = _want(config, local.mean(axis=1), feedback)
     finite = np.isfinite(w["grad_norm"])
     for r in range(reps):
         got = {k: np.asarray(v)[:, r] for k, v in metrics.items()}
-        S.compare(got, w, f"{algo}/global/")
+        S.compare(got, w, f"{CONFIGS[config][0]}/global/")
         np.testing.assert_allclose(np.asarray(applied)[finite, r], w["scale"][finite], rtol=S.RTOL)
 
 
-# ----------------------------------------------------------------------------
-# inject_hyperparams
-# ----------------------------------------------------------------------------
+INJECT = {
+    "zclip-clipped": ("zclip", dict(z_thresh=2.0, warmup_steps=25, max_grad_norm=None)),
+    "zscore_clip-raw": ("zscore_clip", dict(zmax=2.5, **ZSCORE_KW)),
+    "zscore_clip-skip": ("zscore_clip", dict(zmax=2.5, **ZSCORE_KW)),
+}
 
 
-def test_inject_hyperparams_zclip_feedback_clipped():
-    tx = optax.inject_hyperparams(clipjax.zclip, static_args=("warmup_steps",))(
-        z_thresh=2.0, warmup_steps=25, max_grad_norm=None, feedback="clipped"
-    )
-    want = S.zclip(NORMS, z_thresh=2.0, warmup_steps=25, max_grad_norm=None, feedback="clipped")
-    _check_run(tx, NORMS, want, "zclip/global/")
+@pytest.mark.parametrize("case", list(INJECT))
+def test_inject_hyperparams_feedback(case):
+    name, kw = INJECT[case]
+    feedback = case.split("-")[1]
+    injected = optax.inject_hyperparams(getattr(clipjax, name), static_args=("warmup_steps",))
+    want = getattr(S, name)(NORMS, **kw, feedback=feedback)
+    _check_run(injected(**kw, feedback=feedback), NORMS, want, f"{name}/global/")
 
 
-@pytest.mark.parametrize("feedback", ["raw", "skip"])
-def test_inject_hyperparams_zscore_clip_feedback(feedback):
-    tx = optax.inject_hyperparams(clipjax.zscore_clip, static_args=("warmup_steps",))(
-        zmax=2.5, feedback=feedback, **ZSCORE_KW
-    )
-    want = S.zscore_clip(NORMS, zmax=2.5, feedback=feedback, **ZSCORE_KW)
-    _check_run(tx, NORMS, want, "zscore_clip/global/")
-
-
-# ----------------------------------------------------------------------------
-# Invariants
-# ----------------------------------------------------------------------------
-
-SPIKE_CONFIGS = ["autoclip_auto", "zscore_clip", "zclip", "hist_zstat"]
-# The level the statistics set after a step (post-update metrics): what the next
-# step is judged against.
+# The level the statistics set after a step (post-update): what the next step is judged by.
 LEVEL = {
     "autoclip": lambda m, p: m[p + "median"] + 3.0 * m[p + "std"],
     "zscore_clip": lambda m, p: m[p + "mean"] + 3.0 * m[p + "std"],
@@ -351,19 +263,16 @@ LEVEL = {
 }
 
 
-@pytest.mark.parametrize("config", SPIKE_CONFIGS)
+@pytest.mark.parametrize("config", ["autoclip_auto", "zscore_clip", "zclip", "hist_zstat"])
 def test_spike_moves_threshold_no_more_than_its_clip_value(config):
-    """Replace the x1000 spike by the value it is clipped to (its threshold; no
-    max_grad_norm cap in these configurations): under "clipped" the statistics
-    after it are those of the replaced stream; under "skip" they do not move
-    ; "raw" feedback of the spike moves them much more."""
-    algo, configured, _ = CONFIGS[config]
+    """With the x1000 spike replaced by its clip value (its threshold), "clipped" leaves
+    the statistics of the replaced stream; "skip" does not move them; "raw" moves them
+    much more."""
+    algo = CONFIGS[config][0]
     # No ceiling (zclip's configurations already say max_grad_norm=None).
-    make = configured if algo == "zclip" else partial(configured, max_grad_norm=None)
-    t = SPIKES[2]
-    norms = R.spikes(N, 0)[0]
-    key = f"{algo}/global/"
-    level = LEVEL[algo]
+    extra = {} if algo == "zclip" else {"max_grad_norm": None}
+    make = lambda fb: _make(config, fb, **extra)
+    t, norms, key, level = SPIKES[2], R.spikes(N, 0)[0], f"{algo}/global/", LEVEL[algo]
     a = _run_many([make("clipped"), make("skip"), make("raw")], norms[:, None], [_single] * 3)
     clipped, skipped, raw = (r[0] for r in a)
     assert clipped[key + "clipped"][t] and skipped[key + "clipped"][t]
@@ -381,37 +290,23 @@ def test_spike_moves_threshold_no_more_than_its_clip_value(config):
 
 
 def test_zclip_skip_update_on_spike_is_feedback_skip():
-    a, _, _ = S.run_tree(
-        clipjax.zclip(skip_update_on_spike=True, **ZCLIP_KW), NORMS[:, None], _single
-    )
-    b, _, _ = S.run_tree(clipjax.zclip(feedback="skip", **ZCLIP_KW), NORMS[:, None], _single)
+    run = lambda **kw: S.run_tree(clipjax.zclip(**kw, **ZCLIP_KW), NORMS[:, None], _single)[0]
+    a, b = run(skip_update_on_spike=True), run(feedback="skip")
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
     S.compare(a, S.zclip(NORMS, feedback="skip", **ZCLIP_KW), "zclip/global/")
-
-
-def test_zclip_conflicting_skip_alias_raises():
     with pytest.raises(ValueError, match=r"feedback|skip_update_on_spike"):
         clipjax.zclip(skip_update_on_spike=True, feedback="raw")
 
 
-INVALID = [  # factory names: adagc may not exist yet, and must not break collection
-    ("autoclip", dict(mode="percentile", history="window"), "skip"),
-    ("autoclip", dict(mode="percentile", history="ema"), "skip"),
-    ("autoclip", dict(mode="percentile", history="geometric"), "skip"),
-    ("zclip", {}, "observe_first"),
-    ("hist_clip", {}, "observe_first"),
-    ("adagc", {}, "observe_first"),
-    ("autoclip", {}, "bogus"),
-    ("autoclip", dict(mode="percentile"), "bogus"),
-    ("zscore_clip", {}, "bogus"),
-    ("zclip", {}, "bogus"),
-    ("hist_clip", {}, "bogus"),
-    ("adagc", {}, "bogus"),
-    ("autoclip", {}, "clip_target"),
-    ("zscore_clip", {}, "clip_target"),
-    ("adagc", {}, "clip_target"),
-]
+INVALID = [
+    *[("autoclip", dict(mode="percentile", history=h), "skip")
+      for h in ("window", "ema", "geometric")],
+    *[(f, {}, "observe_first") for f in ("zclip", "hist_clip", "adagc")],
+    ("autoclip", {}, "bogus"), ("autoclip", dict(mode="percentile"), "bogus"),
+    *[(f, {}, "bogus") for f in ("zscore_clip", "zclip", "hist_clip", "adagc")],
+    *[(f, {}, "clip_target") for f in ("autoclip", "zscore_clip", "adagc")],
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
