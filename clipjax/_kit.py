@@ -33,7 +33,7 @@ SpikeFeedback = Literal["raw", "clipped", "skip"]
 TargetFeedback = Literal["raw", "clipped", "clip_target", "skip"]
 
 COUNTERS = ("count", "step", "clipped_count", "nonfinite_count")
-FLAGS = ("clipped", "spike", "capped", "held")  # boolean metrics
+FLAGS = ("clipped", "spike", "capped", "held", "skipped")  # boolean metrics
 # The ceiling of the spike-defence setting (feedback="clipped") where the
 # reference has none: the field's standard clip, ZClip's default.
 DEFAULT_CEILING = 1.0
@@ -380,17 +380,20 @@ def select_groups(mask: Array, new: Any, old: Any) -> Any:
 
 
 def new_metrics(
-    num_groups: int, dtype: Any, fields: tuple[str, ...], counters: tuple[str, ...] = COUNTERS
+    num_groups: int,
+    dtype: Any,
+    fields: tuple[str, ...],
+    counters: tuple[str, ...] = COUNTERS,
+    **fill: Any,
 ) -> dict[str, Array]:
-    """A new state's ``metrics``: each of ``fields`` zeros of ``dtype`` (``scale``
-    ones, a flag False), each of ``counters`` int32 zeros."""
+    """A new state's ``metrics``: each of ``fields`` ``fill[field]`` or zeros of
+    ``dtype`` (``scale`` ones, a flag False), each of ``counters`` int32 zeros."""
     metrics = {}
     for field in fields:
         if field in FLAGS:
             metrics[field] = jnp.zeros((num_groups,), bool)
         else:
-            fill = jnp.ones if field == "scale" else jnp.zeros
-            metrics[field] = fill((num_groups,), dtype)
+            metrics[field] = jnp.full((num_groups,), fill.get(field, field == "scale"), dtype)
     for counter in counters:
         metrics[counter] = jnp.zeros((num_groups,), jnp.int32)
     return metrics

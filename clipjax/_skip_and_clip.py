@@ -259,21 +259,16 @@ def skip_and_clip_by_global_norm(
     decay = 0.0 if grad_norm_ema_decay is None else grad_norm_ema_decay
 
     def init_fn(params: Any) -> Any:
-        one = lambda value, dtype: jnp.full((1,), value, dtype)
-        metrics = {
-            "grad_norm": one(0.0, jnp.float32),
-            "threshold": one(jnp.inf, jnp.float32),
-            "scale": one(1.0, jnp.float32),
-            "clipped": one(False, bool),
-            "drop_norm": one(jnp.inf, jnp.float32),
-            "skipped": one(False, bool),
-            **{f"count_exceeds_{n}": one(0, jnp.int32) for n in names},
-            **{counter: one(0, jnp.int32) for counter in _COUNTERS},
-        }
+        one = lambda value: jnp.full((1,), value, jnp.float32)
+        fields = ("grad_norm", "threshold", "scale", "clipped", "drop_norm", "skipped")
+        exceeds = tuple(f"count_exceeds_{n}" for n in names)
+        metrics = _kit.new_metrics(
+            1, jnp.float32, fields, exceeds + _COUNTERS, threshold=jnp.inf, drop_norm=jnp.inf
+        )
         return SkipAndClipState(
             inner_state=inner.init(params),
-            mean=one(0.0, jnp.float32),
-            var=one(0.0, jnp.float32),
+            mean=one(0.0),
+            var=one(0.0),
             metrics=metrics,
             info=_kit.group_info(params, "global", ALGO, name),
         )
@@ -329,26 +324,23 @@ def skip_and_clip_by_global_norm(
             mean = jnp.where(observed, new_mean, mean)
             var = jnp.where(observed, new_var, var)
         else:
-            # Copies: an output that passes its input through cannot reuse its donated buffer.
-            mean, var = jnp.copy(mean), jnp.copy(var)
+            mean, var = _xla.returned((mean, var))
 
-        old = state.metrics
-        clipped = scale < 1
-        metrics = {
-            "grad_norm": g,
-            "threshold": jnp.full((1,), jnp.inf if max_norm is None else max_norm, jnp.float32),
-            "scale": scale,
-            "clipped": clipped,
-            "drop_norm": boundary,
-            "skipped": skip,
-            **{f"count_exceeds_{n}": old[f"count_exceeds_{n}"] + e for n, e in exceeds.items()},
-            "skipped_count": old["skipped_count"] + skip,
-            "nonfinite_count": old["nonfinite_count"] + ~finite,
-            "clipped_count": old["clipped_count"] + clipped,
-            "step": old["step"] + 1,
-            "count": old["count"] + observed,
-        }
-        metrics = {k: jnp.asarray(v).astype(old[k].dtype) for k, v in metrics.items()}
+        metrics = _kit.step_metrics(
+            state.metrics,
+            norm=g,
+            observed=observed,
+            threshold=jnp.full((1,), jnp.inf if max_norm is None else max_norm, jnp.float32),
+            scale=scale,
+            finite=finite,
+            drop_norm=boundary,
+            skipped=skip,
+            skipped_count=state.metrics["skipped_count"] + skip,
+            **{
+                f"count_exceeds_{n}": state.metrics[f"count_exceeds_{n}"] + e
+                for n, e in exceeds.items()
+            },
+        )
         new_state = SkipAndClipState(inner_state, mean, var, metrics, state.info)
         return new_updates, new_state
 

@@ -230,12 +230,20 @@ def skip_on_spike(
             x, enters = _observation(loss, value_threshold, skip, forced, feedback)
             value_window, value_seen = ring_push(state.value_window, state.value_seen, x, enters)
         else:
-            # Copies, not the inputs themselves: an output that passes its input
-            # through cannot reuse that input's donated buffer.
-            value_window, value_seen = jnp.copy(state.value_window), jnp.copy(state.value_seen)
+            value_window, value_seen = _xla.returned((state.value_window, state.value_seen))
 
-        metrics = _step_metrics(
-            state.metrics, norm, loss, grad_threshold, value_threshold, skip, finite, take
+        skip1 = skip.reshape(1)
+        metrics = _kit.step_metrics(
+            state.metrics,
+            norm=norm.reshape(1),
+            observed=take.reshape(1),
+            finite=finite.reshape(1),
+            value=loss.reshape(1),
+            grad_threshold=grad_threshold.reshape(1),
+            value_threshold=value_threshold.reshape(1),
+            skipped=skip1,
+            skipped_count=state.metrics["skipped_count"] + skip1,
+            consecutive_skips=jnp.where(skip1, state.metrics["consecutive_skips"] + 1, 0),
         )
         new_state = SkipOnSpikeState(
             inner_state=inner_state,
@@ -319,20 +327,12 @@ def _checked(
 
 
 def _initial_metrics() -> dict[str, jax.Array]:
-    f32 = lambda x: jnp.full((1,), x, jnp.float32)
-    i32 = lambda: jnp.zeros((1,), jnp.int32)
-    return {
-        "grad_norm": f32(jnp.nan),
-        "value": f32(jnp.nan),
-        "grad_threshold": f32(jnp.inf),
-        "value_threshold": f32(jnp.inf),
-        "skipped": jnp.zeros((1,), jnp.bool_),
-        "skipped_count": i32(),
-        "consecutive_skips": i32(),
-        "nonfinite_count": i32(),
-        "step": i32(),
-        "count": i32(),
-    }
+    fields = ("grad_norm", "value", "grad_threshold", "value_threshold", "skipped")
+    counters = ("skipped_count", "consecutive_skips", "nonfinite_count", "step", "count")
+    fill = {"grad_threshold": jnp.inf, "value_threshold": jnp.inf}
+    return _kit.new_metrics(
+        1, jnp.float32, fields, counters, grad_norm=jnp.nan, value=jnp.nan, **fill
+    )
 
 
 def norm_and_loss(
@@ -353,33 +353,6 @@ def norm_and_loss(
         if value is not None:
             loss = jax.lax.pmean(loss, axis_name)
     return norm, loss
-
-
-def _step_metrics(
-    old: dict[str, jax.Array],
-    norm: jax.Array,
-    loss: jax.Array,
-    grad_threshold: jax.Array,
-    value_threshold: jax.Array,
-    skip: jax.Array,
-    finite: jax.Array,
-    take: jax.Array,
-) -> dict[str, jax.Array]:
-    one = jnp.ones((1,), jnp.int32)
-    skip1 = skip.reshape(1)
-    return {
-        "grad_norm": norm.reshape(1),
-        "value": loss.reshape(1),
-        "grad_threshold": grad_threshold.reshape(1),
-        "value_threshold": value_threshold.reshape(1),
-        "skipped": skip1,
-        "skipped_count": old["skipped_count"] + skip1.astype(jnp.int32),
-        "consecutive_skips": jnp.where(skip1, old["consecutive_skips"] + one, 0),
-        "nonfinite_count": old["nonfinite_count"]
-        + jnp.logical_not(finite).reshape(1).astype(jnp.int32),
-        "step": old["step"] + one,
-        "count": old["count"] + take.reshape(1).astype(jnp.int32),
-    }
 
 
 def _warn_conditional(who: str) -> None:
