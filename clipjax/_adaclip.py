@@ -1,7 +1,4 @@
-"""Stable-SPAM's gradient transformations, AdaClip and AdaGN, for any optimizer.
-
-:func:`clipjax.stable_spam` chains them in front of Adam with SPAM's moment reset.
-"""
+"""Stable-SPAM's AdaClip and AdaGN, for any optimizer (:func:`clipjax.stable_spam` chains them)."""
 
 from __future__ import annotations
 
@@ -22,8 +19,7 @@ class AdaClipState(NamedTuple):
     """State of :func:`adaclip`: its EMA per group.
 
     Attributes:
-      max_ema: ``[groups]`` the EMA of each group's largest ``|g|`` (not bias
-        corrected).
+      max_ema: ``[groups]`` the EMA of each group's largest ``|g|`` (uncorrected).
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -85,8 +81,7 @@ def _max_and_squares(leaves: list[Array], dtype: Any) -> tuple[list[Array], list
 def _finite_square_and_count(
     x: Array, dtype: Any, keep_axis: int | None = None
 ) -> tuple[Array, ...]:
-    """A leaf's sum of squares over its finite elements, and how many are not (per slice
-    along ``keep_axis``)."""
+    """A leaf's sum of squares over its finite elements, and how many are not."""
     squared = _grouping.abs_squared(x, dtype)
     ok = jnp.isfinite(squared)
     terms = (jnp.where(ok, squared, jnp.zeros((), dtype)), jnp.where(ok, 0.0, 1.0).astype(dtype))
@@ -99,8 +94,7 @@ def _finite_square_and_count(
 def _adaclip_leaf(
     x: Array, b: Array, r: Array, dtype: Any, count_clipped: bool
 ) -> tuple[Array, Array | None, Array | None]:
-    """A leaf scaled by ``r`` where ``|x| > b``; with ``count_clipped`` also how many
-    elements were and the leaf's sum of squares."""
+    """A leaf scaled by ``r`` where ``|x| > b`` (and the counts with ``count_clipped``)."""
     # Not abs(x) > bound: XLA would share that abs with the max's and write it out.
     if jnp.iscomplexobj(x):
         hit = _grouping.abs_squared(x, dtype) > b**2
@@ -133,14 +127,11 @@ def adaclip(
     1. ``max_ema = theta * max_ema + (1 - theta) * M`` (this step's ``M``
        included) and ``bound = max_ema / (1 - theta**k)`` after ``k`` steps;
     2. every element with ``|g| > bound`` is scaled by ``bound / M``: the
-       largest becomes ``bound``, the others above ``bound`` shrink in
-       proportion (not a clamp); elements at or below ``bound`` are left as
-       they are.
+       largest becomes ``bound``, the others shrink in proportion (not a clamp).
 
     A NaN or infinite element counts as 0 for the maximum and passes
-    unchanged (``nonfinite_count`` counts the step). Differences from the
-    reference: :doc:`/reference_spam`. Every number may be injected with
-    ``optax.inject_hyperparams``; a callable ``scope`` goes in ``static_args``.
+    unchanged. Differences from the reference: :doc:`/reference_spam`. A
+    callable ``scope`` goes in ``static_args``.
 
     Static arguments: none; every number may be injected.
 
@@ -152,9 +143,8 @@ def adaclip(
       name: metrics prefix (default ``adaclip``).
 
     Returns:
-      A :class:`clipjax.ClipTransform` whose state, :class:`AdaClipState`,
-      reports ``grad_norm``, ``grad_max``, ``bound``, ``clipped``, ``clipped_fraction`` and
-      the counters under ``adaclip/{group}/``.
+      A :class:`clipjax.ClipTransform`; metrics: ``grad_norm``, ``grad_max``,
+      ``bound``, ``clipped``, ``clipped_fraction`` and the counters.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -250,10 +240,9 @@ def ada_norm(
        eps)``: ``g * target_norm / n``.
 
     A group whose norm is 0 passes through and stays out of the EMAs; a NaN or
-    infinite element counts as 0 for the norm and passes unchanged
-    (``nonfinite_count`` counts the step). Differences from the reference:
-    :doc:`/reference_spam`. Every number may be injected with
-    ``optax.inject_hyperparams``; a callable ``scope`` goes in ``static_args``.
+    infinite element counts as 0 for the norm and passes unchanged. Differences
+    from the reference: :doc:`/reference_spam`. A callable ``scope`` goes in
+    ``static_args``.
 
     Static arguments: none; every number may be injected.
 
@@ -266,9 +255,8 @@ def ada_norm(
       name: metrics prefix (default ``ada_norm``).
 
     Returns:
-      A :class:`clipjax.ClipTransform` whose state, :class:`AdaNormState`,
-      reports ``grad_norm``, ``mean``, ``mean_square``, ``target_norm``,
-      ``scale`` and the counters under ``ada_norm/{group}/``.
+      A :class:`clipjax.ClipTransform`; metrics: ``grad_norm``, ``mean``,
+      ``mean_square``, ``target_norm``, ``scale`` and the counters.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
