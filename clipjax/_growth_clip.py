@@ -17,9 +17,8 @@ class ClipNormGrowthState(NamedTuple):
     """State of :func:`clip_norm_growth`: the previous norm per group.
 
     Attributes:
-      prev_norm: ``[groups]`` the norm the next step may grow from (the last
-        step's norm after clipping, decayed and floored; torchzero's
-        ``prev_norm``), 0 before the group's first finite norm.
+      prev_norm: ``[groups]`` the norm the next step may grow from (``p``), 0
+        before the group's first finite norm.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -63,8 +62,8 @@ def clip_norm_growth(
 
     ``p`` learns the clipped norm (``feedback="clipped"``, torchzero's), ``g``
     (``"raw"``) or nothing on a clipped step (``"skip"``). A non-finite norm
-    passes unchanged and leaves ``p`` as it is. Differences from torchzero:
-    :doc:`/defences_2025`. A callable ``scope`` goes in ``static_args``.
+    passes unchanged. Differences from torchzero: :doc:`/defences_2025`. A
+    callable ``scope`` goes in ``static_args``.
 
     Static arguments: none; every number may be injected.
 
@@ -74,18 +73,16 @@ def clip_norm_growth(
         ``add`` and ``mul`` is required.
       min_value: the floor of ``p`` (``> 0``), or None.
       max_decay: how much ``p`` may fall in a step (``>= 1``), or None.
-      scope: ``"per_param"`` (torchzero's ``tensorwise=True``), ``"global"``
-        (``tensorwise=False``), ``"per_layer"``, a callable or
-        :func:`clipjax.stacked`.
+      scope: ``"per_param"`` (torchzero's ``tensorwise=True``), ``"global"``,
+        ``"per_layer"``, a callable or :func:`clipjax.stacked`.
       feedback: ``"clipped"`` (default), ``"raw"`` or ``"skip"``.
       axis_name: average the group norms over this mapped axis first.
       leaf_norms: also record each leaf's L2 norm before clipping.
       name: metrics prefix (default ``clip_norm_growth``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform`; metrics per group: ``grad_norm``,
-      ``threshold`` (``T``; +inf on the first step), ``scale``, ``clipped``,
-      ``prev_norm`` (after the step) and the counters.
+      A :class:`~clipjax.ClipTransform`; metrics: ``grad_norm``, ``threshold``
+      (``T``), ``scale``, ``clipped``, ``prev_norm`` and the counters.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -171,10 +168,8 @@ class ClipNormByEMAState(NamedTuple):
     """State of :func:`clip_norm_by_ema`: the EMA of the updates and its norm.
 
     Attributes:
-      exp_avg: the EMA of the updates themselves, a tree like the params
-        (float32, float64 or complex; torchzero's ``exp_avg``).
-      ema_norm: ``[groups]`` the norm of ``exp_avg`` after the step's growth
-        cap (torchzero's ``prev_ema_norm``), 0 before the first finite norm.
+      exp_avg: the EMA of the updates, a tree like the params (at least float32).
+      ema_norm: ``[groups]`` the norm of ``exp_avg`` after the growth cap (``e``).
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -213,18 +208,16 @@ def clip_norm_by_ema(
 ) -> ClipTransform:
     """Clips each update's norm to the norm of an EMA of the updates, whose growth is capped.
 
-    torchzero's ``ClipNormByEMA``. Per group, with ``u`` this step's update and
-    ``g`` its norm::
+    Per group, with ``u`` this step's update and ``g`` its norm::
 
         m <- m + (1 - beta) (u - m)            (m starts at init; a full-size EMA)
         e = |m|;  cap = max(growth * e_prev, min_norm)  (e_prev = e on the first step)
         m <- m / max(1, e / cap);  e <- min(e, cap);  e_prev <- e
         scale = min(1, e / g)
 
-    The EMA, a float32 copy of the updates, sees each update before its own
-    clip (torchzero's order); with ``init=0`` the first steps are clipped
-    hard. A non-finite norm passes its group unchanged and leaves its EMA as
-    it was (:doc:`/defences_2025`). A callable ``scope`` goes in ``static_args``.
+    The EMA sees each update before its own clip (torchzero's order); with
+    ``init=0`` the first steps are clipped hard. A non-finite norm passes its
+    group unchanged (:doc:`/defences_2025`). A callable ``scope`` goes in ``static_args``.
 
     Static arguments: none; every number may be injected.
 
@@ -236,15 +229,13 @@ def clip_norm_by_ema(
       min_norm: the cap never falls below this (``>= 0``).
       scope: ``"per_param"`` (torchzero's ``tensorwise=True``), ``"global"``,
         ``"per_layer"``, a callable or :func:`clipjax.stacked`.
-      axis_name: average the update norms and the EMA norms over this mapped
-        axis first, so every replica applies the same scale.
+      axis_name: average the update and EMA norms over this mapped axis first.
       leaf_norms: also record each leaf's L2 norm before clipping.
       name: metrics prefix (default ``clip_norm_by_ema``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform`; metrics per group: ``grad_norm``,
-      ``threshold`` (``e``), ``scale``, ``clipped``, ``ema_norm`` (after the
-      step) and the counters.
+      A :class:`~clipjax.ClipTransform`; metrics: ``grad_norm``, ``threshold``
+      (``e``), ``scale``, ``clipped``, ``ema_norm`` and the counters.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
