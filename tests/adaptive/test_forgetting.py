@@ -1,15 +1,5 @@
-"""Adaptive clippers that follow a training run.
-
-* ``autoclip(history="window")`` in auto mode: the exact median and std
-  (ddof=1) of the last ``window_size`` norms, against the float64 NumPy
-  restatement ``restate.autoclip`` step by step, under every ``feedback``;
-  how fast it follows a 5x drop and a 5x rise of the norm (the step the
-  restatement predicts, and the theory for a noise-free stream);
-* before a group's first finite norm, a judge-first threshold reads ``+inf``;
-* the gate's defaults: smartclip's 100 / 50 under ``feedback="observe_first"``,
-  10 under the judge-first feedbacks;
-* ``ValueError`` naming ``history`` / ``window_size`` for bad values.
-"""
+"""autoclip(history="window") in auto mode against its restatement and following a shift;
+the threshold before the first observation; the gate's defaults; bad values."""
 
 from __future__ import annotations
 
@@ -49,11 +39,6 @@ def _check(tx, norms, want, prefix):
     return got
 
 
-# ----------------------------------------------------------------------------
-# autoclip(history="window") in auto mode vs its restatement
-# ----------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("feedback", ["observe_first", "raw", "clipped", "skip"])
 # (window_size=1 under observe_first has T == g: clipped in float64 by the eps
 # in T / (g + eps), not in float32; that edge is not what is tested here.)
@@ -61,16 +46,11 @@ def _check(tx, norms, want, prefix):
 def test_auto_window_matches_restatement(feedback, window_size):
     kw = dict(mode="auto", history="window", window_size=window_size, **GATE)
     tx = clipjax.autoclip(**kw, feedback=feedback)
-    _check(tx, NORMS, S.autoclip(NORMS, **kw, feedback=feedback), "autoclip/global/")
-
-
-def test_auto_window_stops_spikes_under_clipped_feedback():
-    kw = dict(mode="auto", history="window", window_size=64, **GATE)
-    want = S.autoclip(NORMS, **kw, feedback="clipped")
-    got = _check(clipjax.autoclip(**kw, feedback="clipped"), NORMS, want, "autoclip/global/")
-    # the x10 .. x1000 spikes of R.spikes (all after the gate) are all clipped
-    at = [int(t) for t in R.spikes(N, 0)[1]]
-    assert all(got["autoclip/global/clipped"][t] for t in at), at
+    got = _check(tx, NORMS, S.autoclip(NORMS, **kw, feedback=feedback), "autoclip/global/")
+    if feedback == "clipped" and window_size == 64:
+        # the x10 .. x1000 spikes of R.spikes (all after the gate) are all clipped
+        at = [int(t) for t in R.spikes(N, 0)[1]]
+        assert all(got["autoclip/global/clipped"][t] for t in at), at
 
 
 def _shift(factor, before=200, after=200, noise=0.0, seed=0):
@@ -142,39 +122,27 @@ def test_window_follows_a_noisy_shift_as_restated(feedback, factor):
     assert slow is None or slow > 2 * predicted, (slow, predicted)
 
 
-# ----------------------------------------------------------------------------
-# The threshold is +inf before the first finite observation under judge-first
-# ----------------------------------------------------------------------------
-
 FIRST = np.array([math.nan, math.inf, 1.0, 2.0, 1.5])
-# Without a ceiling (max_grad_norm=None): the rule's own threshold.
-JUDGE_FIRST_CLIPPERS = {
-    "autoclip_all": lambda fb: clipjax.autoclip(feedback=fb, history="all", max_grad_norm=None),
-    "autoclip_default": lambda fb: clipjax.autoclip(feedback=fb, max_grad_norm=None),
-    "autoclip_window": lambda fb: clipjax.autoclip(
-        feedback=fb, history="window", max_grad_norm=None
-    ),
-    "autoclip_percentile": lambda fb: clipjax.autoclip(
-        mode="percentile", feedback=fb, max_grad_norm=None
-    ),
-    "autoclip_ema": lambda fb: clipjax.autoclip(
-        mode="percentile", history="ema", feedback=fb, max_grad_norm=None
-    ),
-    "autoclip_geometric": lambda fb: clipjax.autoclip(
-        mode="percentile", history="geometric", feedback=fb, max_grad_norm=None
-    ),
-    "zscore_clip": lambda fb: clipjax.zscore_clip(feedback=fb, max_grad_norm=None),
+# clipper -> (factory, kwargs)
+KINDS = {
+    "autoclip_all": ("autoclip", dict(history="all")),
+    "autoclip_default": ("autoclip", {}),
+    "autoclip_window": ("autoclip", dict(history="window")),
+    "autoclip_percentile": ("autoclip", dict(mode="percentile")),
+    "autoclip_ema": ("autoclip", dict(mode="percentile", history="ema")),
+    "autoclip_geometric": ("autoclip", dict(mode="percentile", history="geometric")),
+    "zscore_clip": ("zscore_clip", {}),
 }
 
 
 @pytest.mark.parametrize("feedback", ["raw", "clipped", "skip"])
-@pytest.mark.parametrize("clipper", list(JUDGE_FIRST_CLIPPERS))
+@pytest.mark.parametrize("clipper", list(KINDS))
 def test_judge_first_threshold_is_inf_before_first_observation(clipper, feedback):
-    if feedback == "skip" and clipper in ("autoclip_percentile", "autoclip_ema",
-                                          "autoclip_geometric"):  # fmt: skip
+    """Without a ceiling, a judge-first threshold is +inf before the first finite norm."""
+    prefix, kw = KINDS[clipper]
+    if feedback == "skip" and kw.get("mode") == "percentile":
         pytest.skip("percentile mode rejects feedback='skip'")
-    tx = JUDGE_FIRST_CLIPPERS[clipper](feedback)
-    prefix = "zscore_clip" if clipper == "zscore_clip" else "autoclip"
+    tx = getattr(clipjax, prefix)(feedback=feedback, max_grad_norm=None, **kw)
     got, _, _ = _run(tx, FIRST)
     threshold = got[f"{prefix}/global/threshold"]
     assert np.all(np.isposinf(threshold[:3])), threshold
@@ -182,39 +150,28 @@ def test_judge_first_threshold_is_inf_before_first_observation(clipper, feedback
     np.testing.assert_array_equal(got[f"{prefix}/global/scale"], 1.0)
 
 
-def test_observe_first_threshold_is_finite_on_the_first_observation():
+def test_other_rules_threshold_before_the_first_observation():
+    """Observe-first is finite on the first observation; clip-then-observe clippers
+    report +inf through their warm-up."""
     got, _, _ = _run(clipjax.zscore_clip(), FIRST)
     threshold = got["zscore_clip/global/threshold"]
     assert np.isfinite(threshold[2]) and threshold[2] == pytest.approx(1.0)
-
-
-@pytest.mark.parametrize("clipper", list(JUDGE_FIRST_CLIPPERS))
-def test_the_ceiling_bounds_the_steps_before_the_first_observation(clipper):
-    """feedback="clipped" with its default ceiling (max_grad_norm=1.0): the
-    threshold before any observation is the ceiling, not +inf, and the norm 2.0
-    at step 3 (gate still closed) leaves at 1.0, reported as capped."""
-    prefix = "zscore_clip" if clipper == "zscore_clip" else "autoclip"
-    factory = getattr(clipjax, prefix)
-    kwargs = {"autoclip_all": dict(history="all"), "autoclip_window": dict(history="window"),
-              "autoclip_percentile": dict(mode="percentile"),
-              "autoclip_ema": dict(mode="percentile", history="ema"),
-              "autoclip_geometric": dict(mode="percentile", history="geometric")}  # fmt: skip
-    got, _, _ = _run(factory(feedback="clipped", **kwargs.get(clipper, {})), FIRST)
-    np.testing.assert_array_equal(got[f"{prefix}/global/threshold"], 1.0)
-    np.testing.assert_array_equal(got[f"{prefix}/global/capped"], [0, 0, 0, 1, 1])
-    np.testing.assert_allclose(got[f"{prefix}/global/scale"][3:], [1 / 2, 1 / 1.5], rtol=1e-5)
-
-
-def test_clip_then_observe_clippers_report_their_warmup_threshold():
     got, _, _ = _run(clipjax.zclip(max_grad_norm=None, warmup_steps=2), FIRST)
     assert np.all(np.isposinf(got["zclip/global/threshold"][:4]))
     got, _, _ = _run(clipjax.hist_clip(warmup_steps=2, warmup_clip=None), FIRST)
     assert np.all(np.isposinf(got["hist_clip/global/threshold"][:4]))
 
 
-# ----------------------------------------------------------------------------
-# Gate defaults
-# ----------------------------------------------------------------------------
+@pytest.mark.parametrize("clipper", list(KINDS))
+def test_the_ceiling_bounds_the_steps_before_the_first_observation(clipper):
+    """feedback="clipped" with its default ceiling (max_grad_norm=1.0): the threshold
+    before any observation is the ceiling, not +inf, and the norm 2.0 at step 3 (gate
+    still closed) leaves at 1.0, reported as capped."""
+    prefix, kw = KINDS[clipper]
+    got, _, _ = _run(getattr(clipjax, prefix)(feedback="clipped", **kw), FIRST)
+    np.testing.assert_array_equal(got[f"{prefix}/global/threshold"], 1.0)
+    np.testing.assert_array_equal(got[f"{prefix}/global/capped"], [0, 0, 0, 1, 1])
+    np.testing.assert_allclose(got[f"{prefix}/global/scale"][3:], [1 / 2, 1 / 1.5], rtol=1e-5)
 
 
 def _steady_then_spike(n_steady, seed=0):
@@ -225,27 +182,19 @@ def _steady_then_spike(n_steady, seed=0):
 @pytest.mark.parametrize("factory", ["autoclip", "zscore_clip"])
 @pytest.mark.parametrize("feedback", ["raw", "clipped", "skip"])
 def test_judge_first_gate_defaults_to_ten(factory, feedback):
-    restated = getattr(S, factory)
-    tx = getattr(clipjax, factory)
-    norms = _steady_then_spike(10)  # the spike is the 11th norm: the gate is open
     # No ceiling: the gate alone decides (the ceiling bounds every step, gate or not).
-    tx = partial(tx, max_grad_norm=None)
-    want = restated(norms, warmup_steps=10, min_history=10, feedback=feedback, max_grad_norm=None)
-    got = _check(tx(feedback=feedback), norms, want, f"{factory}/global/")
-    assert got[f"{factory}/global/clipped"][10]
-    assert not got[f"{factory}/global/clipped"][:10].any()
+    tx = partial(getattr(clipjax, factory), feedback=feedback, max_grad_norm=None)
+    want = partial(getattr(S, factory), min_history=10, feedback=feedback, max_grad_norm=None)
+    key = f"{factory}/global/clipped"
+    norms = _steady_then_spike(10)  # the spike is the 11th norm: the gate is open
+    got = _check(tx(), norms, want(norms, warmup_steps=10), f"{factory}/global/")
+    assert got[key][10] and not got[key][:10].any()
     # one fewer observation: the gate is still closed on the spike
-    got, _, _ = _run(tx(feedback=feedback), _steady_then_spike(9))
-    assert not got[f"{factory}/global/clipped"][9]
+    assert not _run(tx(), _steady_then_spike(9))[0][key][9]
     # a value set by hand wins; the other one keeps its default of 10
     norms = _steady_then_spike(20)
-    got = _check(
-        tx(feedback=feedback, warmup_steps=30),
-        norms,
-        restated(norms, warmup_steps=30, min_history=10, feedback=feedback, max_grad_norm=None),
-        f"{factory}/global/",
-    )
-    assert not got[f"{factory}/global/clipped"].any()
+    got = _check(tx(warmup_steps=30), norms, want(norms, warmup_steps=30), f"{factory}/global/")
+    assert not got[key].any()
 
 
 @pytest.mark.parametrize("factory", ["autoclip", "zscore_clip"])
@@ -257,20 +206,12 @@ def test_observe_first_gate_keeps_smartclip_defaults(factory):
     assert not clipped[:99].any() and clipped[140]  # R.spikes' x100 spike at 140
 
 
-# ----------------------------------------------------------------------------
-# Bad values
-# ----------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize(
     "kw, arg",
     [
-        (dict(history="geometric"), "history"),
-        (dict(history="ema"), "history"),
+        *[(dict(history=h), "history") for h in ("geometric", "ema", "bogus")],
         (dict(mode="percentile", history="all"), "history"),
-        (dict(history="bogus"), "history"),
-        (dict(history="window", window_size=0), "window_size"),
-        (dict(history="window", window_size=2.5), "window_size"),
+        *[(dict(history="window", window_size=w), "window_size") for w in (0, 2.5)],
         (dict(feedback="clipped", warmup_steps=-1), "warmup_steps"),
         (dict(feedback="clipped", min_history=1.5), "min_history"),
     ],
