@@ -1,8 +1,4 @@
-"""Element-wise static clippers: clamp every element to a bound.
-
-No statistics carry over between steps. A group with a NaN or inf element
-increments ``nonfinite_count``, not ``count``.
-"""
+"""Element-wise static clippers: clamp every element to a bound, no statistics kept."""
 
 from __future__ import annotations
 
@@ -88,8 +84,7 @@ def _square_and_count(x: Array, b: Array, dtype: Any) -> tuple[Array, Array]:
 def _norms_and_clipped(
     leaves: list[Array], grouping: Grouping, bound: Array, dtype: Any, index: Any = ()
 ) -> tuple[Array, Array, Array]:
-    """Per group, the L2 norm and the number of elements with ``|x| > b`` (``bound``
-    ``[groups]``, in the leaf's dtype); per leaf the norm. One read of each leaf."""
+    """Per group the L2 norm and the number of elements with ``|x| > b``; per leaf the norm."""
     one = _grouping.per_leaf(_square_and_count, dtype)
     squares, over = [], []
     for x, b in zip(leaves, _grouping.leaf_scales(grouping, bound, index)):
@@ -145,27 +140,23 @@ def clip_by_value(
     output equals ``optax.clip(max_abs)``, including non-finite elements
     (``±inf`` become ``±max_abs``, NaN stays NaN). ``scope`` only decides how
     the metrics are grouped. A complex element keeps its phase and has its
-    magnitude clamped. An integer or boolean leaf raises a ``ValueError``
-    naming it. ``max_abs`` may be injected with ``optax.inject_hyperparams``;
-    a callable ``scope`` goes in ``static_args``.
+    magnitude clamped. An integer or boolean leaf raises a ``ValueError``. A
+    callable ``scope`` goes in ``static_args``.
 
     Static arguments: none; every number may be injected.
 
     Args:
-      max_abs: the largest magnitude kept, ``!= 0``. A negative value means
-        its absolute value (``-1.0`` clamps like ``1.0``); zero, which would
-        zero every element, raises ``ValueError``.
+      max_abs: the largest magnitude kept; a negative value means its
+        absolute value, zero raises ``ValueError``.
       scope: grouping of the metrics: ``"global"``, ``"per_param"``,
         ``"per_layer"`` or a callable ``(path, leaf) -> str``.
       leaf_norms: also record each leaf's L2 norm before clipping.
       name: metrics prefix (default ``clip_by_value``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform` whose state, a
-      :class:`ClipByValueState`, records per group ``grad_norm`` (L2, before
-      clipping), ``clipped_fraction`` (share of elements with ``|g| >
-      |max_abs|``), ``clipped`` (some element was) and the counters
-      ``count``, ``step``, ``clipped_count``, ``nonfinite_count``.
+      A :class:`~clipjax.ClipTransform`; metrics: ``grad_norm`` (L2, before
+      clipping), ``clipped_fraction`` (share of elements clamped), ``clipped``
+      and the counters ``count``, ``step``, ``clipped_count``, ``nonfinite_count``.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -233,9 +224,8 @@ def clip_by_percentile(
     """Clamps the updates to the ``percentile``-th percentile of their magnitudes.
 
     Per group, the bound ``b`` is the linearly interpolated percentile
-    (numpy's default method) of ``|g|`` over the group's elements: each leaf
-    with ``scope="per_param"``, all leaves together with ``scope="global"``,
-    the leaves of one parent with ``"per_layer"``. Then ``clip(g, -b, b)``.
+    (numpy's default method) of ``|g|`` over the group's elements; then
+    ``clip(g, -b, b)``.
 
     ``method="exact"`` sorts the group's magnitudes; ``"approx"`` is
     :func:`clipjax.approx_percentile`'s radix select, within a relative
@@ -246,8 +236,7 @@ def clip_by_percentile(
     ``bound = inf`` and ``clipped_fraction = 0`` and increments
     ``nonfinite_count``. A complex element keeps its phase and has its
     magnitude clamped; with bfloat16/float16 leaves the bound is rounded to
-    the leaf dtype. ``percentile`` may be injected with
-    ``optax.inject_hyperparams``; a callable ``scope`` goes in ``static_args``.
+    the leaf dtype. A callable ``scope`` goes in ``static_args``.
 
     Static arguments: none; every number may be injected.
 
@@ -262,10 +251,8 @@ def clip_by_percentile(
       name: metrics prefix (default ``clip_by_percentile``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform` whose state, a
-      :class:`ClipByPercentileState`, records per group ``grad_norm`` (L2,
-      before clipping), ``bound``, ``clipped_fraction``, ``clipped`` and the
-      counters ``count``, ``step``, ``clipped_count``, ``nonfinite_count``.
+      A :class:`~clipjax.ClipTransform`; metrics: ``grad_norm``, ``bound``,
+      ``clipped_fraction``, ``clipped`` and the counters.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
