@@ -31,15 +31,13 @@ class ZClipState(NamedTuple):
     """State of :func:`zclip`: its statistics per group.
 
     Attributes:
-      mean: ``[groups]`` EMA of the observed norms (the warm-up sample's mean
-        once the sample is complete).
-      var: ``[groups]`` EMA variance (the sample's population variance at first).
-      sample: the warm-up sample's running sums (count, total, squared
-        deviations), ``[groups]`` each.
-      window: with a relative ceiling, the last ``ceiling_window`` positive
-        finite norms (``[groups, window]``, with a sorted copy); None without one.
-      low: with a relative ceiling, ``[groups]`` the smallest positive finite
-        norm so far (``+inf`` before the first); None without one.
+      mean: ``[groups]`` EMA of the observed norms.
+      var: ``[groups]`` EMA variance.
+      sample: the warm-up sample's running sums, ``[groups]`` each.
+      window: the last ``ceiling_window`` positive finite norms, with a sorted
+        copy (None without a relative ceiling).
+      low: ``[groups]`` the smallest positive finite norm so far (None without
+        a relative ceiling).
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
@@ -67,8 +65,7 @@ def _rule(
     state: ZClipState, g: jax.Array, relative: bool, *, eps: Any, z_thresh: Any, mode: str,
     clip_option: str, clip_factor: Any,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:  # fmt: skip
-    """``(z, B, spike, clip_val)`` from the statistics before the step. With a
-    relative ceiling no absolute number enters: ``eps`` is relative to the mean."""
+    """``(z, B, spike, clip_val)`` from the statistics before the step."""
     std = jnp.sqrt(state.var)
     guard = eps * state.mean if relative else eps
     z = _zscore(g - state.mean, std + guard) if relative else (g - state.mean) / (std + eps)
@@ -98,8 +95,7 @@ def _checked(
     relative_ceiling: Any,
     ceiling_window: Any,
 ) -> tuple[ClipOption, float, TargetFeedback, Any, Any]:
-    """Validates zclip's arguments; returns ``(clip_option, clip_factor, feedback,
-    max_grad_norm, relative_ceiling)`` with their defaults filled in."""
+    """Validates zclip's arguments; returns them with their defaults filled in."""
     _checks.open_unit("alpha", alpha)
     _checks.positive("z_thresh", z_thresh)
     _checks.non_negative("eps", eps)
@@ -142,8 +138,7 @@ def _checked(
 
 
 def _start(start: Any, relative: bool) -> StartRule | None:
-    """The start rule, ``"auto"`` resolved: ``"hold"`` with a relative ceiling
-    (no norm bounds the first step), else None (the reference's warm-up)."""
+    """The start rule, ``"auto"`` resolved: ``"hold"`` with a relative ceiling, else None."""
     if start == "auto":
         return "hold" if relative else None
     if start is not None:
@@ -221,8 +216,7 @@ def zclip(
     unchanged and is never observed. ``start="hold"`` holds the warm-up's
     steps (:func:`clipjax.chain` skips them for the optimizer); ``"weight"``
     multiplies step ``t`` by ``(t + 1) / warmup_steps``. Details and the
-    ``zclip`` package: :doc:`/reference_zclip`. ``mode``, ``clip_option``,
-    ``scope``, ``feedback``, ``ceiling_window`` and ``start`` are static.
+    ``zclip`` package: :doc:`/reference_zclip`.
 
     Static arguments: ``mode``, ``clip_option``, ``scope``, ``feedback``, ``ceiling_window`` and
     ``start``; every other number may be injected.
@@ -233,9 +227,8 @@ def zclip(
       max_grad_norm: an absolute ceiling on every step's norm, or None.
         ``"auto"``: 1.0, except None under ``feedback="clipped"``.
       eps: added to the standard deviation in the z-score.
-      warmup_steps: finite norms collected before the rule applies (``>= 1``);
-        also the steps ``start="hold"`` holds, or the length of the ramp of
-        ``start="weight"``.
+      warmup_steps: finite norms collected before the rule applies (``>= 1``),
+        held by ``start="hold"``, ramped by ``"weight"``.
       mode: ``"zscore"`` or ``"percentile"``.
       clip_option: ``"adaptive_scaling"`` (None: the default) or ``"mean"``.
       clip_factor: multiplier of the adaptive clip value (None: 1.0).
@@ -253,10 +246,9 @@ def zclip(
       name: metrics prefix (default ``zclip``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform` whose state is a :class:`ZClipState`;
-      metrics per group: ``grad_norm``, ``threshold``, ``clip_to``, ``scale``,
-      ``clipped``, ``spike``, ``capped``, ``z``, ``mean``, ``std``, the
-      counters, and ``held``, ``weight`` or ``headroom`` where they apply.
+      A :class:`~clipjax.ClipTransform`; metrics: ``grad_norm``, ``threshold``,
+      ``clip_to``, ``scale``, ``clipped``, ``spike``, ``capped``, ``z``, ``mean``,
+      ``std``, the counters, and ``held``, ``weight`` or ``headroom`` where they apply.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
