@@ -1,9 +1,5 @@
-"""Tests for clipjax._stats: stacked streaming statistics.
-
-References are smartclip's pure-Python estimators and float64 NumPy
-restatements; streams run through ``lax.scan`` so each test compiles once.
-The ``x64`` fixture (conftest) enables float64 for one test.
-"""
+"""clipjax._stats, the stacked streaming statistics, against smartclip's pure-Python
+estimators and float64 restatements, through ``lax.scan`` (one compile per test)."""
 
 from __future__ import annotations
 
@@ -36,12 +32,8 @@ def _scanner(update, read):
 
 
 def run(update, state, xs, read, *args):
-    """Feed ``xs`` ([T] or [T, G]) through ``update(state, x, *args)``.
-
-    Returns the final state and ``read(state, *args)`` after every step. The
-    compiled scan is cached per (update, read) pair and ``args`` are traced,
-    so hyperparameters do not recompile.
-    """
+    """``xs`` ([T] or [T, G]) through ``update(state, x, *args)``: the final state and
+    ``read(state, *args)`` after every step (one compile per (update, read) pair)."""
     dtype = next(
         leaf.dtype for leaf in jax.tree.leaves(state) if jnp.issubdtype(leaf.dtype, jnp.floating)
     )
@@ -58,28 +50,21 @@ def assert_same_structure(before, after):
         assert a.shape == b.shape and a.dtype == b.dtype
 
 
-def p2_textbook(state, x, p):
-    return S.p2_update(state, x, p, textbook=True)
+p2_textbook = lambda state, x, p: S.p2_update(state, x, p, textbook=True)
+p2_smartclip = lambda state, x, p: S.p2_update(state, x, p, textbook=False)
+p2_read = lambda state, p: S.p2_value(state)
+window_push = lambda state, x, percentile: S.window_update(state, x)
+ema_read = lambda state, decay: S.ema_moments_std(state)
+squantile_read = lambda state, q, decay: S.squantile_value(state)
 
 
-def p2_smartclip(state, x, p):
-    return S.p2_update(state, x, p, textbook=False)
-
-
-def p2_read(state, p):
-    return S.p2_value(state)
-
-
-def window_push(state, x, percentile):
-    return S.window_update(state, x)
-
-
-def ema_read(state, decay):
-    return S.ema_moments_std(state)
-
-
-def squantile_read(state, q, decay):
-    return S.squantile_value(state)
+def _ref_trace(ref, xs, push, read):
+    """A smartclip estimator's value after each of ``xs``."""
+    out = []
+    for x in xs:
+        getattr(ref, push)(x)
+        out.append(read(ref))
+    return out
 
 
 # Each entry: init(G, dtype), update(state, x, *args), read(state, *args), args.
@@ -91,9 +76,6 @@ STATS = {
     "window": (lambda g, dt: S.window_init(g, 6, dt), window_push, S.window_percentile, (80.0,)),
     "squantile": (S.squantile_init, S.squantile_update, squantile_read, (0.95, 0.9)),
 }
-
-
-# ---------------------------------------------------------------- contract
 
 
 @pytest.mark.parametrize("name", sorted(STATS))
@@ -143,25 +125,15 @@ def test_empty_states_read_zero():
         np.testing.assert_array_equal(value, np.zeros(2, np.float32))
 
 
-# ---------------------------------------------------------------- Welford
-
-
 def test_welford_matches_smartclip_and_numpy(x64):
     xs = np.random.default_rng(2).lognormal(0, 1, 300)
     final, stds = run(S.welford_update, S.welford_init(1, jnp.float64), xs, S.welford_std)
-    ref = sc.WelfordVariance()
-    expected = []
-    for x in xs:
-        ref.update(x)
-        expected.append(ref.std or 0.0)
+    expected = _ref_trace(sc.WelfordVariance(), xs, "update", lambda r: r.std or 0.0)
     np.testing.assert_allclose(stds[:, 0], expected, rtol=1e-12)
     assert stds[0, 0] == 0.0
     np.testing.assert_allclose(final.mean[0], xs.mean(), rtol=1e-12)
     np.testing.assert_allclose(stds[-1, 0], xs.std(ddof=1), rtol=1e-12)
     assert final.count[0] == 300
-
-
-# ---------------------------------------------------------------- P²
 
 
 def p2_run(xs, p, textbook, dtype):
@@ -172,21 +144,15 @@ def p2_run(xs, p, textbook, dtype):
 def test_p2_smartclip_mode_matches_smartclip_float64(p, x64):
     xs = np.random.default_rng(3).lognormal(0, 1, 2000)
     _, values = p2_run(xs, p, False, jnp.float64)
-    ref = sc.P2Quantile(p)
-    expected = []
-    for x in xs:
-        ref.update(x)
-        expected.append(ref.value)
+    expected = _ref_trace(sc.P2Quantile(p), xs, "update", lambda r: r.value)
     np.testing.assert_allclose(values[4:, 0], expected[4:], rtol=1e-12)
 
 
 def test_p2_smartclip_mode_matches_smartclip_float32():
     xs = np.random.default_rng(4).lognormal(0, 1, 2000).astype(np.float32)
     _, values = p2_run(xs, 0.5, False, jnp.float32)
-    ref = sc.P2Quantile(0.5)
-    for x in xs:
-        ref.update(float(x))
-    np.testing.assert_allclose(values[-1, 0], ref.value, rtol=1e-5)
+    expected = _ref_trace(sc.P2Quantile(0.5), map(float, xs), "update", lambda r: r.value)
+    np.testing.assert_allclose(values[-1, 0], expected[-1], rtol=1e-5)
     assert values.dtype == jnp.float32
 
 
@@ -229,17 +195,11 @@ def test_p2_textbook_tracks_true_median():
     assert np.abs(np.asarray(buggy[-1]) / np.median(xs, axis=0) - 1).max() > 0.2
 
 
-# ---------------------------------------------------------------- EMA moments
-
-
 def test_ema_moments_match_smartclip(x64):
     xs = np.random.default_rng(7).lognormal(0, 1, 500)
     final, stds = run(S.ema_moments_update, S.ema_moments_init(1, jnp.float64), xs, ema_read, 0.97)
     ref = sc.EmaMoments(0.97)
-    expected = []
-    for x in xs:
-        ref.update(x)
-        expected.append(ref.std())
+    expected = _ref_trace(ref, xs, "update", lambda r: r.std())
     np.testing.assert_allclose(stds[:, 0], expected, rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(final.mean[0], ref.mean(), rtol=1e-12)
     assert stds[0, 0] == 0.0
@@ -264,9 +224,6 @@ def test_ema_variance_does_not_cancel_in_float32():
     assert abs(naive / math.sqrt(exact_var) - 1) > 10
 
 
-# ---------------------------------------------------------------- window
-
-
 def window_run(xs, size, percentile, dtype=jnp.float32):
     return run(window_push, S.window_init(1, size, dtype), xs, S.window_percentile, percentile)
 
@@ -277,12 +234,10 @@ def test_window_matches_smartclip_and_numpy(size, x64):
     xs = np.round(rng.lognormal(0, 1, 300), 1)  # many duplicates
     for pct in (0.5, 50.0, 95.0, 100.0):
         final, values = window_run(xs, size, pct, jnp.float64)
-        ref = sc.RollingWindow(size)
-        expected, numpy_expected = [], []
-        for t, x in enumerate(xs):
-            ref.append(x)
-            expected.append(ref.percentile(pct))
-            numpy_expected.append(np.percentile(xs[max(0, t + 1 - size) : t + 1], pct))
+        expected = _ref_trace(
+            sc.RollingWindow(size), xs, "append", lambda r, p=pct: r.percentile(p)
+        )
+        numpy_expected = [np.percentile(xs[max(0, t - size + 1) : t + 1], pct) for t in range(300)]
         np.testing.assert_allclose(values[:, 0], expected, rtol=1e-12)
         np.testing.assert_allclose(values[:, 0], numpy_expected, rtol=1e-12)
     np.testing.assert_array_equal(final.sorted[0], np.sort(xs[-size:]))
@@ -297,10 +252,7 @@ def test_window_float32_matches_smartclip_to_spec_tolerance():
     for pct in (99.0, 95.0, 50.0):
         _, values = window_run(xs, 1024, pct)
         ref = sc.RollingWindow(1024)
-        expected = []
-        for x in xs:
-            ref.append(float(x))
-            expected.append(ref.percentile(pct))
+        expected = _ref_trace(ref, map(float, xs), "append", lambda r, p=pct: r.percentile(p))
         np.testing.assert_allclose(values[:, 0], expected, rtol=3e-5)
 
 
@@ -314,9 +266,6 @@ def test_window_percentile_property(xs, pct):
     expected = [np.percentile(np.float32(xs[max(0, t - 8) : t + 1]), pct) for t in range(40)]
     np.testing.assert_allclose(values[:, 0], expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(final.sorted[0], np.sort(np.float32(xs[-9:])))
-
-
-# ---------------------------------------------------------------- streaming quantile
 
 
 def squantile_reference(xs, q, decay):
