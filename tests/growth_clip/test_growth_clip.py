@@ -48,6 +48,8 @@ FINITE = np.stack(
     axis=1,
 )
 FIELDS = [*S.COMMON, "prev_norm"]
+GROUPS = ["g0", "g1", "g2"]
+PER_PARAM = {g: [g] for g in GROUPS}
 SETTINGS = [
     {},  # torchzero's defaults: mul=1.5, min_value=1e-4, max_decay=2
     {"add": 0.5, "mul": None},
@@ -88,20 +90,13 @@ def settings_id(settings: dict) -> str:
     return "-".join(f"{k}={v}" for k, v in settings.items()) or "defaults"
 
 
-# The fast suite runs two settings; test_growth_clip_traces.py (slow) the others.
-@pytest.mark.parametrize("settings", SETTINGS[:2], ids=settings_id)
+@pytest.mark.parametrize("settings", SETTINGS, ids=settings_id)
 def test_per_param_trace_equals_torchzero(settings: dict) -> None:
-    check_per_param(settings)
-
-
-def check_per_param(settings: dict) -> None:
     tx = clipjax.clip_norm_growth(**settings)
-    groups = ["g0", "g1", "g2"]
     # Finite traces: the published code itself (fix=False) is the reference.
-    check_growth(tx, FINITE, S.flat_tree, groups, FINITE, {g: [g] for g in groups},
-                 fix=False, **settings)  # fmt: skip
+    check_growth(tx, FINITE, S.flat_tree, GROUPS, FINITE, PER_PARAM, fix=False, **settings)
     # With NaN and inf: clipjax's documented fix.
-    check_growth(tx, STREAMS, S.flat_tree, groups, STREAMS, {g: [g] for g in groups}, **settings)
+    check_growth(tx, STREAMS, S.flat_tree, GROUPS, STREAMS, PER_PARAM, **settings)
 
 
 def test_per_layer_and_global_traces_equal_torchzero() -> None:
@@ -112,16 +107,13 @@ def test_per_layer_and_global_traces_equal_torchzero() -> None:
     with np.errstate(invalid="ignore"):
         total = np.sqrt((FINITE**2).sum(axis=1, keepdims=True))
     tx = clipjax.clip_norm_growth(scope="global")
-    check_growth(tx, FINITE, S.flat_tree, ["global"], total, {"global": ["g0", "g1", "g2"]},
-                 fix=False)  # fmt: skip
+    check_growth(tx, FINITE, S.flat_tree, ["global"], total, {"global": GROUPS}, fix=False)
 
 
 @pytest.mark.parametrize("feedback", ["raw", "skip"])
 def test_other_feedbacks_equal_their_restatement(feedback: str) -> None:
     tx = clipjax.clip_norm_growth(feedback=feedback)
-    groups = ["g0", "g1", "g2"]
-    check_growth(tx, STREAMS, S.flat_tree, groups, STREAMS, {g: [g] for g in groups},
-                 feedback=feedback)  # fmt: skip
+    check_growth(tx, STREAMS, S.flat_tree, GROUPS, STREAMS, PER_PARAM, feedback=feedback)
 
 
 def test_negative_controls_are_far_over_the_budget() -> None:
@@ -165,8 +157,6 @@ def test_fix_a_nan_norm_does_not_unclip_the_next_step() -> None:
     assert bool(np.asarray(same["g0"])[2]) and got["clip_norm_growth/g0/nonfinite_count"][-1] == 1
 
 
-# ---------------------------------------------------------------- clip_norm_by_ema
-
 SHAPES = {"a": (6,), "b": (3, 4), "c": (2, 2, 2)}
 
 
@@ -195,16 +185,9 @@ def run_ema(tx: Any, grads: list[dict]) -> tuple[list[dict], dict[str, np.ndarra
 EMA_SETTINGS = [{}, {"beta": 0.9, "max_ema_growth": 1.1}, {"max_ema_growth": None, "init": 0.1}]
 
 
-EMA_CASES = [(scope, s) for scope in ("per_param", "global") for s in EMA_SETTINGS]
-FAST_EMA = EMA_CASES[:1] + EMA_CASES[-1:]
-
-
-@pytest.mark.parametrize(("scope", "settings"), FAST_EMA, ids=str)
+@pytest.mark.parametrize("settings", EMA_SETTINGS, ids=str)
+@pytest.mark.parametrize("scope", ["per_param", "global"])
 def test_ema_trace_equals_torchzero(scope: str, settings: dict) -> None:
-    check_ema(scope, settings)
-
-
-def check_ema(scope: str, settings: dict) -> None:
     grads = ema_trace()
     ours, metrics = run_ema(clipjax.clip_norm_by_ema(scope=scope, **settings), grads)
     theirs, log = G.clip_norm_by_ema(grads, tensorwise=scope == "per_param", fix=False, **settings)
@@ -250,27 +233,17 @@ def test_ema_growth_is_capped_per_step() -> None:
     assert seen[4] == pytest.approx(1.5 * seen[3], rel=1e-6)
 
 
-# ---------------------------------------------------------------- the contract
+GROWTH, EMA = clipjax.clip_norm_growth, clipjax.clip_norm_by_ema
+BAD = [(GROWTH, {"mul": 0.0}, "mul"), (GROWTH, {"add": -1.0}, "add"),
+       (GROWTH, {"mul": None, "add": None}, "add and mul"),
+       (GROWTH, {"min_value": 0.0}, "min_value"), (GROWTH, {"max_decay": 0.5}, "max_decay"),
+       (GROWTH, {"feedback": "clip_target"}, "feedback"), (GROWTH, {"scope": "per_leaf"}, "scope"),
+       (GROWTH, {"name": ""}, "name"), (EMA, {"beta": 1.0}, "beta"),
+       (EMA, {"max_ema_growth": 0.0}, "max_ema_growth"), (EMA, {"min_norm": -1.0}, "min_norm"),
+       (EMA, {"init": float("nan")}, "init"), (EMA, {"scope": "per_leaf"}, "scope")]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("factory", "kwargs", "argument"),
-    [
-        (clipjax.clip_norm_growth, {"mul": 0.0}, "mul"),
-        (clipjax.clip_norm_growth, {"add": -1.0}, "add"),
-        (clipjax.clip_norm_growth, {"mul": None, "add": None}, "add and mul"),
-        (clipjax.clip_norm_growth, {"min_value": 0.0}, "min_value"),
-        (clipjax.clip_norm_growth, {"max_decay": 0.5}, "max_decay"),
-        (clipjax.clip_norm_growth, {"feedback": "clip_target"}, "feedback"),
-        (clipjax.clip_norm_growth, {"scope": "per_leaf"}, "scope"),
-        (clipjax.clip_norm_growth, {"name": ""}, "name"),
-        (clipjax.clip_norm_by_ema, {"beta": 1.0}, "beta"),
-        (clipjax.clip_norm_by_ema, {"max_ema_growth": 0.0}, "max_ema_growth"),
-        (clipjax.clip_norm_by_ema, {"min_norm": -1.0}, "min_norm"),
-        (clipjax.clip_norm_by_ema, {"init": float("nan")}, "init"),
-        (clipjax.clip_norm_by_ema, {"scope": "per_leaf"}, "scope"),
-    ],
-)
+@pytest.mark.parametrize(("factory", "kwargs", "argument"), BAD)
 def test_bad_arguments_are_named(factory: Any, kwargs: dict, argument: str) -> None:
     with pytest.raises(ValueError, match=argument):
         factory(**kwargs)
