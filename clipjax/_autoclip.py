@@ -17,16 +17,15 @@ AutoClipHistory = Literal["all", "window", "ema", "geometric"]
 
 
 class AutoClipState(NamedTuple):
-    """State of :func:`autoclip`: the statistics of its history, stacked over the groups
-    (None where unused).
+    """State of :func:`autoclip`: its history's statistics per group (None where unused).
 
     Attributes:
       median: ``history="all"``: the P² markers of the median
         (:class:`clipjax._stats.P2State`).
-      moments: ``history="all"``: Welford's count, mean and sum of squared
-        deviations, for the std (:class:`clipjax._stats.WelfordState`).
-      window: ``history="window"``: the last ``window_size`` observations,
-        as they came and sorted (:class:`clipjax._stats.WindowState`).
+      moments: ``history="all"``: Welford's sums for the std
+        (:class:`clipjax._stats.WelfordState`).
+      window: ``history="window"``: the last ``window_size`` observations
+        (:class:`clipjax._stats.WindowState`).
       quantile: ``history="ema"``: the forgetting quantile
         (:class:`clipjax._stats.StreamingQuantileState`); ``"geometric"``:
         the geometric quantile (:class:`clipjax._stats.GeometricQuantileState`).
@@ -251,8 +250,8 @@ def autoclip(
     others judge ``g`` first, then observe ``g`` (``"raw"``), ``min(g, T)``
     (``"clipped"``) or nothing on a clipped step (``"skip"``). A non-finite
     norm passes unchanged and is never observed. The histories and where
-    this differs from smartclip: :doc:`/reference_smartclip`.
-    ``window_size`` is static; a callable ``scope`` goes in ``static_args``.
+    this differs from smartclip: :doc:`/reference_smartclip`. A callable
+    ``scope`` goes in ``static_args``.
 
     Static arguments: ``window_size``; every other number may be injected.
 
@@ -283,9 +282,8 @@ def autoclip(
       name: metrics prefix (default ``autoclip``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform` whose state is an :class:`AutoClipState`;
-      metrics per group: ``grad_norm``, ``threshold``, ``scale``, ``clipped``,
-      ``spike``, the counters, ``median`` and ``std`` or ``quantile``.
+      A :class:`~clipjax.ClipTransform`; metrics: ``grad_norm``, ``threshold``, ``scale``,
+      ``clipped``, ``spike``, the counters, ``median`` and ``std`` or ``quantile``.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
