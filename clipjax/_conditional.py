@@ -1,14 +1,7 @@
 """Running a transform on some steps only, with no full-size copy.
 
-:func:`run_if` is the one way clipjax runs a transform on the steps a
-predicate selects: ``skip_on_spike``'s inner optimizer, hist_clip's warm-up
-clip, a chain's members. A :class:`SkippableTransform` (:func:`clipjax.adam`,
-:func:`clipjax.adamw`, :func:`clipjax.chain`, built in
-:mod:`clipjax._adam`) folds the predicate into its own arithmetic; a
-clipjax clipper runs and has its small state selected; any other transform
-runs under ``lax.cond``. On a step a transform did not run, its clipjax state
-is left as it was, and :func:`clipjax.metrics` reports it as skipped. What
-each route costs: docs/cost.md.
+:func:`run_if` is the one way clipjax does it (``skip_on_spike``'s optimizer,
+hist_clip's warm-up clip, a chain's members); each route's cost: docs/cost.md.
 """
 
 from __future__ import annotations
@@ -64,8 +57,7 @@ class SkippableTransform(optax.GradientTransformationExtraArgs):
 
 
 def skippable_step(init: Callable[..., Any], step: Callable[..., Any]) -> SkippableTransform:
-    """:func:`skippable` from one ``step(pred, updates, state, params)``: ``update``
-    passes ``pred=None``, ``keep_state_if`` the boolean ``pred``."""
+    """:func:`skippable` from one ``step(pred, updates, state, params)`` (``pred=None``: update)."""
 
     def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
         del extra_args
@@ -87,8 +79,7 @@ def skippable(
     keep_state_if: Callable[..., tuple[Any, Any]] | None = None,
     update_if: Callable[..., tuple[Any, Any]] | None = None,
 ) -> SkippableTransform:
-    """A ``SkippableTransform`` from its ``update_if``, or from ``keep_state_if``:
-    ``update_if`` without zeroing the updates where ``pred`` is False."""
+    """A ``SkippableTransform`` from its ``update_if``, or from ``keep_state_if``."""
     if update_if is None:
         assert keep_state_if is not None
         update_if = _zeroing(keep_state_if)
@@ -118,10 +109,8 @@ Route = Literal["fold", "select", "cond"]
 
 
 def route_of(tx: Any) -> Route:
-    """How :func:`run_if` skips ``tx``, from what ``tx`` is: ``"fold"`` for a
-    :class:`SkippableTransform`, ``"select"`` for a clipjax clipper, ``"cond"``
-    for any other transform (a wrapper around a ``SkippableTransform`` too: its
-    ``update_if`` is hidden inside)."""
+    """How :func:`run_if` skips ``tx``: ``"fold"`` (a :class:`SkippableTransform`),
+    ``"select"`` (a clipjax clipper) or ``"cond"`` (any other, wrappers included)."""
     if isinstance(tx, SkippableTransform):
         return "fold"
     if isinstance(tx, ClipTransform):
@@ -185,17 +174,13 @@ def _cast_like(x: Any, like: jax.ShapeDtypeStruct) -> Any:
 def run_and_select(
     pred: Array, tx: Any, updates: Any, state: Any, params: Any = None, **extra_args: Any
 ) -> tuple[Any, Any]:
-    """``tx.update`` on every step; its new state only where ``pred`` holds.
-
-    For transforms whose state is small (no full-size buffer to select).
-    """
+    """``tx.update`` on every step; its (small) new state only where ``pred`` holds."""
     out, new_state = tx.update(updates, state, params, **extra_args)
     return out, jax.tree.map(lambda n, o: jnp.where(pred, n, o), new_state, state)
 
 
 def selecting(tx: optax.GradientTransformation) -> SkippableTransform:
-    """A transform whose state is scalars (``scale``, ``add_decayed_weights``): it runs
-    every step, its state is selected."""
+    """A transform with a scalar state that runs every step, its state selected."""
     tx = optax.with_extra_args_support(tx)
 
     def keep_state_if(
@@ -226,9 +211,6 @@ def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
     Args:
       *transforms: the transforms to apply in order.
 
-    Returns:
-      A :class:`SkippableTransform`.
-
     Examples:
       >>> import jax, jax.numpy as jnp, optax, clipjax
       >>> tx = clipjax.chain(clipjax.zclip(), clipjax.adamw(1e-3))
@@ -251,8 +233,7 @@ def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
     def run(
         pred: Any, updates: Any, state: Any, params: Any, **extra_args: Any
     ) -> tuple[Any, Any, Any]:
-        """The members in order, each under ``pred`` (None: every member updates),
-        which a clipper's held step turns False for the members after it."""
+        """The members in order under ``pred``, False after a clipper's held step."""
         _checks.check_members(state, layout, "clipjax.chain")
         new_state = []
         for member, route, member_state in zip(members, routes, state):
@@ -293,8 +274,7 @@ def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
 
 
 def idle_metrics(metrics: dict[str, Array]) -> dict[str, Array]:
-    """The metrics of a step on which the transform did not run: the per-step fields
-    of ``IDLE_VALUES`` (``grad_norm`` 0, ``scale`` 1, ...), the rest as they stand."""
+    """The metrics of a step the transform did not run: ``IDLE_VALUES``, the rest kept."""
     return {
         key: jnp.full_like(value, IDLE_VALUES[key]) if key in IDLE_VALUES else value
         for key, value in metrics.items()
