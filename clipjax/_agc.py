@@ -65,8 +65,7 @@ def _unit_norm(x: jax.Array, dtype: Any, axis: Axis, exponent: int = 0) -> jax.A
 
 
 def _unit_norms(leaves: list[jax.Array], dtype: Any, axis: Axis) -> list[jax.Array]:
-    """Each leaf's unit norms, finite where the unit's elements are (a unit whose sum
-    of squares overflowed is recomputed from its leaf scaled by a power of two)."""
+    """Each leaf's unit norms, finite where the unit's elements are (overflow rescaled)."""
     e = _grouping.overflow_exponent(2.0, dtype)
     assert e is not None  # an L2 norm's sum of squares can overflow
     unit_norm = _grouping.per_leaf(_unit_norm, dtype, axis)
@@ -77,8 +76,7 @@ def _unit_norms(leaves: list[jax.Array], dtype: Any, axis: Axis) -> list[jax.Arr
 
 
 def _unit_scale(g_unit: jax.Array, w_unit: jax.Array, clipping: Any, eps: Any) -> jax.Array:
-    """optax's rule on the unit norms, keeping where ``g < max_norm``, as one division
-    (``1 / 1`` where kept): XLA would form a trailing select in each fusion."""
+    """optax's rule on the unit norms as one division (``1 / 1`` where kept)."""
     max_norm = clipping * jnp.maximum(w_unit, eps)
     keep = (g_unit < max_norm) | ~jnp.isfinite(g_unit)
     return jnp.where(keep, 1.0, max_norm) / jnp.where(keep, 1.0, jnp.maximum(g_unit, _DIV_EPS))
@@ -96,8 +94,7 @@ def _leaf_metrics(
     clipping: Any,
     eps: Any,
 ) -> dict[str, jax.Array]:
-    """Each leaf's metrics from its unit norms: leaves with as many units are
-    stacked and reduced once (one reduction per leaf costs compile time)."""
+    """Each leaf's metrics from its unit norms, leaves with as many units reduced once."""
     by_size: dict[int, list[int]] = {}
     for i, g in enumerate(g_units):
         by_size.setdefault(g.size, []).append(i)
@@ -136,8 +133,7 @@ def _leaf_metrics(
 
 
 def _leaf_norms(units: list[jax.Array]) -> jax.Array:
-    """``[leaves]`` L2 norms from each leaf's unit norms, scaled by the largest of
-    each leaf's (finite when the unit norms are: for a leaf whose sum overflowed)."""
+    """``[leaves]`` L2 norms from each leaf's unit norms (scaled, so overflow stays finite)."""
     return jnp.stack([_grouping.vector_norm(u.reshape(-1)) for u in units])
 
 
@@ -172,9 +168,6 @@ def agc(
     scale 1. A non-finite gradient norm passes unchanged (scale 1) and
     increments ``nonfinite_count``.
 
-    ``axis`` is static; every other number may be injected with
-    ``optax.inject_hyperparams``.
-
     Static arguments: ``axis`` (it picks the unit axes); every other number may be injected.
 
     Args:
@@ -187,20 +180,16 @@ def agc(
         (``optax.adaptive_grad_clip``'s ``axis``); None for optax's rule by
         rank (1-D: the whole vector; 2-D and 3-D: axis 0; 4-D: axes 0-2;
         5-D: axes 0-3). Leaves of other ranks need ``axis``.
-      axis_name: average the gradient norms (per unit, or per group) over this
-        mapped axis first, so every replica applies the same scale.
+      axis_name: average the gradient norms (per unit or group) over this mapped axis first.
       leaf_norms: also record each leaf's L2 gradient norm under
         ``agc/leaf/...`` (grouped scopes; unitwise already reports it per leaf).
       name: metrics prefix (default ``agc``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform` whose ``update`` needs ``params`` and
-      whose state is an :class:`AGCState`. Metrics per group (per leaf when
-      unitwise): ``grad_norm``, ``weight_norm``, ``target``, ``scale``,
-      ``clipped`` and the counters;
-      unitwise also ``clipped_fraction`` (share of clipped units), with
-      ``scale`` the smallest unit scale, ``target`` the leaf's
-      ``clipping * max(||w||, eps)`` and the norms over the whole leaf.
+      A :class:`~clipjax.ClipTransform` whose ``update`` needs ``params``. Metrics
+      per group (per leaf when unitwise): ``grad_norm``, ``weight_norm``, ``target``,
+      ``scale``, ``clipped`` and the counters; unitwise also ``clipped_fraction``
+      (share of clipped units), with ``scale`` the smallest unit scale.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -325,8 +314,7 @@ def _unitwise(
     unit_axis_name: str | None,
     scope: Scope = "per_param",
 ) -> ClipTransform:
-    """Unitwise AGC: each leaf scaled unit by unit, its unit norms averaged over
-    ``unit_axis_name``; metrics per group of ``scope``."""
+    """Unitwise AGC: each leaf scaled unit by unit; metrics per group of ``scope``."""
     setup = _kit.setup("agc", scope=scope, name=name, leaf_norms=leaf_norms, stacked=False)
 
     def init_fn(params: Any) -> AGCState:
