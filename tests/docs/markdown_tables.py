@@ -1,9 +1,27 @@
-"""The tables of a Markdown page, as the docs tests read them."""
+"""What the docs tests read: a Markdown page's tables and Python blocks, notebook cells."""
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
+
+from tests.paths import ROOT
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+def notebook_cells() -> Iterator[tuple[str, dict]]:
+    """``(where, cell)`` of every notebook cell, ``where`` as ``notebooks/x.ipynb cell i``."""
+    for path in NOTEBOOKS:
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            yield f"{path.relative_to(ROOT)} cell {i}", cell
+
+
+def python_blocks(page: Path) -> list[str]:
+    """The bodies of a page's ```` ```python ```` fences."""
+    return re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M)
 
 
 def tables(path: Path) -> list[tuple[int, list[str], list[tuple[int, list[str]]]]]:

@@ -1,34 +1,30 @@
-"""Figures, recommendations and code in the prose agree with their sources.
+"""Figures, recommendations, code and quoted errors in the prose agree with their sources.
 
 * A figure quoted from a generated page sits in a marked span,
-  ``<!-- from: PAGE; ROW; COLUMN -->FIGURE<!-- end -->``: the cell in column
-  ``COLUMN`` of the table row whose cell reads ``ROW`` on ``PAGE`` (a path from
-  the repository root) must read ``FIGURE`` (its first number; the prose may add
-  a ``+`` before it or an ``x``/``×`` after it). Any other measured figure
-  (a ratio like ``1.19x``, a percentage, "extra passes", "gradient reads") in
+  ``<!-- from: PAGE; ROW; COLUMN -->FIGURE<!-- end -->``: the cell under ``COLUMN`` of the
+  row with a cell ``ROW`` on ``PAGE`` (``PAGE#anchor``: in that section) reads ``FIGURE``
+  (its first number; ``+`` before, ``x``/``×`` after allowed). Any other measured figure in
   the prose of README.md, CHANGELOG.md and docs/*.md is an error.
-* One recommended setting: ``docs/generated/recommended.md`` names it; every
-  page, notebook and docstring that recommends a setting and names a clipper
-  call names that one.
-* Code is pasteable: no curly quote in a code span or block.
+* Every page, notebook and docstring that recommends a setting names the one that
+  ``docs/generated/recommended.md`` names.
+* Code is pasteable (no curly quote); an error message a guide quotes (``*"..."*``) is raised.
 """
 
 from __future__ import annotations
 
 import inspect
-import json
 import re
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
 import clipjax
-from tests.docs.markdown_tables import tables
+from tests.docs.markdown_tables import NOTEBOOKS, notebook_cells, tables
 from tests.paths import ROOT
 
 DOCS = ROOT / "docs"
 PROSE = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted(DOCS.glob("*.md"))]
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 SPAN = re.compile(r"<!-- from: (.+?); (.+?); (.+?) -->(.*?)<!-- end -->")
 # A measured figure in prose: 1.19x, x1.82, 1.8×, 12%, "two extra passes", "+5 gradient reads".
@@ -114,23 +110,16 @@ def prose_lines(page: Path):
 
 
 @pytest.mark.parametrize("page", PROSE, ids=lambda p: str(p.relative_to(ROOT)))
-def test_marked_figures_match_their_source(page: Path) -> None:
-    problems = []
-    for n, line in enumerate(page.read_text().splitlines(), 1):
-        for source, row, column, quoted in SPAN.findall(line):
-            why = check_span(source, row, column, quoted)
-            if why:
-                problems.append(f"{page.relative_to(ROOT)}:{n}: {why}")
-    assert not problems, "\n".join(problems)
-
-
-@pytest.mark.parametrize("page", PROSE, ids=lambda p: str(p.relative_to(ROOT)))
-def test_no_unsourced_figure_in_prose(page: Path) -> None:
-    found = [
-        f"{page.relative_to(ROOT)}:{n}: {line.strip()}"
-        for n, line in prose_lines(page)
-        if FIGURE.search(line)
+def test_figures_in_prose_are_marked_and_match_their_source(page: Path) -> None:
+    name = page.relative_to(ROOT)
+    problems = [
+        f"{name}:{n}: {why}"
+        for n, line in enumerate(page.read_text().splitlines(), 1)
+        for source, row, column, quoted in SPAN.findall(line)
+        if (why := check_span(source, row, column, quoted))
     ]
+    assert not problems, "\n".join(problems)
+    found = [f"{name}:{n}: {line.strip()}" for n, line in prose_lines(page) if FIGURE.search(line)]
     assert not found, (
         "measured figures in prose must be marked spans quoting a generated page "
         "(<!-- from: PAGE; ROW; COLUMN -->figure<!-- end -->) or a citation of it:\n"
@@ -147,9 +136,6 @@ def test_the_span_checker_catches_a_wrong_figure() -> None:
     assert "no table row" in check_span(page, "no such row", "× base", "1")
     assert FIGURE.search("costs about two extra passes over the updates")
     assert FIGURE.search("1.82x adam's step") and not FIGURE.search("about 5 minutes")
-
-
-# -- One recommendation --------------------------------------------------------
 
 
 def canonical(text: str) -> str:
@@ -182,10 +168,8 @@ def recommendation_sites() -> list[tuple[str, str]]:
     sites = []
     for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
         sites += [(str(page.relative_to(ROOT)), p) for p in paragraphs(page.read_text())]
-    for notebook in NOTEBOOKS:
-        for i, cell in enumerate(json.loads(notebook.read_text())["cells"]):
-            for p in paragraphs("".join(cell["source"])):
-                sites.append((f"{notebook.relative_to(ROOT)} cell {i}", p))
+    for where, cell in notebook_cells():
+        sites += [(where, p) for p in paragraphs("".join(cell["source"]))]
     return sites
 
 
@@ -205,12 +189,22 @@ def disagreeing(where: str, paragraph: str, setting: str) -> str | None:
 
 def test_every_page_and_notebook_recommends_the_one_setting() -> None:
     setting = recommended()
-    other = 'We recommend `zclip(feedback="clipped", max_grad_norm=1.0)`.'
-    assert disagreeing("x", other, setting), "the check lets another setting through"
-    earlier = other.replace("We recommend", "0.3's recommended setting,")
-    assert not disagreeing("x", earlier, setting)
     problems = [d for w, p in recommendation_sites() if (d := disagreeing(w, p, setting))]
     assert not problems, "\n".join(problems)
+
+
+def test_the_recommendation_checker_catches_another_setting() -> None:
+    other = 'We recommend `zclip(feedback="clipped", max_grad_norm=1.0)`.'
+    assert disagreeing("x", other, recommended()), "the check lets another setting through"
+    earlier = other.replace("We recommend", "0.3's recommended setting,")
+    assert not disagreeing("x", earlier, recommended())
+    setting = canonical("zclip(max_grad_norm=None, warmup_steps=10)")
+    assert disagreeing("x", "`zclip()`: a default for spike protection", setting)
+    assert disagreeing("x", "We recommend `autoclip(feedback='clipped')`.", setting)
+    assert not disagreeing(
+        "x", "Recommended: `clipjax.zclip(max_grad_norm=None, warmup_steps=10)`", setting
+    )
+    assert not disagreeing("x", "autoclip(feedback='clipped') is another choice.", setting)
 
 
 @pytest.mark.parametrize(
@@ -227,28 +221,11 @@ def test_the_readme_first_example_uses_the_recommended_setting() -> None:
     assert first and recommended() in canonical(first.group(1))
 
 
-DOCSTRING_SITES = sorted(clipjax.__all__)
-
-
-@pytest.mark.parametrize("name", DOCSTRING_SITES)
+@pytest.mark.parametrize("name", sorted(clipjax.__all__))
 def test_docstrings_recommend_the_one_setting(name: str) -> None:
-    doc = inspect.getdoc(getattr(clipjax, name)) or ""
-    setting = recommended()
+    doc, setting = inspect.getdoc(getattr(clipjax, name)) or "", recommended()
     problems = [d for p in paragraphs(doc) if (d := disagreeing(f"clipjax.{name}", p, setting))]
     assert not problems, "\n".join(problems)
-
-
-def test_the_recommendation_checker_catches_another_setting() -> None:
-    setting = canonical("zclip(max_grad_norm=None, warmup_steps=10)")
-    assert disagreeing("x", "`zclip()`: a default for spike protection", setting)
-    assert disagreeing("x", "We recommend `autoclip(feedback='clipped')`.", setting)
-    assert not disagreeing(
-        "x", "Recommended: `clipjax.zclip(max_grad_norm=None, warmup_steps=10)`", setting
-    )
-    assert not disagreeing("x", "autoclip(feedback='clipped') is another choice.", setting)
-
-
-# -- Pasteable code ---------------------------------------------------------------
 
 
 def code_of(text: str) -> list[str]:
@@ -261,11 +238,9 @@ def code_sources() -> list[tuple[str, str]]:
     out = []
     for page in [*PROSE, *sorted((DOCS / "generated").glob("*.md"))]:
         out += [(str(page.relative_to(ROOT)), c) for c in code_of(page.read_text())]
-    for notebook in NOTEBOOKS:
-        for i, cell in enumerate(json.loads(notebook.read_text())["cells"]):
-            source = "".join(cell["source"])
-            chunks = [source] if cell["cell_type"] == "code" else code_of(source)
-            out += [(f"{notebook.relative_to(ROOT)} cell {i}", c) for c in chunks]
+    for where, cell in notebook_cells():
+        source = "".join(cell["source"])
+        out += [(where, c) for c in ([source] if cell["cell_type"] == "code" else code_of(source))]
     return out
 
 
@@ -275,8 +250,7 @@ def test_code_has_straight_quotes() -> None:
 
 
 def test_the_readme_example_prints_what_the_readme_shows(capsys: pytest.CaptureFixture) -> None:
-    """The output block after the README's first example is that example's output
-    (``...`` stands for the lines it leaves out)."""
+    """The output block after the README's first example is its output (``...``: lines left out)."""
     text = (ROOT / "README.md").read_text()
     match = re.search(r"^```python\n(.*?)^```\n\n```\n(.*?)^```", text, re.S | re.M)
     assert match, "the README's first example is followed by its output"
@@ -292,8 +266,6 @@ def test_the_readme_example_prints_what_the_readme_shows(capsys: pytest.CaptureF
         and printed[len(printed) - len(tail_lines) :] == tail_lines
     ), "README.md's example output is not what it prints; it prints:\n" + "\n".join(printed)
 
-
-# -- Pages show the library, not how they were built ---------------------------------
 
 BUILD_NOTES = re.compile(
     r"as of commit|in this revision|do not edit by hand|Linux-\d|/tmp/|/root/|this session",
@@ -321,3 +293,22 @@ def test_make_help_and_readme_give_one_duration_for_make_test() -> None:
     makefile = re.search(r"make test .*~(\d+) min", (ROOT / "Makefile").read_text())
     assert readme and makefile, "the README or the Makefile's help lost its figure"
     assert readme.group(1) == makefile.group(1), (readme.group(0), makefile.group(0))
+
+
+def test_the_quoted_checkpointing_errors_are_raised() -> None:
+    serialization = pytest.importorskip("flax.serialization")
+    two = {"l1": {"w": jnp.ones(2)}, "l2": {"w": jnp.ones(2)}}
+    three = {**two, "l3": {"w": jnp.ones(2)}}
+    tx = clipjax.zclip(scope="per_layer")
+    data = serialization.to_bytes(tx.init(two))
+    messages = []
+    for action in (lambda: serialization.from_bytes(tx.init(three), data),
+                   lambda: tx.update(three, tx.init(two))):  # fmt: skip
+        with pytest.raises(Exception) as info:
+            action()
+        messages.append(" ".join(str(info.value).split()))
+    text = (DOCS / "checkpointing.md").read_text()
+    found = [" ".join(q.split()) for q in re.findall(r'\*"(.+?)"\*', text, re.S)]
+    assert len(found) >= 2, found
+    for quote in found:
+        assert any(quote in m for m in messages), f"{quote!r} is not raised: {messages}"

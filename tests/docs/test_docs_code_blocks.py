@@ -1,29 +1,19 @@
-"""Every code block of the README and the docs runs.
+"""Every code block of the README and the docs runs, and docs/defences_2025.md's print what
+the page implies.
 
-The blocks of one page (```` ```python ```` fences and myst-nb ``{code-cell}``
-cells, in page order) run one after another in one namespace, as a reader
-would paste them: a later block uses what an earlier one defined. A block
-ends the page's test with its exception, named by page and line.
-
-A page's blocks start from :data:`READER`, what every training loop already
-has and a snippet names without defining: the imports, a small ``params``
-tree shaped like a flax model's, its ``grads``, a ``loss`` and a
-``loss_fn(params, batch)``. A snippet that needs anything else defines it.
-
-A block that cannot run here (several processes, a GPU, minutes of training)
-carries ``<!-- no-run: reason -->`` on the line before its fence, which the
-rendered page does not show. :data:`NOT_RUN` lists every such block, so a new
-one is a reviewed change, and each test prints the reasons of its page's
-blocks that did not run: nothing is left out silently. Where later blocks
-need what a block that does not run defines, :data:`STAND_IN` defines it on
-one process.
-
-Each page runs in its own temporary working directory (pages write
-checkpoints) and gets ``os.environ`` back as it was (pages set ``XLA_FLAGS``).
+A page's blocks (```` ```python ```` fences and myst-nb ``{code-cell}`` cells) run in page
+order in one namespace, as a reader would paste them, from :data:`READER` (the imports,
+``params``, ``grads``, ``loss``, ``loss_fn(params, batch)``), each page in its own
+temporary folder with ``os.environ`` restored. A block that cannot run here carries
+``<!-- no-run: reason -->`` on the line before its fence; :data:`NOT_RUN` counts them per
+page, :data:`STAND_IN` defines on one process what later blocks need from one, and the
+test prints the reasons of the blocks it did not run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 from dataclasses import dataclass
@@ -32,10 +22,10 @@ from pathlib import Path
 import jax
 import pytest
 
+from tests.docs.markdown_tables import python_blocks
 from tests.paths import ROOT
 
-# Packages a page may show that the runtime does not depend on (the test and
-# examples extras install them; make test-min's environment does not).
+# Packages a page may show that make test-min's environment does not install.
 OPTIONAL = {"flax", "orbax", "tensorboardX", "matplotlib", "tqdm"}
 
 FENCE = re.compile(r"^```(?:python|\{code-cell\} ipython3)[^\n]*\n(.*?)^```", re.S | re.M)
@@ -69,13 +59,7 @@ def loss_fn(params, batch):
 loss, grads = jax.value_and_grad(loss_fn)(params, batch)
 """
 
-# Blocks that do not run, per page: a new marker must be added here too.
-NOT_RUN = {
-    "docs/multi_host.md": 1,
-}
-
-# What a block that does not run would have defined, on one process, so that
-# the page's later blocks still run: run in its place.
+NOT_RUN = {"docs/multi_host.md": 1}
 STAND_IN = {
     "docs/multi_host.md": """
 import os
@@ -143,9 +127,7 @@ def run_page(page: Path) -> list[Block]:
         where = f"{block.page}:{block.line}"
         try:
             exec(compile(block.source, where, "exec"), namespace)
-        except ModuleNotFoundError as error:
-            # The oldest-versions environment (make test-min) has no flax, orbax or
-            # tensorboardX: a page that shows them is run by `make test` and CI.
+        except ModuleNotFoundError as error:  # make test-min: no flax, orbax, tensorboardX
             if error.name not in OPTIONAL:
                 raise
             pytest.skip(f"{where} needs {error.name}, not installed in this environment")
@@ -187,8 +169,34 @@ def test_blocks_that_do_not_run_are_listed_with_a_reason() -> None:
 
 
 def test_the_extraction_finds_every_fence() -> None:
-    # A fence the pattern misses (```py, indented, a typo) would go untested.
+    """A fence the pattern misses (```py, indented, a typo) would go untested."""
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         text = page.read_text()
         opened = len(re.findall(r"^```(?:python|py|\{code-cell\})", text, re.M))
         assert opened == len(blocks(page)), page
+
+
+def defences_block(index: int) -> str:
+    """What docs/defences_2025.md's block ``index`` prints."""
+    page = ROOT / "docs" / "defences_2025.md"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(python_blocks(page)[index], str(page), "exec"), {})
+    return out.getvalue().strip()
+
+
+def test_the_defences_page_has_a_block_for_each_defence() -> None:
+    names = ["skip_and_clip_by_global_norm", "clip_norm_growth", "clip_grad_adapt",
+             "clip_by_historical_norm"]  # fmt: skip
+    found = python_blocks(ROOT / "docs" / "defences_2025.md")
+    assert len(found) == 4
+    assert all(any(n in b for b in found) for n in names)
+
+
+def test_the_defences_blocks_print_what_the_page_implies() -> None:
+    # skip_and_clip counts each threshold.
+    assert defences_block(0) == str([f"count_exceeds_{k}x_stddev" for k in (100, 20, 40)])
+    # Growth is capped at 1.5 times the last norm, that of the 3-vector of 1.2s: 1.2 sqrt(3).
+    assert float(defences_block(1)) == pytest.approx(1.8 * 3**0.5, rel=1e-5)
+    assert float(defences_block(2)) == 0.25  # adamwclip clips the spiking element, one of four
+    assert defences_block(3) == "inf"  # the Levanter chain has no threshold before 64 norms

@@ -1,14 +1,8 @@
-"""The built documentation site, rendered in headless Chromium at 1280 px.
-
-Fails when a table or a code block scrolls sideways (some of it hidden behind
-a scrollbar), when a table header or a row's name (its first cell) breaks
-inside a word ("recommend" / "ed"), when an image is wider than the text
-column, or when code shows curly quotes (it would not paste). Reads the site ``make docs`` built
-(``build/docs/html``, or the folder ``CLIPJAX_DOCS_HTML`` names): ``make
-docs-check`` runs it after ``make docs``. Drives the system's Chromium
-(``chromium`` on PATH, or ``CLIPJAX_CHROMIUM``) with the ``playwright``
-package; where either or the site is missing, it skips and says which.
-"""
+"""The built docs site at 1280 px in headless Chromium: no table or code block scrolls sideways,
+no header or row name breaks inside a word, no image is wider than the text, no curly quote
+in code. Reads ``build/docs/html`` (or ``CLIPJAX_DOCS_HTML``; ``make docs-check`` after
+``make docs``) with ``playwright`` and the system's Chromium (or ``CLIPJAX_CHROMIUM``);
+skips, saying which, where one is missing."""
 
 from __future__ import annotations
 
@@ -24,21 +18,12 @@ pytestmark = pytest.mark.slow
 
 SITE = ROOT / os.environ.get("CLIPJAX_DOCS_HTML", "build/docs/html")  # relative to the root
 WIDTH, HEIGHT = 1280, 900
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
 # Pages of Sphinx's own, not ours.
 SKIP = {"genindex.html", "search.html", "py-modindex.html"}
 
-# Every element that scrolls sideways, every header or row name split inside a
-# word, every image wider than the article, every code element with a curly
-# quote; each as a short description.
+# Each problem on a page as [what, size, room, text].
 MEASURE = """
 () => {
   const article = document.querySelector('.bd-article') || document.body;

@@ -1,11 +1,7 @@
-"""docs/metrics_logging.md's "Who reports what" table says which fields each transform reports.
-
-Each row's transform is built with its defaults and one update is run; the
-common fields marked "yes" must be reported and those marked "no" must not,
-and every other field it reports must be named in the row's last cell (which
-may also name the fields of other settings). Every public transform with
-metrics has a row.
-"""
+"""docs/metrics_logging.md's "Who reports what" table says which fields each transform reports:
+after one update with its defaults (and each setting of :data:`ALSO`), the common fields
+marked "yes" are reported, those marked "no" are not, the others are named in the row's last
+cell; every public transform with metrics has a row."""
 
 from __future__ import annotations
 
@@ -34,8 +30,7 @@ BUILD = {
     "stable_spam": lambda: clipjax.stable_spam(1e-3),
     "adamw(clip_grad_adapt=k)": lambda: clipjax.adamw(1e-3, clip_grad_adapt=3.0),
 }
-# Rows whose fields depend on an argument: each setting is run, and its fields
-# must be in the row (the common ones as the row says).
+# Rows whose fields depend on an argument: each setting's fields are in the row too.
 ALSO = {
     "zclip": [
         lambda: clipjax.zclip(feedback="clipped"),

@@ -1,16 +1,7 @@
-"""The guides as a reader meets them, checked without building the site.
-
-* Every page, once its ``{include}`` directives are expanded with their
-  ``:heading-offset:``, has one title (one level-1 heading, first) and no
-  heading that skips a level; so does every notebook.
-* No page, generated page or notebook calls private JAX API (``_cache_size``).
-* README.md stays short enough to read (at most ``README_BYTES``), uses the
-  words the glossary defines with a link to their entry, and every
-  ``page.md#anchor`` link of the README and the guides names a heading of
-  that page.
-* The guides use plain words, not the project's internal jargon, and no
-  sentence is said twice on one page.
-"""
+"""The guides as a reader meets them, checked without building the site: one title per page
+and notebook and no skipped heading level (includes expanded); no private JAX API; a short
+README that links the glossary's terms; links that name a file and a heading; plain words,
+and no sentence said twice on a page."""
 
 from __future__ import annotations
 
@@ -21,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.docs.markdown_tables import NOTEBOOKS, notebook_cells
 from tests.paths import ROOT
 
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 GUIDES = sorted(DOCS.glob("*.md"))
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 README_BYTES = 12_500
 
 FENCE = re.compile(r"^\s*(```|~~~)")
@@ -81,12 +72,8 @@ def lines_of(text: str):
 
 
 def headings(text: str) -> list[tuple[int, str]]:
-    found = []
-    for kind, line in lines_of(text):
-        if kind == "heading":
-            match = HEADING.match(line)
-            found.append((len(match.group(1)), match.group(2)))
-    return found
+    matches = [HEADING.match(line) for kind, line in lines_of(text) if kind == "heading"]
+    return [(len(m.group(1)), m.group(2)) for m in matches]
 
 
 def heading_problems(found: list[tuple[int, str]]) -> list[str]:
@@ -102,21 +89,17 @@ def heading_problems(found: list[tuple[int, str]]) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("page", GUIDES, ids=lambda p: p.name)
-def test_every_page_has_one_title_and_no_skipped_level(page: Path) -> None:
-    problems = heading_problems(headings(expand(page)))
-    assert not problems, f"{page.name}, with its includes:\n" + "\n".join(problems)
-
-
 def notebook_markdown(path: Path) -> str:
     cells = json.loads(path.read_text())["cells"]
     return "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_every_notebook_has_one_title(path: Path) -> None:
-    problems = heading_problems(headings(notebook_markdown(path)))
-    assert not problems, f"{path.name}:\n" + "\n".join(problems)
+@pytest.mark.parametrize("page", [*GUIDES, *NOTEBOOKS], ids=lambda p: p.name)
+def test_every_page_has_one_title_and_no_skipped_level(page: Path) -> None:
+    """Every guide (its includes expanded) and notebook."""
+    text = notebook_markdown(page) if page.suffix == ".ipynb" else expand(page)
+    problems = heading_problems(headings(text))
+    assert not problems, f"{page.name}, with its includes:\n" + "\n".join(problems)
 
 
 def test_the_heading_checker_catches_a_second_title_and_a_skip() -> None:
@@ -125,18 +108,13 @@ def test_the_heading_checker_catches_a_second_title_and_a_skip() -> None:
     assert not heading_problems([(1, "a"), (2, "b"), (3, "c"), (2, "d")])
 
 
-# -- No private JAX API ------------------------------------------------------------
-
 PRIVATE = re.compile(r"\._cache_size\b|\bjax\._src\b|\.jitted_fn\b|\._clear_cache\b")
 
 
 def all_sources() -> list[tuple[str, str]]:
     pages = [README, *GUIDES, *sorted((DOCS / "generated").glob("*.md"))]
     out = [(str(p.relative_to(ROOT)), p.read_text()) for p in pages]
-    for path in NOTEBOOKS:
-        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
-            out.append((f"{path.relative_to(ROOT)} cell {i}", "".join(cell["source"])))
-    return out
+    return out + [(where, "".join(cell["source"])) for where, cell in notebook_cells()]
 
 
 def test_no_private_jax_api_in_the_docs() -> None:
@@ -150,9 +128,6 @@ def test_no_private_jax_api_in_the_docs() -> None:
         "the docs use JAX's private API (count traces with a Python side effect, or "
         "leave the check to a test):\n" + "\n".join(found)
     )
-
-
-# -- The README ---------------------------------------------------------------------
 
 
 def test_the_readme_is_short() -> None:
@@ -174,15 +149,8 @@ def anchors(page: Path) -> set[str]:
 
 
 # The words that stay, with a fixed meaning: the README links each to its entry.
-GLOSSARY_TERMS = {
-    "boundary": "boundary",
-    "ceiling": "ceiling",
-    "clip target": "clip-target",
-    "feedback": "feedback",
-    "capped": "capped",
-    "warm-up": "warm-up",
-    "route": "route",
-}
+TERMS = ("boundary", "ceiling", "clip target", "feedback", "capped", "warm-up", "route")
+GLOSSARY_TERMS = {term: term.replace(" ", "-") for term in TERMS}
 
 
 def prose(text: str) -> str:
@@ -193,13 +161,9 @@ def prose(text: str) -> str:
     return re.sub(r"`[^`\n]*`", " ", kept)
 
 
-def test_the_glossary_defines_the_terms_that_stay() -> None:
-    defined = anchors(DOCS / "glossary.md")
-    missing = sorted(set(GLOSSARY_TERMS.values()) - defined)
+def test_the_glossary_defines_the_terms_the_readme_links_where_it_uses_them() -> None:
+    missing = sorted(set(GLOSSARY_TERMS.values()) - anchors(DOCS / "glossary.md"))
     assert not missing, f"docs/glossary.md has no entry {missing}"
-
-
-def test_the_readme_links_the_glossary_terms_it_uses() -> None:
     text = README.read_text()
     words = prose(text).lower()
     problems = [
@@ -213,20 +177,6 @@ def test_the_readme_links_the_glossary_terms_it_uses() -> None:
 
 LINK = re.compile(r"\]\(((?:docs/)?([\w-]+)\.md)#([^)\s]+)\)")
 
-
-@pytest.mark.parametrize("page", [README, *GUIDES], ids=lambda p: p.name)
-def test_anchor_links_name_a_heading(page: Path) -> None:
-    problems = []
-    for target, name, anchor in LINK.findall(page.read_text()):
-        path = (ROOT / target) if target.startswith("docs/") else (page.parent / target)
-        if not path.exists():
-            problems.append(f"{target} does not exist")
-        elif anchor not in anchors(path):
-            problems.append(f"{target}#{anchor}: no such heading in {name}.md")
-    assert not problems, f"{page.name}:\n" + "\n".join(problems)
-
-
-# -- Plain words ----------------------------------------------------------------------
 
 # The project's shorthand, which a newcomer does not know: say what it means.
 JARGON = re.compile(
@@ -288,18 +238,9 @@ def test_no_sentence_is_said_twice_on_a_page(page: Path) -> None:
 RELATIVE_LINK = re.compile(r"\]\((?!https?:|mailto:|#)([^)\s#]+)(?:#[^)\s]*)?\)")
 
 
-def prose_links(text: str) -> str:
-    """The text outside code blocks (a link's syntax in code is not a link)."""
-    return "\n".join(line for kind, line in lines_of(text) if kind != "code")
-
-
 def source_of(page: Path, target: str) -> Path:
-    """The file a link names, or the file docs/conf.py makes it from at build time.
-
-    docs/api.rst and docs/api/*.rst are written from clipjax's names, and
-    docs/notebooks/*.ipynb copied from notebooks/, by the docs build: a fresh
-    clone has neither, so a link to one is judged by what it is made from.
-    """
+    """The file a link names, or what the docs build makes it from: docs/api.rst from
+    docs/conf.py, docs/api/*.rst from clipjax's names, docs/notebooks/ from notebooks/."""
     path = (page.parent / target).resolve()
     docs = (ROOT / "docs").resolve()
     if path.parent == docs and path.name == "api.rst":
@@ -312,11 +253,17 @@ def source_of(page: Path, target: str) -> Path:
 
 
 @pytest.mark.parametrize("page", [README, *GUIDES], ids=lambda p: p.name)
-def test_relative_links_name_a_file(page: Path) -> None:
-    """A link is relative to its page: docs/x.md links ../examples/y.py, not examples/y.py."""
-    missing = [
-        target
-        for target in RELATIVE_LINK.findall(prose_links(page.read_text()))
-        if not source_of(page, target).exists()
-    ]
+def test_links_name_a_file_and_a_heading(page: Path) -> None:
+    """Links are relative to their page (docs/x.md: ../examples/y.py); anchors name a heading."""
+    text = page.read_text()
+    outside_code = "\n".join(line for kind, line in lines_of(text) if kind != "code")
+    missing = [t for t in RELATIVE_LINK.findall(outside_code) if not source_of(page, t).exists()]
     assert not missing, f"{page.name} links files that do not exist from its folder: {missing}"
+    problems = []
+    for target, name, anchor in LINK.findall(text):
+        path = (ROOT / target) if target.startswith("docs/") else (page.parent / target)
+        if not path.exists():
+            problems.append(f"{target} does not exist")
+        elif anchor not in anchors(path):
+            problems.append(f"{target}#{anchor}: no such heading in {name}.md")
+    assert not problems, f"{page.name}:\n" + "\n".join(problems)

@@ -1,10 +1,7 @@
-"""Cheap checks of the documentation sources (``make docs`` builds the site).
-
-Without Sphinx: every page a toctree names exists, every ``{include}`` target
-exists, every public name has a docstring for the API reference, which
-``docs/conf.py`` generates from ``clipjax.__all__``, no generated page names a
-path outside the repository, and the flax ``value=loss`` recipes run.
-"""
+"""Checks of the documentation sources without Sphinx: toctree entries and includes exist,
+public names have the docstrings the generated API reference shows, written pages name no
+path outside the repository, the flax ``value=loss`` recipes run, and the signatures say
+what they take."""
 
 from __future__ import annotations
 
@@ -19,9 +16,10 @@ import optax
 import pytest
 
 import clipjax
+from tests.docs.markdown_tables import python_blocks
 from tests.paths import ROOT
 
-# Slow, `make test` skips it: builds the Sphinx site (and its notebooks) before checking it.
+# Slow, `make test` skips it.
 pytestmark = pytest.mark.slow
 
 DOCS = ROOT / "docs"
@@ -36,17 +34,11 @@ def fenced(text: str, directive: str) -> list[str]:
 
 
 def test_toctree_entries_exist() -> None:
-    index = (DOCS / "index.md").read_text()
-    entries = [
-        line.strip()
-        for _, body in fenced(index, "toctree")
-        for line in body.splitlines()
-        if line.strip() and not line.strip().startswith(":")
-    ]
+    toctrees = fenced((DOCS / "index.md").read_text(), "toctree")
+    entries = [line.strip() for _, body in toctrees for line in body.splitlines()]
+    entries = [e for e in entries if e and not e.startswith(":") and e not in GENERATED]
     assert entries
     for entry in entries:
-        if entry in GENERATED:
-            continue
         if entry.startswith("notebooks/"):
             assert (NOTEBOOKS / f"{entry.split('/', 1)[1]}.ipynb").exists(), entry
         else:
@@ -66,8 +58,7 @@ def test_public_names_have_a_docstring(name: str) -> None:
     assert doc and doc.strip().splitlines()[0].strip(), f"clipjax.{name} has no docstring summary"
 
 
-# Pages written by scripts (make demo, examples/lm_spikes.py, benchmarks/run.py)
-# and the README they copy tables into.
+# Pages written by scripts and the README they copy tables into.
 WRITTEN_PAGES = sorted(
     [*(DOCS / "generated").glob("*.md"), ROOT / "benchmarks" / "RESULTS.md", ROOT / "README.md"]
 )
@@ -99,22 +90,16 @@ def test_written_pages_name_no_path_outside_the_repository(page: Path) -> None:
     assert not found, f"{page.relative_to(ROOT)} names paths outside the repository: {found}"
 
 
-def python_blocks(page: Path) -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M)
-
-
 def test_flax_value_loss_recipes_run_and_skip_the_spike() -> None:
     pytest.importorskip("flax", reason="needs flax")
     page = DOCS / "flax.md"
     blocks = [b for b in python_blocks(page) if "value=loss" in b]
     assert len(blocks) == 2, "the NNX and the TrainState recipes"
     nnx_ns: dict = {}
-    exec(compile(blocks[0], f"{page}:nnx", "exec"), nnx_ns)
-    m = nnx_ns["metrics"]
     linen_ns: dict = {}
+    exec(compile(blocks[0], f"{page}:nnx", "exec"), nnx_ns)
     exec(compile(blocks[1], f"{page}:linen", "exec"), linen_ns)
-    m_linen = clipjax.metrics(linen_ns["state"].opt_state)
-    for metrics in (m, m_linen):
+    for metrics in (nnx_ns["metrics"], clipjax.metrics(linen_ns["state"].opt_state)):
         # The loss reached skip_on_spike: without value= this metric is NaN.
         assert bool(jnp.isfinite(metrics["skip_on_spike/global/value"]))
         assert int(metrics["skip_on_spike/global/skipped_count"]) == 1
