@@ -381,16 +381,7 @@ def _scale_by_adam_clip(
         else:
             norm = fraction = clip_state.metrics["grad_norm"]
         old = clip_state.metrics
-        clipped = fraction > 0
-        metrics = {
-            "grad_norm": norm,
-            "clipped_fraction": fraction,
-            "clipped": clipped,
-            "step": old["step"] + 1,
-            "clipped_count": old["clipped_count"] + clipped,
-            "nonfinite_count": old["nonfinite_count"] + ~jnp.isfinite(norm),
-        }
-        metrics = {k: jnp.asarray(v).astype(old[k].dtype) for k, v in metrics.items()}
+        metrics = _kit.step_metrics(old, norm=norm, clipped=fraction > 0, clipped_fraction=fraction)
         if pred is not None:
             metrics = jax.tree.map(lambda n, o: jnp.where(pred, n, o), metrics, old)
         return out, (new_adam, clip_state._replace(metrics=metrics))

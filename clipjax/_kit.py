@@ -422,8 +422,8 @@ def norm_metrics(
 def step_metrics(
     old: dict[str, Array],
     *,
-    norm: Array,
-    observed: Array,
+    norm: Array | None = None,
+    observed: Array | None = None,
     threshold: Array | None = None,
     scale: Array | None = None,
     clipped: Array | None = None,
@@ -443,14 +443,16 @@ def step_metrics(
     """
     if clipped is None and scale is not None and "clipped" in old:
         clipped = scale < 1
-    given = {"threshold": threshold, "scale": scale, "clipped": clipped}
+    given = {"grad_norm": norm, "threshold": threshold, "scale": scale, "clipped": clipped}
     given.update(spike=spike, capped=capped)
-    new = {"grad_norm": norm, **{k: v for k, v in given.items() if v is not None}, **fields}
+    new = {**{k: v for k, v in given.items() if v is not None}, **fields}
+    if finite is None:
+        finite = jnp.isfinite(norm)
     increments = {
         "count": observed,
         "step": True,
         "clipped_count": False if clipped is None else clipped,
-        "nonfinite_count": ~(jnp.isfinite(norm) if finite is None else finite),
+        "nonfinite_count": ~finite,
         "capped_count": False if capped is None else capped,
     }
     for counter, inc in increments.items():

@@ -487,16 +487,8 @@ def _gathered(max_logits: Any, plan: _Plan, who: str) -> Array:
 
 
 def _initial_metrics(groups: int, dtype: Any) -> dict[str, Array]:
-    zeros = lambda d: jnp.zeros((groups,), d)
-    return {
-        "max_logit": zeros(dtype),
-        "clipped": zeros(bool),
-        "clipped_heads": zeros(jnp.int32),
-        "factor": jnp.ones((groups,), dtype),
-        "step": zeros(jnp.int32),
-        "clipped_count": zeros(jnp.int32),
-        "nonfinite_count": zeros(jnp.int32),
-    }
+    integers = ("clipped_heads", "step", "clipped_count", "nonfinite_count")
+    return _kit.new_metrics(groups, dtype, ("max_logit", "clipped", "factor"), integers, factor=1)
 
 
 def _rescaled(update: Array, param: Array, factor: Array) -> Array:
@@ -703,17 +695,14 @@ def qk_clip(
             new_leaves[i] = _rescaled(leaves[i], param_leaves[i], factor.reshape(shape))
 
         clipped_heads = jnp.sum(over, axis=-1)
-        old = state.metrics
-        metrics = {
-            "max_logit": jnp.max(logits, axis=-1),
-            "clipped": clipped_heads > 0,
-            "clipped_heads": clipped_heads,
-            "factor": jnp.min(gamma, axis=-1),
-            "step": old["step"] + 1,
-            "clipped_count": old["clipped_count"] + (clipped_heads > 0),
-            "nonfinite_count": old["nonfinite_count"] + jnp.any(~finite, axis=-1),
-        }
-        metrics = {k: v.astype(old[k].dtype) for k, v in metrics.items()}
+        metrics = _kit.step_metrics(
+            state.metrics,
+            clipped=clipped_heads > 0,
+            finite=jnp.all(finite, axis=-1),
+            max_logit=jnp.max(logits, axis=-1),
+            clipped_heads=clipped_heads,
+            factor=jnp.min(gamma, axis=-1),
+        )
         new_state = QKClipState(inner_state, metrics, state.info)
         return jax.tree_util.tree_unflatten(treedef, new_leaves), new_state
 
