@@ -13,11 +13,6 @@ _NAN = float("nan")
 _INF = float("inf")
 
 
-# ----------------------------------------------------------------------------
-# Availability helpers
-# ----------------------------------------------------------------------------
-
-
 def _have(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
@@ -25,24 +20,10 @@ def _have(name: str) -> bool:
         return False
 
 
-def have_torch() -> bool:
-    """True when ``torch`` is importable (zclip and drytorch need it)."""
-    return _have("torch")
-
-
-def have_smartclip() -> bool:
-    """True when ``smartclip`` is importable (pure Python, no torch needed)."""
-    return _have("smartclip")
-
-
-def have_zclip() -> bool:
-    """True when both ``torch`` and ``zclip`` are importable."""
-    return have_torch() and _have("zclip")
-
-
-def have_drytorch() -> bool:
-    """True when both ``torch`` and ``drytorch`` are importable."""
-    return have_torch() and _have("drytorch")
+have_torch = lambda: _have("torch")
+have_smartclip = lambda: _have("smartclip")  # pure Python, no torch
+have_zclip = lambda: have_torch() and _have("zclip")
+have_drytorch = lambda: have_torch() and _have("drytorch")
 
 
 def _as_1d(norms: Any) -> np.ndarray:
@@ -57,7 +38,7 @@ def _opt(v: float | None) -> float:
 
 
 def _measured_scale(before: np.ndarray, after: np.ndarray) -> float:
-    """Multiplier from two gradient snapshots (float64); see module docstring."""
+    """The multiplier from two gradient snapshots (float64; tests/references/__init__.py)."""
     nb = float(np.linalg.norm(before))
     if math.isfinite(nb):
         if nb == 0.0:
@@ -67,11 +48,8 @@ def _measured_scale(before: np.ndarray, after: np.ndarray) -> float:
 
 
 def _unit_vector(n_elem: int) -> np.ndarray:
-    """Fixed unit vector ``sign_i / sqrt(n_elem)``, signs alternating +, -.
-
-    With ``n_elem`` a power of 4 (default 4: ``±0.5``) the entries are exact
-    binary fractions, so ``||norm * u||`` reproduces ``norm`` to ~1 ulp.
-    """
+    """``±1 / sqrt(n_elem)``, alternating: with ``n_elem`` a power of 4 (4: ``±0.5``) exact
+    binary fractions, so ``||norm * u||`` reproduces ``norm`` to ~1 ulp."""
     if n_elem < 1:
         raise ValueError("n_elem must be >= 1")
     signs = np.where(np.arange(n_elem) % 2 == 0, 1.0, -1.0)

@@ -1,11 +1,6 @@
-"""A driver that runs the ``AdamWClip`` package (PyPI ``adamwclip`` 0.1.4) on given gradients.
-
-The package's optimizer (``AdamWClip/optimizer.py``, ``AdamWClip.step``) clamps
-each ``p.grad`` in place before its moments read it, so the clipped gradient
-is read back after the step: the share of elements it changed is the step's
-clipped fraction. ``torch`` and ``AdamWClip`` are imported inside the driver,
-so importing this module works without them.
-"""
+"""The ``AdamWClip`` package (PyPI ``adamwclip`` 0.1.4; torch and it imported inside) on
+given gradients. ``AdamWClip.step`` clamps each ``p.grad`` in place before its moments
+read it: the share of elements it changed is the step's clipped fraction."""
 
 from __future__ import annotations
 
@@ -25,14 +20,8 @@ def have_adamwclip() -> bool:
 def run_reference(
     params: dict[str, np.ndarray], grads: list[dict[str, np.ndarray]], **kwargs: Any
 ) -> tuple[list[dict[str, np.ndarray]], list[dict[str, float]]]:
-    """The parameters after each step of ``AdamWClip(**kwargs)``, and each tensor's
-    clipped fraction per step.
-
-    Args:
-      params: the initial parameters, float32 (their names sorted fix the order).
-      grads: one ``{name: array}`` per step.
-      **kwargs: the optimizer's own arguments (``lr``, ``betas``, ``clip_grad_adapt``...).
-    """
+    """The parameters after each step of ``AdamWClip(**kwargs)`` from float32 ``params``
+    (sorted by name) on ``grads``, and each tensor's clipped fraction per step."""
     import torch
     from AdamWClip import AdamWClip
 

@@ -23,13 +23,8 @@ _CLIPS = ("reciprocal", "max", "mean")
 
 
 def _recording_criterion(go: Any, criterion: str, log: dict[int, dict[str, Any]], **kw: Any):
-    """An instance of a drytorch criterion subclass that logs its decisions.
-
-    ``log[id(self)]`` gets ``fired`` (should_clip), ``stat`` (z or ratio from
-    the pre-update statistics) and ``clip`` (get_clip_value, when called). The
-    log dict is shared by ``copy.copy`` (ParamHistClipper), entries are keyed
-    by the id of the criterion copy.
-    """
+    """A drytorch criterion that logs, under ``log[id(self)]`` (copies too:
+    ParamHistClipper), ``fired``, ``stat`` (pre-update z or ratio) and ``clip``."""
     base = go.ZStatCriterion if criterion == "zstat" else go.EMACriterion
 
     class _Rec(base):
@@ -68,60 +63,21 @@ def drytorch_reference(
     dtype: Any = "float64",
     n_elem: int = 4,
 ) -> dict[str, np.ndarray]:
-    """Run drytorch's ``HistClipper`` (or ``ParamHistClipper``) on ``norms``.
+    """drytorch's ``HistClipper`` (or ``ParamHistClipper``, ``per_param``) on ``norms``.
 
-    Setup: ``criterion="zstat"`` -> ``ZStatCriterion(alpha, z_thresh, f)``
-    (``alpha`` default 0.97, ``clip`` default ``"reciprocal"``);
-    ``criterion="ema"`` -> ``EMACriterion(alpha, r_thresh, f)`` (``alpha``
-    default 0.98, ``clip`` default ``"max"``); ``f`` is
-    ``{reciprocal,max,mean}_clipping``. Warm-up strategy
-    ``GradNormClipper(warmup_max_norm)``, or ``NoOp()`` when None.
-    ``per_param=False``: ``HistClipper``; ``True``: ``ParamHistClipper``.
-
-    ``norms``: 1-D ``[steps]`` (one parameter) or 2-D ``[steps, params]``
-    (several parameters: with ``per_param=False`` they form one global group
-    whose norm is ``sqrt(sum_i norms[t, i]**2)``; with ``per_param=True`` each
-    column is an independent group). Each parameter is a float64 (``dtype``)
-    vector of ``n_elem`` entries whose ``.grad`` is set to ``norms[t, i] * u``
-    every step, then ``clipper(params)`` is called.
-
-    Returned fields: ``[steps]`` for ``per_param=False``, ``[steps, params]``
-    for ``per_param=True`` (per-group values):
-
-    * ``grad_norm``: the norm drytorch computes that step (global:
-      ``sqrt(sum((grad**2).sum().item()))``; per param:
-      ``grad.norm(2, dtype=float).item()``).
-    * ``warmup``: the step went through the warm-up branch: the first
-      ``n_warmup_steps`` calls (norm collected -- NaN included --, warm-up
-      strategy applied, criterion neither evaluated nor updated). On the next
-      call drytorch sets ``set_statistics(mean, ddof-1 variance)`` (variance
-      only if > 0, and 1.0 with fewer than 2 samples) and evaluates the
-      criterion in that same call; that step has ``warmup=False``.
-    * ``fired``: ``criterion.should_clip(g)`` (pre-update statistics; False
-      while ``mu == 0`` and on warm-up steps). zstat fires on ``|z| > z_thresh``
-      (also on the low side); ema on ``g/mu > r_thresh``.
-    * ``threshold``: ``criterion.get_clip_value(g)`` evaluated before the
-      update when ``fired``, else +inf (also +inf on warm-up steps). zstat:
-      ``mu + f(|z|, z_thresh) * sqrt(v)``; ema: ``mu * f(g/mu, r_thresh)``
-      (``mean_clipping`` gives 0 there, which zeroes the gradient).
-    * ``z`` (zstat) / ``ratio`` (ema): ``(g - mu)/(sqrt(v) + 1e-8)`` /
-      ``g / mu`` from the pre-update statistics (NaN on warm-up steps; ratio
-      NaN while ``mu == 0``).
-    * ``scale``: measured total multiplier of that parameter group (module
-      docstring), including the warm-up clip on warm-up steps. After warm-up a
-      fired step has ``min(1, threshold / (g + 1e-6))`` (torch
-      ``clip_grad_norm_``), an unfired one exactly 1.
-    * ``hist_scale``: ``scale`` on non-warm-up steps, 1.0 on warm-up steps
-      (what clipjax's hist_clip reports as its own scale).
-    * ``warmup_threshold``: ``warmup_max_norm`` (+inf when None) on warm-up
-      steps, NaN otherwise.
-    * ``mean``: ``criterion._mu_t`` after the step (drytorch's initial 0.0
-      during warm-up). zstat also ``var`` = ``criterion._v_t`` (initial 1.0
-      during warm-up) and ``std = sqrt(var)``. Update order: zstat
-      ``v <- a*v + (1-a)*(g - mu_old)**2`` then ``mu <- a*mu + (1-a)*g``;
-      ema ``mu <- a*mu + (1-a)*g``; always with the raw ``g``.
-    * ``n_collected``: warm-up samples collected so far (after the step).
-    * ``finite_out``: the group's gradient after the step is all finite.
+    ``criterion="zstat"``: ``ZStatCriterion(alpha (0.97), z_thresh, f)``, ``clip`` default
+    ``"reciprocal"``; ``"ema"``: ``EMACriterion(alpha (0.98), r_thresh, f)``, default
+    ``"max"``; warm-up ``GradNormClipper(warmup_max_norm)``, ``NoOp()`` when None.
+    ``norms`` ``[steps]`` or ``[steps, params]``: each parameter a ``dtype`` vector of
+    ``n_elem`` whose grad is ``norm * u``; together one global group, or a group each with
+    ``per_param`` (fields then ``[steps, params]``). Fields: ``warmup`` (the first
+    ``n_warmup_steps`` calls, NaN included; the next sets the statistics from them,
+    ddof-1 variance if > 0 else 1.0, and is judged); ``fired`` (``should_clip`` on the
+    pre-update statistics; zstat also on the low side); ``threshold``
+    (``get_clip_value`` when fired, else +inf); ``z`` / ``ratio`` (pre-update, NaN in the
+    warm-up); ``hist_scale`` (``scale``, 1.0 on warm-up steps); ``warmup_threshold`` (NaN
+    after the warm-up); ``mean``, zstat ``var`` and ``std`` after the step (drytorch's
+    initial 0 and 1.0 during the warm-up); ``n_collected``; ``finite_out``.
     """
     import torch
     from drytorch.lib import gradient_ops as go

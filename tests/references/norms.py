@@ -21,24 +21,10 @@ def spikes(
     factors: Sequence[float] = SPIKE_FACTORS,
     at: Sequence[int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """A stationary stream around 1 with a few large spikes.
-
-    ``base[t] = exp(noise * N(0, 1))`` (``numpy.random.default_rng(seed)``),
-    median 1, then ``norms[at[i]] = base[at[i]] * factors[i]``.
-
-    Args:
-      n: number of steps.
-      seed: RNG seed (deterministic).
-      noise: log-normal noise level.
-      factors: spike multipliers (default ×10, ×100, ×1000, ×30).
-      at: spike steps; default ``round(linspace(0.3, 0.8, len(factors)) * n)``
-        (n=400: 120, 187, 253, 320 -- all after smartclip's default 100-step
-        gate, zclip's 25 and drytorch's 20 warm-up steps).
-
-    Returns:
-      ``(norms, spike_idx)``: float64 ``[n]`` positive norms and the int64
-      spike indices (sorted as given).
-    """
+    """``exp(noise * N(0, 1))`` (median 1), times ``factors[i]`` at ``at[i]``: by default
+    ``round(linspace(0.3, 0.8, len(factors)) * n)``, for n=400 steps 120, 187, 253, 320,
+    all after smartclip's 100-step gate, zclip's 25 and drytorch's 20 warm-up steps.
+    Returns ``(norms, spike_idx)``."""
     rng = np.random.default_rng(seed)
     x = np.exp(noise * rng.standard_normal(n)).astype(np.float64)
     factors = np.asarray(factors, dtype=np.float64)
@@ -57,11 +43,7 @@ def spikes(
 def regime_shift(
     n: int = 600, seed: int = 0, factor: float = 0.2, *, noise: float = 0.1
 ) -> np.ndarray:
-    """A stationary stream whose level is multiplied by ``factor`` halfway.
-
-    ``norms[t] = level[t] * exp(noise * N(0, 1))`` with ``level[t] = 1`` for
-    ``t < n // 2`` and ``factor`` from step ``n // 2`` on. float64 ``[n]``.
-    """
+    """``exp(noise * N(0, 1))`` times ``factor`` from step ``n // 2`` on."""
     rng = np.random.default_rng(seed)
     x = np.exp(noise * rng.standard_normal(n)).astype(np.float64)
     x[n // 2 :] *= factor

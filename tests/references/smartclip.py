@@ -7,12 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.references._common import (
-    _NAN,
-    _as_1d,
-    _finalize,
-    _opt,
-)
+from tests.references._common import _NAN, _as_1d, _finalize, _opt
 
 
 def _smartclip_scale(clipper: Any, g: float, threshold: float) -> float:
@@ -47,47 +42,17 @@ def _observe(clipper: Any, g: float, out: dict[str, list]) -> None:
 
 
 def smartclip_autoclip(norms: np.ndarray, **kwargs: Any) -> dict[str, np.ndarray]:
-    """Run ``smartclip.AutoClip(**kwargs)`` on ``norms`` as its JAX backend does (global scope).
+    """``smartclip.AutoClip(**kwargs)`` (``scope="global"``) as its JAX backend drives it:
+    ``observe(g)``, ``T = threshold()``, ``scale`` 1 while the gate is closed, else ``1 if
+    g + eps <= T else max(T / (g + eps), 0)`` (NaN for a NaN ``g``, 0 for +inf). NB
+    smartclip's default ``history`` is ``"ema"``, clipjax's ``"window"``.
 
-    Per step ``t`` with ``g = float(norms[t])``, key ``("global",)``:
-    ``clipper.observe(g)``; ``T = clipper.threshold()``; then
-    ``scale = 1`` if not ``clipper.can_clip()`` else
-    ``1.0 if g + eps <= T else max(T / (g + eps), 0.0)``.
-
-    ``kwargs`` are forwarded unchanged (``mode``, ``percentile``, ``history``,
-    ``window_size``, ``ema_decay``, ``warmup_steps``, ``min_history``,
-    ``eps``, ``guard_nans``). NB smartclip's default ``history`` is ``"ema"``
-    (clipjax's is ``"window"``): pass ``history="window"`` explicitly to compare.
-    ``scope`` must be (and defaults to) ``"global"``.
-
-    Returned fields (all ``[steps]``):
-
-    * ``grad_norm``: ``g`` (the input, float64).
-    * ``threshold``: ``clipper.threshold()`` after observing ``g``: computed
-      every step, also while the gate is closed, floored at ``eps`` by
-      smartclip (``T = eps`` when the statistic is undefined: auto mode with
-      fewer than 5 observations, or no observation yet).
-    * ``scale``: as above (NaN for a NaN ``g`` once the gate is open, 0.0 for
-      ``g = +inf``: smartclip's ``max(nan, 0.0)`` is nan).
-    * ``clipped``: ``scale < 1``.
-    * ``can_clip``: the gate after the observation
-      (``steps >= warmup_steps and observations >= min_history``).
-    * ``count``: the gate's observation count after the step (guarded
-      non-finite norms are not counted).
-    * ``mode="auto"``: ``median`` = P² marker ``q[2]`` (``P2Quantile.value``;
-      NaN below 5 observations); ``mean``, ``var``, ``std`` = Welford mean,
-      ddof-1 variance and its sqrt (NaN below 1 / 2 / 2 observations).
-    * ``mode="percentile"``: ``quantile`` = the estimator's raw value, before
-      the ``eps`` floor: ``history="window"``: linearly interpolated percentile
-      of the last ``window_size`` observations (``RollingWindow.percentile``);
-      ``history="ema"``: ``EmaQuantile.value``. NaN before the first
-      observation. ``history="window"`` also gives ``window_len``.
-
-    Non-finite ``g``: with ``guard_nans=True`` (default) ``observe`` returns
-    early, nothing is updated or counted, ``T`` is the previous threshold.
-    With ``guard_nans=False`` smartclip's ``ensure_positive(v, eps)``
-    (``v if v > 0 else eps``) turns NaN and -inf into ``eps`` *before* it
-    enters the statistics, while +inf enters as +inf.
+    Fields: ``threshold`` (every step, floored at eps: eps while the statistic is
+    undefined), ``can_clip``, ``count`` (the gate's observations); auto mode ``median``
+    (P² ``q[2]``, NaN below 5), ``mean``, ``var``, ``std`` (Welford, ddof 1); percentile
+    mode ``quantile`` (before the eps floor) and, for the window, ``window_len``.
+    ``guard_nans=True`` skips a non-finite ``g`` (``T`` unchanged); ``False`` turns NaN and
+    -inf into eps before the statistics, +inf enters as +inf.
     """
     import smartclip
 
@@ -127,27 +92,9 @@ def smartclip_autoclip(norms: np.ndarray, **kwargs: Any) -> dict[str, np.ndarray
 
 
 def smartclip_zscore(norms: np.ndarray, **kwargs: Any) -> dict[str, np.ndarray]:
-    """Run ``smartclip.ZScoreClip(**kwargs)`` on ``norms`` as its JAX backend does (global scope).
-
-    Same driving loop and ``scale`` formula as :func:`smartclip_autoclip`;
-    ``kwargs`` (``zmax``, ``ema_decay``, ``warmup_steps``, ``min_history``,
-    ``eps``, ``guard_nans``) are forwarded.
-
-    Returned fields (all ``[steps]``):
-
-    * ``grad_norm``, ``scale``, ``clipped``, ``can_clip``, ``count``: as in
-      :func:`smartclip_autoclip`.
-    * ``threshold``: ``clipper.threshold()`` after observing ``g``:
-      ``max(eps, m + zmax * std)`` (``ensure_positive``), also while the gate
-      is closed; ``eps`` before the first observation.
-    * ``mean``, ``std``: ``clipper.stats()`` after the step, i.e. the EMA
-      ``m`` of x and ``sqrt(max(0, m2 - m**2))`` with ``m2`` the EMA of x²
-      (both EMAs start at the first observation, no bias correction).
-      ``stats()`` returns ``(0.0, 0.0)`` before the first observation; this
-      driver reports NaN there instead.
-    * ``var``: ``max(0, m2 - m**2)`` (``EmaMoments.variance()``), NaN before
-      the first observation.
-    """
+    """``smartclip.ZScoreClip(**kwargs)`` driven as :func:`smartclip_autoclip`: ``threshold``
+    ``max(eps, m + zmax * std)``; ``mean``, ``std``, ``var = max(0, m2 - m**2)`` from EMAs
+    of x and x² that start at the first observation (no bias correction; NaN before it)."""
     import smartclip
 
     x = _as_1d(norms)

@@ -1,11 +1,5 @@
-"""Drivers that run pytorch-optimizer's ``SPAM`` and ``StableSPAM`` on given gradients.
-
-Each driver takes the initial parameters (``{name: float32 array}``) and a
-list of gradient trees of the same names, sets every ``p.grad`` to the
-step's gradient, calls ``optimizer.step()`` and records the parameters after
-the step. ``torch`` and ``pytorch_optimizer`` are imported inside the drivers,
-so importing this module works without them. The float64 restatements of clipjax's
-``spam`` and ``stable_spam`` are :mod:`tests.restate.spam`."""
+"""pytorch-optimizer's ``SPAM`` and ``StableSPAM`` on given gradients (torch and the
+package imported inside); clipjax's rules restated in float64 are :mod:`tests.restate.spam`."""
 
 from __future__ import annotations
 
@@ -28,17 +22,8 @@ def run_reference(
     grads: list[dict[str, np.ndarray]],
     **kwargs: Any,
 ) -> list[dict[str, np.ndarray]]:
-    """The parameters after each step of ``SPAM`` or ``StableSPAM`` (``kind``).
-
-    Args:
-      kind: ``"SPAM"`` or ``"StableSPAM"``.
-      params: the initial parameters, float32.
-      grads: one ``{name: array}`` per step.
-      **kwargs: the optimizer's own arguments (``lr``, ``update_proj_gap``, ...).
-
-    Returns:
-      One ``{name: float32 array}`` per step: the parameters after it.
-    """
+    """The parameters (float32) after each ``optimizer.step()`` of ``SPAM`` or
+    ``StableSPAM`` (``kind``, with ``**kwargs``) from ``params`` on ``grads``."""
     import torch
     from pytorch_optimizer.optimizer import spam as module
 
@@ -65,19 +50,9 @@ def spiky_gradients(
     nonfinite: dict[int, float] | None = None,
     scale: float = 1e-2,
 ) -> list[dict[str, np.ndarray]]:
-    """Gaussian gradients of std ``scale`` with spikes.
-
-    Args:
-      shapes: ``{name: shape}``.
-      steps: how many steps.
-      seed: the NumPy seed.
-      spikes: ``{step: factor}``: the whole gradient times ``factor``.
-      element_spikes: ``{step: factor}``: the first element of every leaf
-        times ``factor``.
-      nonfinite: ``{step: value}``: the first element of the first leaf set to
-        ``value`` (NaN or infinity).
-      scale: the gradients' standard deviation.
-    """
+    """Gaussian gradients of std ``scale`` (``{name: shape}``, NumPy ``seed``); ``spikes``
+    ``{step: factor}`` multiplies a whole step, ``element_spikes`` the first element of
+    every leaf, ``nonfinite`` ``{step: value}`` sets the first element of the first leaf."""
     rng = np.random.default_rng(seed)
     spikes, element_spikes, nonfinite = spikes or {}, element_spikes or {}, nonfinite or {}
     out = []

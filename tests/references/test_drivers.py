@@ -1,11 +1,5 @@
-"""Sanity tests of the reference drivers in ``tests/references/``.
-
-Each driver runs a reference package (smartclip, zclip, drytorch) on a
-sequence of norms; here its per-step output is checked against a plain float64
-restatement of that reference's formulas, on short sequences. These tests pin
-what the drivers report, so that the differential tests of clipjax against them
-compare like with like.
-"""
+"""The reference drivers (``tests/references/``) against float64 restatements of each
+reference's formulas on short sequences: what the differential tests compare with."""
 
 from __future__ import annotations
 
@@ -20,51 +14,24 @@ from tests import references as R
 from tests import restate as S
 from tests.paths import ROOT
 
-# Slow, `make test` skips it: step-by-step traces of smartclip, zclip and drytorch (torch) next to
-# clipjax, hundreds of steps each; each clipper's own file keeps a short
-# reference check in the fast suite.
+# Slow, `make test` skips it: traces of smartclip, zclip and drytorch (torch); each
+# clipper's own file keeps a short reference check in the fast suite.
 pytestmark = pytest.mark.slow
 
-TORCH_REASON = "torch (CPU build) is not installed: zclip and drytorch references need it"
 INF = math.inf
+_TORCH = "torch (CPU build) is not installed: zclip and drytorch references need it"
+smartclip_available = pytest.mark.skipif(not R.have_smartclip(), reason="smartclip not installed")
+zclip_available = pytest.mark.skipif(not R.have_zclip(), reason=f"{_TORCH}, or zclip")
+drytorch_available = pytest.mark.skipif(not R.have_drytorch(), reason=f"{_TORCH}, or drytorch")
 
 
-def _need_torch(module: str) -> None:
-    pytest.importorskip("torch", reason=TORCH_REASON)
-    pytest.importorskip(module, reason=f"reference package {module} is not installed")
-
-
-@pytest.fixture
-def smartclip_available() -> None:
-    pytest.importorskip("smartclip", reason="reference package smartclip is not installed")
-
-
-@pytest.fixture
-def zclip_available() -> None:
-    _need_torch("zclip")
-
-
-@pytest.fixture
-def drytorch_available() -> None:
-    _need_torch("drytorch")
-
-
-def _short(n: int = 40, seed: int = 0) -> np.ndarray:
-    """40 steps with spikes ×10, ×100, ×1000, ×30 at steps 12, 19, 25, 32."""
-    x, _ = R.spikes(n, seed)
-    return x
-
-
-# ----------------------------------------------------------------------------
-# Generators and import hygiene
-# ----------------------------------------------------------------------------
+_short = lambda: R.spikes(40, 0)[0]  # spikes ×10, ×100, ×1000, ×30 at steps 12, 19, 25, 32
 
 
 def test_generators_are_deterministic_and_positive():
     x, idx = R.spikes()
-    x2, idx2 = R.spikes()
-    np.testing.assert_array_equal(x, x2)
-    np.testing.assert_array_equal(idx, idx2)
+    for a, b in zip((x, idx), R.spikes()):
+        np.testing.assert_array_equal(a, b)
     assert x.dtype == np.float64 and x.shape == (400,)
     assert np.all(x > 0) and np.all(np.isfinite(x))
     np.testing.assert_array_equal(idx, [120, 187, 253, 320])
@@ -102,18 +69,12 @@ def test_import_does_not_need_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-# ----------------------------------------------------------------------------
-# smartclip
-# ----------------------------------------------------------------------------
-
-
 def _scale_smartclip(g, t, gate_open, eps):
-    if not gate_open:
-        return 1.0
-    return 1.0 if g + eps <= t else max(t / (g + eps), 0.0)
+    return 1.0 if not gate_open or g + eps <= t else max(t / (g + eps), 0.0)
 
 
-def test_smartclip_window_percentile_is_numpy_percentile(smartclip_available):
+@smartclip_available
+def test_smartclip_window_percentile_is_numpy_percentile():
     x = _short()
     w, pct, eps = 8, 90.0, 1e-8
     r = R.smartclip_autoclip(
@@ -132,7 +93,8 @@ def test_smartclip_window_percentile_is_numpy_percentile(smartclip_available):
     np.testing.assert_array_equal(r["clipped"], r["scale"] < 1)
 
 
-def test_smartclip_auto_mode_median_std_threshold(smartclip_available):
+@smartclip_available
+def test_smartclip_auto_mode_median_std_threshold():
     x = _short()
     eps = 1e-8
     r = R.smartclip_autoclip(x, mode="auto", warmup_steps=10, min_history=5, eps=eps)
@@ -154,7 +116,8 @@ def test_smartclip_auto_mode_median_std_threshold(smartclip_available):
     np.testing.assert_allclose(r["median"], S.p2_restated(x), rtol=1e-14)
 
 
-def test_smartclip_ema_percentile_restated_and_never_decreases(smartclip_available):
+@smartclip_available
+def test_smartclip_ema_percentile_restated_and_never_decreases():
     x = R.regime_shift(200, factor=0.2)
     r = R.smartclip_autoclip(x, mode="percentile", history="ema", percentile=90.0, ema_decay=0.9)
     q, p, a = None, 0.9, 1 - 0.9
@@ -166,7 +129,8 @@ def test_smartclip_ema_percentile_restated_and_never_decreases(smartclip_availab
     assert r["quantile"][-1] > 1.0
 
 
-def test_smartclip_zscore_ema_moments(smartclip_available):
+@smartclip_available
+def test_smartclip_zscore_ema_moments():
     x = _short()
     d, zmax, eps = 0.9, 2.0, 1e-8
     r = R.smartclip_zscore(x, zmax=zmax, ema_decay=d, warmup_steps=10, min_history=5, eps=eps)
@@ -187,7 +151,8 @@ def test_smartclip_zscore_ema_moments(smartclip_available):
     assert r["clipped"][12]
 
 
-def test_smartclip_nonfinite_behaviour(smartclip_available):
+@smartclip_available
+def test_smartclip_nonfinite_behaviour():
     x = R.with_nan(_short(), at=20)
     kw = dict(mode="auto", warmup_steps=10, min_history=5)
     r = R.smartclip_autoclip(x, **kw)
@@ -210,11 +175,6 @@ def test_smartclip_nonfinite_behaviour(smartclip_available):
     assert rg["scale"][3] == 1.0 and rg["count"][3] == 3
 
 
-# ----------------------------------------------------------------------------
-# zclip
-# ----------------------------------------------------------------------------
-
-
 def _zclip_np(x, alpha=0.97, z_thresh=2.5, max_grad_norm=1.0, eps=1e-6, warmup_steps=25):
     """zclip (mode="zscore", clip_option="adaptive_scaling") restated in float64."""
     buf, mean, var = [], None, None
@@ -235,16 +195,15 @@ def _zclip_np(x, alpha=0.97, z_thresh=2.5, max_grad_norm=1.0, eps=1e-6, warmup_s
             scale = thr / (g + 1e-6) if g > thr else 1.0
             mean = alpha * mean + (1 - alpha) * cv
             var = alpha * var + (1 - alpha) * (cv - mean) ** 2
-        res["threshold"].append(thr)
-        res["scale"].append(scale)
-        res["mean"].append(math.nan if mean is None else mean)
-        res["var"].append(math.nan if var is None else var)
-        res["spike"].append(spike)
+        stats = (math.nan if mean is None else mean, math.nan if var is None else var)
+        for k, v in zip(res, (thr, scale, *stats, spike)):
+            res[k].append(v)
     return {k: np.asarray(v) for k, v in res.items()}
 
 
 @pytest.mark.parametrize("max_grad_norm", [None, 1.0])
-def test_zclip_matches_restatement(zclip_available, max_grad_norm):
+@zclip_available
+def test_zclip_matches_restatement(max_grad_norm):
     x = _short()
     w = 10
     r = R.zclip_reference(x, warmup_steps=w, max_grad_norm=max_grad_norm)
@@ -268,7 +227,8 @@ def test_zclip_matches_restatement(zclip_available, max_grad_norm):
     assert (r["error"] == "").all() and r["finite_out"].all()
 
 
-def test_zclip_clips_the_spikes(zclip_available):
+@zclip_available
+def test_zclip_clips_the_spikes():
     x, idx = R.spikes()
     r = R.zclip_reference(x, max_grad_norm=None)
     assert r["spike"][idx].all()
@@ -282,7 +242,8 @@ def test_zclip_clips_the_spikes(zclip_available):
     assert (r["scale"][calm] == 1.0).all()
 
 
-def test_zclip_float32_close_to_float64(zclip_available):
+@zclip_available
+def test_zclip_float32_close_to_float64():
     x = _short()
     a = R.zclip_reference(x, warmup_steps=10, max_grad_norm=None)
     b = R.zclip_reference(x, warmup_steps=10, max_grad_norm=None, dtype="float32")
@@ -290,7 +251,8 @@ def test_zclip_float32_close_to_float64(zclip_available):
     np.testing.assert_allclose(b["scale"], a["scale"], rtol=1e-5)
 
 
-def test_zclip_nan_poisons_but_does_not_crash(zclip_available):
+@zclip_available
+def test_zclip_nan_poisons_but_does_not_crash():
     x = R.with_nan(_short(), at=15)
     r = R.zclip_reference(x, warmup_steps=10, max_grad_norm=1.0)
     assert (r["error"] == "").all()
@@ -360,7 +322,8 @@ def _hist_np(x, criterion="zstat", clip="reciprocal", alpha=0.97, thresh=2.5, n_
         ("ema", "reciprocal", 0.9, 1.5),
     ],
 )
-def test_drytorch_matches_restatement(drytorch_available, criterion, clip, alpha, thresh):
+@drytorch_available
+def test_drytorch_matches_restatement(criterion, clip, alpha, thresh):
     x = _short()
     n_warm = 10
     kw = {"z_thresh": thresh} if criterion == "zstat" else {"r_thresh": thresh}
@@ -393,7 +356,8 @@ def test_drytorch_matches_restatement(drytorch_available, criterion, clip, alpha
     np.testing.assert_array_equal(r["threshold"][~r["fired"]], INF)
 
 
-def test_drytorch_warmup_clip_and_threshold_conventions(drytorch_available):
+@drytorch_available
+def test_drytorch_warmup_clip_and_threshold_conventions():
     x = _short() * 2.0  # above the warm-up max norm 1.0
     r = R.drytorch_reference(x, n_warmup_steps=10, warmup_max_norm=1.0)
     np.testing.assert_allclose(r["scale"][:10], 1.0 / (x[:10] + 1e-6), rtol=1e-12)
@@ -408,7 +372,8 @@ def test_drytorch_warmup_clip_and_threshold_conventions(drytorch_available):
     np.testing.assert_array_equal(rn["warmup_threshold"][:10], INF)
 
 
-def test_drytorch_low_side_fire_and_constant_warmup(drytorch_available):
+@drytorch_available
+def test_drytorch_low_side_fire_and_constant_warmup():
     # Constant warm-up: ddof-1 variance 0 is not taken, v stays 1.0.
     x = R.constant(30, 1.0)
     x[25] = 0.001
@@ -421,14 +386,16 @@ def test_drytorch_low_side_fire_and_constant_warmup(drytorch_available):
     assert r["scale"][25] == 1.0 and not r["clipped"][25]
 
 
-def test_drytorch_ema_mean_clipping_zeroes_the_gradient(drytorch_available):
+@drytorch_available
+def test_drytorch_ema_mean_clipping_zeroes_the_gradient():
     x = _short()
     r = R.drytorch_reference(x, criterion="ema", clip="mean", n_warmup_steps=10)
     assert r["fired"][12]
     assert r["threshold"][12] == 0.0 and r["scale"][12] == 0.0
 
 
-def test_drytorch_per_param_and_multi_leaf_global(drytorch_available):
+@drytorch_available
+def test_drytorch_per_param_and_multi_leaf_global():
     x = _short()
     y = R.regime_shift(40, seed=3)
     xy = np.stack([x, y], axis=1)
@@ -445,7 +412,8 @@ def test_drytorch_per_param_and_multi_leaf_global(drytorch_available):
         np.testing.assert_allclose(rg[k], r1[k], rtol=1e-12, err_msg=k)
 
 
-def test_drytorch_nonfinite_poisons(drytorch_available):
+@drytorch_available
+def test_drytorch_nonfinite_poisons():
     x = R.with_nan(_short(), at=15)
     r = R.drytorch_reference(x, n_warmup_steps=10)
     assert np.isnan(r["mean"][15:]).all()
@@ -454,8 +422,3 @@ def test_drytorch_nonfinite_poisons(drytorch_available):
     ri = R.drytorch_reference(R.with_nan(_short(), 15, np.inf), n_warmup_steps=10)
     assert ri["fired"][15] and not ri["finite_out"][15]  # inf * 0 = NaN gradient
     assert np.isposinf(ri["mean"][15:]).all() and not ri["fired"][16:].any()
-
-
-# ----------------------------------------------------------------------------
-# Cost
-# ----------------------------------------------------------------------------

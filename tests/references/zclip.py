@@ -24,46 +24,17 @@ from tests.references._common import (
 def zclip_reference(
     norms: np.ndarray, *, dtype: Any = "float64", n_elem: int = 4, **kwargs: Any
 ) -> dict[str, np.ndarray]:
-    """Run ``zclip.ZClip(**kwargs)`` on a one-parameter torch module.
+    """``zclip.ZClip(**kwargs)`` on a one-parameter torch module (``n_elem`` entries of
+    ``dtype``, grad ``norm * u``, then ``zc.step``); NB zclip's default ``max_grad_norm=1.0``
+    caps every step after the warm-up.
 
-    The module holds one ``torch.nn.Parameter`` of ``n_elem`` entries of
-    ``dtype`` (default float64, to isolate algorithm differences from
-    rounding; ``"float32"`` or a ``torch.dtype`` also work). Each step its
-    ``.grad`` is set to ``norms[t] * u`` with ``u`` a fixed unit vector
-    (entries ``±1/sqrt(n_elem)``), then ``zc.step(module)`` is called.
-    ``kwargs`` go to ``ZClip`` unchanged; NB zclip's default
-    ``max_grad_norm=1.0`` also caps every step after warm-up.
-
-    Returned fields (all ``[steps]``):
-
-    * ``grad_norm``: the value ``zc.step`` returned (zclip's own norm, in
-      the parameter dtype).
-    * ``warmup``: the step went through zclip's warm-up branch (``not
-      zc.initialized`` when the step began). The step that completes
-      ``warmup_steps`` collected norms is a warm-up step; the statistics are
-      initialised at its end.
-    * ``threshold``: warm-up steps: ``max_grad_norm`` (+inf when None; the
-      step is clipped by ``torch.nn.utils.clip_grad_norm_(max_grad_norm)``).
-      Later steps: the return value of ``zc._apply_clipping``, i.e.
-      ``min(clip_val if clip_val is not None else grad_norm, max_grad_norm)``
-      (no ``min`` when ``max_grad_norm`` is None) -- so it equals ``grad_norm``
-      on an unflagged step below ``max_grad_norm``.
-    * ``clip_val``: ``zc._compute_clip_val(grad_norm)`` from the pre-step
-      statistics (NaN when it returned None, and on warm-up steps).
-    * ``spike``: ``clip_val is not None`` (False on warm-up steps).
-    * ``z``: ``zc._compute_positive_zscore(grad_norm)[0]`` =
-      ``(g - mean)/(sqrt(var) + eps)`` from the pre-step statistics,
-      evaluated in both modes; NaN on warm-up steps.
-    * ``scale``: measured (module docstring); after warm-up it is
-      ``T / (g + 1e-6)`` when ``g > T`` else 1.
-    * ``mean``, ``var``, ``std``: ``zc.mean``, ``zc.var``, ``sqrt(zc.var)``
-      after the step (NaN while not initialised). The update uses
-      ``clip_val`` on a spike, else ``g``; mean first, then var with the new
-      mean.
-    * ``initialized``: ``zc.initialized`` after the step.
-    * ``finite_out``: the gradient after the step is all finite.
-    * ``error``: the repr of an exception raised by ``zc.step`` (the step's
-      numeric fields are NaN then), else ``""``.
+    Fields: ``grad_norm`` (``zc.step``'s); ``warmup`` (``not zc.initialized`` as the step
+    began: the step completing the warm-up set is one); ``threshold`` (warm-up: the cap,
+    +inf when None; later ``_apply_clipping``'s ``min(clip_val or grad_norm, cap)``, the
+    norm itself on an unflagged step); ``clip_val``, ``spike``, ``z`` (pre-step
+    statistics; NaN / False in the warm-up); ``mean``, ``var``, ``std`` after the step (NaN
+    while not initialised); ``initialized``; ``finite_out``; ``error`` (the repr of what
+    ``zc.step`` raised, the numeric fields NaN then).
     """
     import torch
     import zclip

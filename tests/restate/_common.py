@@ -57,16 +57,8 @@ class _Log:
         return {k: np.asarray(v) for k, v in self.rows.items()}
 
 
-COMMON = [
-    "grad_norm",
-    "threshold",
-    "scale",
-    "clipped",
-    "count",
-    "step",
-    "clipped_count",
-    "nonfinite_count",
-]
+COMMON = ["grad_norm", "threshold", "scale", "clipped", "count", "step", "clipped_count",
+          "nonfinite_count"]  # fmt: skip
 
 
 _CEILING_DIV = 1e-6  # the guard of a ceiling's multiplier, max_grad_norm / (g + 1e-6)

@@ -6,11 +6,7 @@ import math
 
 import numpy as np
 
-from tests.restate._common import (
-    COMMON,
-    INF,
-    _Log,
-)
+from tests.restate._common import COMMON, INF, _Log
 
 
 def adagc(

@@ -12,10 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import clipjax
-from tests.restate._common import (
-    RTOL,
-    Z_ATOL,
-)
+from tests.restate._common import RTOL, Z_ATOL
 
 UNIT = np.array([0.5, -0.5, 0.5, -0.5])
 

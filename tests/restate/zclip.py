@@ -7,13 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tests.restate._common import (
-    COMMON,
-    INF,
-    NAN,
-    _Log,
-    _observation,
-)
+from tests.restate._common import COMMON, INF, NAN, _Log, _observation
 
 _ZCLIP_DIV = 1e-6  # zclip's fixed guard in T / (g + 1e-6)
 
