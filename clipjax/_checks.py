@@ -1,10 +1,7 @@
 """What clipjax refuses, and how it says so: a factory's arguments, an ``update``'s state.
 
-Arguments are checked at construction, each error naming the argument;
-arrays and tracers (``optax.inject_hyperparams``) are let through. A state
-is checked first thing in ``update`` (:func:`check_state`,
-:func:`check_layout`), so that a state from another transform or a
-checkpoint restored without a target fails with the mistake and the fix.
+Arguments are checked at construction (tracers let through), a state first thing in
+``update``; each error names the mistake and the fix.
 """
 
 from __future__ import annotations
@@ -42,11 +39,7 @@ def concrete(value: Any) -> float | None:
 
 
 def check(name: str, value: Any, ok: Callable[[float], bool], expected: str) -> None:
-    """Raises ``ValueError`` naming ``name`` unless ``ok(value)`` holds.
-
-    ``expected`` is a range (``"> 0"``, ``"in (0, 1)"``: a number is said for it
-    when ``value`` is none) or a noun phrase (``"a nonzero number"``, ``"an int >=
-    1"``)."""
+    """Raises ``ValueError`` naming ``name`` unless ``ok(value)`` holds (``expected``: a range)."""
     try:
         x = _concrete(value)
     except ValueError:
@@ -72,8 +65,7 @@ def nonzero_bound(name: str, value: Any) -> None:
 
 
 def percentile(name: str, value: Any) -> None:
-    """A percentile on the 0-100 scale, in ``(1, 100]``; a value in ``(0, 1]`` is refused as a
-    fraction."""
+    """A percentile on the 0-100 scale, in ``(1, 100]`` (``(0, 1]`` is refused as a fraction)."""
     try:
         x = _concrete(value)
     except ValueError:
@@ -111,8 +103,7 @@ def _static_hint(name: str) -> str:
 
 
 def integer(name: str, value: Any, minimum: int = 0, static: bool = True) -> None:
-    """An integer ``>= minimum``; ``static=False`` also accepts an array or tracer, checked when
-    concrete."""
+    """An integer ``>= minimum``; ``static=False`` also accepts an array or tracer."""
     if isinstance(value, (jax.Array, Tracer)) and not isinstance(value, bool):
         if static:
             raise ValueError(_static_hint(name))
@@ -166,8 +157,7 @@ RESTORED = (
 
 
 def looks_restored(x: Any) -> bool:
-    """Whether ``x`` is a clipjax state restored without a target: a mapping whose ``metrics`` holds
-    ``step``."""
+    """Whether ``x`` is a clipjax state restored without a target (a mapping)."""
     if not isinstance(x, Mapping):
         return False
     metrics = x.get("metrics")
@@ -216,13 +206,7 @@ def _fix(state: Any) -> str:
 
 
 def check_state(state: Any, expected: type | tuple[type, ...], who: str) -> None:
-    """Raises a ``TypeError`` that names the mistake unless ``state`` is an ``expected``.
-
-    Args:
-      state: what ``update`` was given.
-      expected: the state class(es) the transform's ``init`` returns.
-      who: the transform, as its metrics prefix names it.
-    """
+    """Raises a ``TypeError`` naming the mistake unless ``state`` is an ``expected``."""
     if isinstance(state, expected):
         return
     names = expected if isinstance(expected, tuple) else (expected,)
@@ -234,8 +218,7 @@ def check_state(state: Any, expected: type | tuple[type, ...], who: str) -> None
 
 
 def check_members(state: Any, expected: tuple[type, ...], who: str) -> None:
-    """:func:`check_state` for a tuple state of ``len(expected)`` members (``object``: any
-    member)."""
+    """:func:`check_state` for a tuple state of ``len(expected)`` members (``object``: any)."""
     if (
         isinstance(state, tuple)
         and not hasattr(state, "_fields")
@@ -255,8 +238,7 @@ def _shapes(tree: Any) -> list[tuple[int, ...]]:
 
 
 def check_layout(who: str, field: str, got: Any, want: Any) -> None:
-    """Raises a ``ValueError`` unless ``got`` has ``want``'s (what ``init`` builds) tree and leaf
-    shapes."""
+    """Raises a ``ValueError`` unless ``got`` has ``want``'s tree and leaf shapes."""
     if jax.tree.structure(got) == jax.tree.structure(want) and _shapes(got) == _shapes(want):
         return
     if isinstance(got, Mapping) and isinstance(want, Mapping) and set(got) != set(want):
