@@ -1,8 +1,4 @@
-"""The largest pre-softmax attention logit of each head, without the attention matrix.
-
-For :func:`clipjax.qk_clip` under a fused or flash attention, which never
-holds its logits.
-"""
+"""The largest pre-softmax attention logit of each head, without the attention matrix."""
 
 from __future__ import annotations
 
@@ -17,8 +13,7 @@ Array = jax.Array
 
 
 def _blocks(x: Array, length: int, chunk: int, axis: int) -> Array:
-    """``x`` padded along ``axis`` to a multiple of ``chunk`` and split into
-    ``[blocks, ...]`` with the block axis first."""
+    """``x`` padded along ``axis`` to a multiple of ``chunk``, split into ``[blocks, ...]``."""
     blocks = -(-length // chunk)
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, blocks * chunk - length)
@@ -30,8 +25,7 @@ def _blocks(x: Array, length: int, chunk: int, axis: int) -> Array:
 def _mask_blocks(
     mask: Any, batch: tuple[int, ...], heads: int, kv_heads: int, q_len: int, kv_len: int
 ) -> Array:
-    """``mask`` as ``[batch or 1, kv_heads or 1, group or 1, q_len, kv_len]``: broadcast
-    over the lengths, and over the batch or the heads only where it has some of them."""
+    """``mask`` as ``[batch or 1, kv_heads or 1, group or 1, q_len, kv_len]``."""
     full = (*batch, heads, q_len, kv_len)
     mask = jnp.asarray(mask, bool)
     try:
@@ -68,19 +62,16 @@ def max_attention_logits(
 
         S_h = scale * max over batch, query i, key j (allowed by the mask) of q_hi . k_j
 
-    the quantity :func:`clipjax.qk_clip` bounds. The logits are computed one
-    block of ``chunk_size`` queries against one block of ``chunk_size`` keys
-    at a time: the largest array held is ``[batch, heads, chunk_size,
-    chunk_size]``. The inputs are read through ``lax.stop_gradient``. It costs
-    one more ``q @ k^T`` in the forward pass; an attention that computes its
-    logits anyway can take their ``max`` instead.
+    the quantity :func:`clipjax.qk_clip` bounds, for a fused or flash attention that
+    never holds its logits. Computed block by block (the largest array held is
+    ``[batch, heads, chunk_size, chunk_size]``) under ``lax.stop_gradient``: one
+    more ``q @ k^T`` in the forward pass.
 
     Args:
       query: ``[..., q_len, heads, head_dim]`` (the layout of
         ``jax.nn.dot_product_attention`` and flax), any leading batch axes.
-      key: ``[..., kv_len, kv_heads, head_dim]``; ``heads`` must be a multiple
-        of ``kv_heads``: query head ``h`` reads key head ``h // (heads //
-        kv_heads)``, as ``jax.nn.dot_product_attention`` repeats them.
+      key: ``[..., kv_len, kv_heads, head_dim]``; ``heads`` a multiple of
+        ``kv_heads`` (GQA, as ``jax.nn.dot_product_attention`` repeats them).
       scale: the logits' factor; default ``1 / sqrt(head_dim)``. Must be > 0.
       mask: boolean, broadcastable to ``[..., heads, q_len, kv_len]`` (flax's
         convention); False leaves a logit out.
@@ -88,8 +79,7 @@ def max_attention_logits(
       chunk_size: queries and keys per block (an int >= 1).
 
     Returns:
-      ``[heads]`` float32 (float64 for float64 inputs): ``-inf`` for a head
-      that sees no key.
+      ``[heads]`` float32 (float64 for float64 inputs); ``-inf`` where no key is seen.
 
     Examples:
       >>> import jax, jax.numpy as jnp, clipjax
