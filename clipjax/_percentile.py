@@ -1,11 +1,7 @@
 """Percentiles of magnitudes ``|x|``: an exact sort and a radix histogram select.
 
-Both compute numpy's default ``"linear"`` percentile (Hyndman & Fan type 7)
-of ``|values|``: with ``n`` sorted values and ``q = percentile / 100``, the
-virtual index ``v = (n - 1)·q`` interpolates ``x_floor(v)`` and
-``x_floor(v)+1`` with numpy's ``_lerp``. The result is NaN when any value is
-NaN or infinite. The radix select and its error bound: docs/glossary.md
-(Approximate percentile).
+Both compute numpy's default ``"linear"`` percentile (Hyndman & Fan type 7); the
+radix select and its error bound: docs/glossary.md (Approximate percentile).
 """
 
 from __future__ import annotations
@@ -264,14 +260,12 @@ def exact_percentile(values: Values, percentile: Any) -> Array:
     """The exact linearly interpolated percentile of ``|values|``, by sorting.
 
     Args:
-      values: an array of any shape (flattened), or a sequence of arrays whose
-        union is meant. Magnitudes are taken; computed in float32 (float64 for
-        float64 input).
+      values: an array of any shape, or a sequence of arrays (their union);
+        computed in float32 (float64 for float64 input).
       percentile: in ``[0, 100]``, a number or a scalar array.
 
     Returns:
-      A scalar: numpy's ``np.percentile(np.abs(values), percentile)`` (linear
-      method), NaN if any value is non-finite, 0 for no values.
+      ``np.percentile(np.abs(values), percentile)``; NaN if any value is non-finite, 0 if none.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -302,8 +296,7 @@ def approx_percentile(
         ``passes·log2(bins) >= 31`` (float32) the result is exact.
 
     Returns:
-      A scalar in float32 (float64 for float64 input); NaN if any value is
-      non-finite; 0 for no values.
+      A float32 scalar (float64 for float64 input); NaN if any value is non-finite, 0 if none.
 
     Examples:
       >>> import jax.numpy as jnp
