@@ -26,7 +26,7 @@ from tests import references as R
 from tests import restate as S
 from tests.compiled_step import compiled_train_step, full_size_conditionals, full_size_copies
 from tests.restate import skip_and_clip as A
-from tests.skip_streams import tree_equal
+from tests.skip_streams import directions, tree_equal
 
 PREFIX = "skip_and_clip_by_global_norm/global/"
 N = 400
@@ -34,19 +34,15 @@ SPIKY, _ = R.spikes(N, 5)  # x10, x100, x1000, x30 at 120, 187, 253, 320
 WITH_NAN = R.with_nan(R.with_nan(SPIKY, [60, 61]), [200], math.inf)
 SHIFT = np.r_[SPIKY[:200], 40.0 * SPIKY[200:]]  # a lasting x40 rise
 
-RULES = {
+RULES = {  # name: (clipjax's drop_norm, the restatement's)
     "ema": (lambda: clipjax.drop_norm_by_grad_norm_ema(), lambda: A.ema_rule()),
-    "ema_small": (
-        lambda: clipjax.drop_norm_by_grad_norm_ema((2, 5, 8)),
-        lambda: A.ema_rule((2, 5, 8)),
-    ),
-    "stddev": (
-        lambda: clipjax.drop_norm_by_grad_norm_stddev(min_count=50, multipliers=(6, 10, 20)),
-        lambda: A.stddev_rule(50, (6, 10, 20)),
-    ),
+    "ema_small": (lambda: clipjax.drop_norm_by_grad_norm_ema((2, 5, 8)),
+                  lambda: A.ema_rule((2, 5, 8))),
+    "stddev": (lambda: clipjax.drop_norm_by_grad_norm_stddev(min_count=50, multipliers=(6, 10, 20)),
+               lambda: A.stddev_rule(50, (6, 10, 20))),
     "fixed": (lambda: 5.0, lambda: 5.0),
     "none": (lambda: None, lambda: None),
-}
+}  # fmt: skip
 
 
 def run(norms: np.ndarray, **kwargs: Any) -> dict[str, np.ndarray]:
@@ -63,24 +59,12 @@ def compare(got: dict, want: dict, fields: Any = None) -> None:
         S.compare(got, want, PREFIX, ["std"], rtol=1e-4, atol=1e-6)
 
 
-# Every rule with and without the clip; the fast suite runs these three, and
-# test_skip_and_clip_traces.py (slow) the rest.
-# (No rule and no clip is refused at construction.)
-TRACE_CASES = [
-    (rule, max_norm)
-    for rule in sorted(RULES)
-    for max_norm in (None, 1.0)
-    if (rule, max_norm) != ("none", None)
-]
-FAST_TRACES = [("stddev", 1.0), ("ema", None), ("fixed", 1.0)]
+# Every rule with and without the clip (no rule and no clip is refused at construction).
+TRACE_CASES = [(r, m) for r in sorted(RULES) for m in (None, 1.0) if (r, m) != ("none", None)]
 
 
-@pytest.mark.parametrize(("rule", "max_norm"), FAST_TRACES)
+@pytest.mark.parametrize(("rule", "max_norm"), TRACE_CASES)
 def test_trace_equals_axlearn(rule: str, max_norm: float | None) -> None:
-    check_trace(rule, max_norm)
-
-
-def check_trace(rule: str, max_norm: float | None) -> None:
     """AXLearn's published code on finite norms, clipjax's fix with NaN and inf."""
     ours, theirs = RULES[rule]
     decay = 0.99 if rule != "stddev" else 0.95
@@ -91,7 +75,7 @@ def check_trace(rule: str, max_norm: float | None) -> None:
     # Finite norms, the first one below the thresholds: the published code itself.
     want = A.skip_and_clip(SPIKY, drop_norm=theirs(), decay=decay, max_norm=max_norm, fix=False)
     compare(got, want)
-    if rule not in ("none",):
+    if rule != "none":
         assert want["skipped"].any()  # the trace exercises the rule
     # With NaN and inf: clipjax's documented fix.
     got = run(WITH_NAN, drop_norm=ours(), **kw)
@@ -160,19 +144,6 @@ def test_fix_a_nan_norm_is_not_counted_against_every_threshold() -> None:
     got = run(norms, drop_norm=clipjax.drop_norm_by_grad_norm_ema(), grad_norm_ema_decay=0.99)
     assert got[PREFIX + "count_exceeds_20x_mean"][-1] == 0
     assert got[PREFIX + "nonfinite_count"][-1] == 1 and got[PREFIX + "skipped_count"][-1] == 1
-
-
-# ------------------------------------------------------------ the inner state
-
-
-def directions(steps: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(steps):
-        tree = {"w": rng.standard_normal((4, 3)), "b": rng.standard_normal(3)}
-        norm = math.sqrt(sum(float(np.sum(v**2)) for v in tree.values()))
-        out.append({k: (v / norm).astype(np.float32) for k, v in tree.items()})
-    return out
 
 
 INNERS = {
@@ -293,21 +264,17 @@ def test_scan_carry_single_trace_donation_and_wrappers() -> None:
         assert PREFIX + "count_exceeds_20x_stddev" in clipjax.metrics(s)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "argument"),
-    [
-        ({"drop_norm": 0.0}, "drop_norm"),
-        ({"drop_norm": "ema"}, "drop_norm"),
-        ({"drop_norm": lambda count, mean, stddev: {}}, "drop_norm"),
-        ({"drop_norm": lambda x: {"a": x}}, "drop_norm"),
-        ({"drop_norm": clipjax.drop_norm_by_grad_norm_ema()}, "grad_norm_ema_decay"),
-        ({"drop_norm": 5.0, "grad_norm_ema_decay": 1.0}, "grad_norm_ema_decay"),
-        ({"max_norm": -1.0}, "max_norm"),
-        ({"eps": -1.0}, "eps"),
-        ({"feedback": "clip_target"}, "feedback"),
-        ({"name": ""}, "name"),
-    ],
-)
+EMA, STDDEV = clipjax.drop_norm_by_grad_norm_ema, clipjax.drop_norm_by_grad_norm_stddev
+BAD = [({"drop_norm": 0.0}, "drop_norm"), ({"drop_norm": "ema"}, "drop_norm"),
+       ({"drop_norm": lambda count, mean, stddev: {}}, "drop_norm"),
+       ({"drop_norm": lambda x: {"a": x}}, "drop_norm"),
+       ({"drop_norm": EMA()}, "grad_norm_ema_decay"),
+       ({"drop_norm": 5.0, "grad_norm_ema_decay": 1.0}, "grad_norm_ema_decay"),
+       ({"max_norm": -1.0}, "max_norm"), ({"eps": -1.0}, "eps"),
+       ({"feedback": "clip_target"}, "feedback"), ({"name": ""}, "name")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kwargs", "argument"), BAD)
 def test_bad_arguments_are_named(kwargs: dict, argument: str) -> None:
     with pytest.raises(ValueError, match=argument):
         clipjax.skip_and_clip_by_global_norm(optax.sgd(0.1), **kwargs)
@@ -324,15 +291,10 @@ def test_neither_drop_norm_nor_max_norm_is_refused_naming_both() -> None:
     clipjax.skip_and_clip_by_global_norm(optax.sgd(0.1), max_norm=1.0)
 
 
-@pytest.mark.parametrize(
-    ("make", "argument"),
-    [
-        (lambda: clipjax.drop_norm_by_grad_norm_ema(()), "multipliers"),
-        (lambda: clipjax.drop_norm_by_grad_norm_ema((20, -1)), "multipliers"),
-        (lambda: clipjax.drop_norm_by_grad_norm_stddev(min_count=-1), "min_count"),
-        (lambda: clipjax.drop_norm_by_grad_norm_stddev(multipliers=(0,)), "multipliers"),
-    ],
-)
+@pytest.mark.parametrize(("make", "argument"), [
+    (lambda: EMA(()), "multipliers"), (lambda: EMA((20, -1)), "multipliers"),
+    (lambda: STDDEV(min_count=-1), "min_count"), (lambda: STDDEV(multipliers=(0,)), "multipliers"),
+])  # fmt: skip
 def test_bad_rule_arguments_are_named(make: Any, argument: str) -> None:
     with pytest.raises(ValueError, match=argument):
         make()
