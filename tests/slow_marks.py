@@ -736,8 +736,8 @@ _REPRESENTATIVES: dict[str, tuple[str | tuple[str, ...], str]] = {
         "clipjax.chain-100.0",
         "a run per route and scale",
     ),
-    "zclip/test_scale_free.py::test_other_settings_match_the_restatement": (
-        "config1",
+    "zclip/test_scale_free.py::test_settings_match_the_restatement": (
+        ("default", "warmup_steps"),
         "restatement step by step",
     ),
     "zclip/test_start.py::test_held_steps_leave_the_optimizer_untouched": (
