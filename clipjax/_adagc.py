@@ -66,8 +66,8 @@ def adagc(
 
     The EMA absorbs the clipped norm (``feedback="clipped"``, the paper's),
     ``g_i`` (``"raw"``) or nothing on a clipped step (``"skip"``); see
-    :doc:`/reference_adagc`. A non-finite group norm passes unchanged and
-    never enters ``gamma``. A callable ``scope`` goes in ``static_args``.
+    :doc:`/reference_adagc`. A non-finite group norm passes unchanged. A
+    callable ``scope`` goes in ``static_args``.
 
     Static arguments: none; every number may be injected.
 
@@ -77,18 +77,15 @@ def adagc(
       warmup_steps: finite norms of global clipping per group (``>= 0``).
       absolute_threshold: the global-norm bound during warm-up (``> 0``).
       eps: added to the norms in the denominators (``>= 0``).
-      scope: the groups (:class:`~clipjax.ClipTransform`); ``"per_param"`` is
-        the paper's per-tensor rule.
+      scope: the groups (:class:`~clipjax.ClipTransform`); ``"per_param"``: the paper's.
       feedback: ``"clipped"`` (default), ``"raw"`` or ``"skip"``.
       axis_name: average the group norms over this mapped axis first.
       leaf_norms: also record each leaf's L2 norm before clipping.
       name: metrics prefix (default ``adagc``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform`; metrics per group:
-      ``grad_norm``, ``threshold``, ``scale``, ``clipped``, ``mean`` (``gamma``
-      after the update) and the counters ``count``, ``step``,
-      ``clipped_count``, ``nonfinite_count``.
+      A :class:`~clipjax.ClipTransform`; metrics: ``grad_norm``, ``threshold``,
+      ``scale``, ``clipped``, ``mean`` (``gamma``) and the counters.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
