@@ -21,8 +21,7 @@ class HistoricalNormClipState(NamedTuple):
     """State of :func:`clip_by_historical_norm`: a window of norms per group.
 
     Attributes:
-      window: ``[groups, rolling_interval_length]`` ring buffer of the observed
-        norms (Levanter's ``update_norms``).
+      window: ``[groups, rolling_interval_length]`` ring buffer of the observed norms.
       seen: ``int32[groups]`` norms ever written to the window.
 
     Examples:
@@ -88,9 +87,8 @@ def clip_by_historical_norm(
       name: metrics prefix (default ``clip_by_historical_norm``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform`; metrics per group: ``grad_norm``,
-      ``threshold`` (+inf until ``min_history``), ``scale``, ``clipped``,
-      ``mean`` and ``std`` (of the window after the step) and the counters.
+      A :class:`~clipjax.ClipTransform`; metrics: ``grad_norm``, ``threshold`` (+inf
+      until ``min_history``), ``scale``, ``clipped``, ``mean``, ``std`` and the counters.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
