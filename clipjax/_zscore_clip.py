@@ -25,8 +25,7 @@ class ZScoreClipState(NamedTuple):
     """State of :func:`zscore_clip`: its EMA moments per group.
 
     Attributes:
-      moments: the EMAs of the observed norms: ``count`` (observations),
-        ``mean`` and ``var``, ``[groups]`` each
+      moments: the EMAs of the observed norms, ``count``, ``mean`` and ``var``
         (:class:`clipjax._stats.EmaMomentsState`).
 
     Examples:
@@ -104,8 +103,7 @@ def zscore_clip(
       eps: the threshold's floor, also added to the norm in the scale (``> 0``).
       guard_nans: True (default) keeps non-finite norms out of the EMAs;
         False lets them in as smartclip does (a NaN as ``eps``).
-      feedback: what a step teaches the EMAs: ``"observe_first"`` (default),
-        ``"raw"``, ``"clipped"`` or ``"skip"``.
+      feedback: ``"observe_first"`` (default), ``"raw"``, ``"clipped"`` or ``"skip"``.
       max_grad_norm: an absolute ceiling or None; ``"auto"`` (default) is 1.0
         under ``feedback="clipped"``, none otherwise.
       axis_name: average the group norms over this mapped axis first.
