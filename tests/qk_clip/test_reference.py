@@ -3,13 +3,10 @@ public implementations' formulas (Megatron-LM, MaxText), on MHA, GQA, MQA and ML
 
 Error budget (float32): every weight ``params + updates`` lands within
 ``BUDGET * (|params| + |updates| + |want|)`` of the float64 rule, element by element
-(``BUDGET = 2**-22``, two float32 ulps of that sum of magnitudes: the sum, the
-factor, the product, the subtraction and ``apply_updates`` each round once; the
-largest error measured is a quarter of it). The negative controls, a deliberately
-wrong rule each (the whole factor on query and key, GQA's query heads by their own
-factors, MLA's rotary query by the square root, ``tau`` off by 1e-4), land at least
-``CONTROL_MARGIN`` times over it. The updates of heads under ``tau``
-are the optimizer's, bit for bit.
+(``BUDGET = 2**-22``, two float32 ulps of that sum: the sum, the factor, the product, the
+subtraction and ``apply_updates`` each round once; the largest error measured is a quarter
+of it). Deliberately wrong rules land at least ``CONTROL_MARGIN`` times over it. The updates
+of heads under ``tau`` are the optimizer's, bit for bit.
 """
 
 from __future__ import annotations
@@ -40,15 +37,24 @@ def logits_for(heads: int, seed: int = 0) -> np.ndarray:
     )
 
 
-def random_tree(shapes: dict[str, Any], seed: int) -> Any:
+def random_tree(shapes: dict[str, Any], seed: int, scale: float = 1.0) -> Any:
     rng = np.random.default_rng(seed)
-
-    def build(node: Any) -> Any:
-        if isinstance(node, dict):
-            return {k: build(v) for k, v in node.items()}
-        return jnp.asarray(rng.standard_normal(node), jnp.float32)
-
+    build = lambda node: (
+        {k: build(v) for k, v in node.items()} if isinstance(node, dict)
+        else jnp.asarray(rng.standard_normal(node), jnp.float32) * scale
+    )  # fmt: skip
     return build(shapes)
+
+
+def at(tree: Any, path: tuple) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def pairs_of(new: Any, params: Any, updates: Any, wants: list[tuple[tuple, Any]]) -> list:
+    """``(got, want, params, updates)`` at each ``(path, want)``."""
+    return [(at(new, p), want, at(params, p), at(updates, p)) for p, want in wants]
 
 
 def step(tx: optax.GradientTransformation, params: Any, updates: Any, max_logits: Any) -> tuple:
@@ -70,9 +76,6 @@ def within_budget(pairs: list[tuple[Any, Any, Any, Any]]) -> float:
 
 def f64_sum(params: Any, updates: Any) -> Any:
     return jax.tree.map(lambda p, u: np.asarray(p, R.F64) + np.asarray(u, R.F64), params, updates)
-
-
-# -- the restatement against the public formulas ----------------------------------------
 
 
 @pytest.mark.parametrize(("heads", "groups"), [(8, 8), (8, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
@@ -120,9 +123,6 @@ def test_the_rule_is_megatrons_and_maxtexts_mla_formulas() -> None:
     np.testing.assert_array_equal(mg_kv, ours_kv.transpose(1, 2, 0).reshape(kv_up.shape))
 
 
-# -- clipjax against the restatement ---------------------------------------------------------
-
-
 def mha_case(heads: int = 8, groups: int = 8, d: int = 12, head_dim: int = 4, alpha=0.5):
     """flax's layout: kernels [d, heads, head_dim], biases [heads, head_dim]."""
     shapes = {
@@ -133,38 +133,18 @@ def mha_case(heads: int = 8, groups: int = 8, d: int = 12, head_dim: int = 4, al
         },
         "mlp": (d, d),
     }
-    params, updates = (
-        random_tree(shapes, 3),
-        jax.tree.map(lambda x: 0.01 * x, random_tree(shapes, 4)),
-    )
+    params, updates = random_tree(shapes, 3), random_tree(shapes, 4, 0.01)
     kv = None if groups == heads else groups
     tx = clipjax.qk_clip(optax.identity(), TAU, kv_heads=kv, alpha=alpha)
     s = logits_for(heads)
     new, out, state = step(tx, params, updates, jnp.asarray(s, jnp.float32)[None])
-    w = f64_sum(params, updates)
-    to_heads = lambda kernel, bias: (kernel.transpose(1, 0, 2), bias)
-    q_k, q_b = to_heads(w["attn"]["query"]["kernel"], w["attn"]["query"]["bias"])
-    k_k, k_b = to_heads(w["attn"]["key"]["kernel"], w["attn"]["key"]["bias"])
-    want_qk, want_kk, _ = R.rule(q_k, k_k, s, TAU, alpha=alpha)
-    want_qb, want_kb, _ = R.rule(q_b, k_b, s, TAU, alpha=alpha)
-    a = lambda tree, *path: _at(tree, path)
-    pairs = [
-        (a(new, "attn", "query", "kernel"), want_qk.transpose(1, 0, 2),
-         a(params, "attn", "query", "kernel"), a(updates, "attn", "query", "kernel")),
-        (a(new, "attn", "query", "bias"), want_qb,
-         a(params, "attn", "query", "bias"), a(updates, "attn", "query", "bias")),
-        (a(new, "attn", "key", "kernel"), want_kk.transpose(1, 0, 2),
-         a(params, "attn", "key", "kernel"), a(updates, "attn", "key", "kernel")),
-        (a(new, "attn", "key", "bias"), want_kb,
-         a(params, "attn", "key", "bias"), a(updates, "attn", "key", "bias")),
-    ]  # fmt: skip
-    return params, updates, out, state, s, pairs
-
-
-def _at(tree: Any, path: tuple[str, ...]) -> Any:
-    for key in path:
-        tree = tree[key]
-    return tree
+    w = f64_sum(params, updates)["attn"]
+    flip = lambda x: x.transpose(1, 0, 2)
+    q_k, k_k, _ = R.rule(flip(w["query"]["kernel"]), flip(w["key"]["kernel"]), s, TAU, alpha=alpha)
+    q_b, k_b, _ = R.rule(w["query"]["bias"], w["key"]["bias"], s, TAU, alpha=alpha)
+    wants = [(("attn", "query", "kernel"), flip(q_k)), (("attn", "query", "bias"), q_b),
+             (("attn", "key", "kernel"), flip(k_k)), (("attn", "key", "bias"), k_b)]  # fmt: skip
+    return params, updates, out, state, s, pairs_of(new, params, updates, wants)
 
 
 @pytest.mark.parametrize(("heads", "groups"), [(8, 8), (8, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
@@ -208,23 +188,26 @@ def test_alpha_splits_the_factor() -> None:
         assert within_budget(pairs) <= BUDGET, alpha
 
 
+def run_case(shapes: Any, seed: int, tx: Any, s: np.ndarray, scale: float = 1.0) -> tuple:
+    """``(new params, clipped updates, state, params, updates, float64 params + updates)``
+    after one step on random weights (``seed``) and updates (``seed + 1``, times ``scale``)."""
+    params, updates = random_tree(shapes, seed), random_tree(shapes, seed + 1, scale)
+    new, out, state = step(tx, params, updates, jnp.asarray(s, jnp.float32))
+    return new, out, state, params, updates, f64_sum(params, updates)
+
+
 def test_flattened_gqa_layout_within_the_budget() -> None:
     d, heads, groups, head_dim = 16, 8, 2, 4
     shapes = {"blocks": {"wq": (d, heads * head_dim), "wk": (d, groups * head_dim)}}
-    params, updates = random_tree(shapes, 5), random_tree(shapes, 6)
     tx = clipjax.qk_clip(optax.identity(), TAU, query="wq", key="wk", head_axis=-1, kv_heads=groups)
     s = logits_for(heads, 1)
-    new, *_ = step(tx, params, updates, jnp.asarray(s, jnp.float32))
-    w = f64_sum(params, updates)["blocks"]
-    q = w["wq"].reshape(d, heads, head_dim).transpose(1, 0, 2)
-    k = w["wk"].reshape(d, groups, head_dim).transpose(1, 0, 2)
+    new, _, _, params, updates, w = run_case(shapes, 5, tx, s)
+    q = w["blocks"]["wq"].reshape(d, heads, head_dim).transpose(1, 0, 2)
+    k = w["blocks"]["wk"].reshape(d, groups, head_dim).transpose(1, 0, 2)
     q, k, _ = R.rule(q, k, s, TAU)
     flat = lambda x: x.transpose(1, 0, 2).reshape(d, -1)
-    pairs = [
-        (new["blocks"][n], flat(want), params["blocks"][n], updates["blocks"][n])
-        for n, want in (("wq", q), ("wk", k))
-    ]
-    assert within_budget(pairs) <= BUDGET
+    wants = [(("blocks", "wq"), flat(q)), (("blocks", "wk"), flat(k))]
+    assert within_budget(pairs_of(new, params, updates, wants)) <= BUDGET
 
 
 # One layer's [heads, d, head_dim] from each layout of n heads, and back (d = 13: each leaf
@@ -246,83 +229,63 @@ def test_each_layout_inferred_or_given_within_the_budget(
     layout: str, given: bool, heads: int, groups: int
 ) -> None:
     axis, shape, to_heads, back = LAYOUTS[layout]
-    shapes = {"attn": {"wq": shape(heads), "wk": shape(groups)}}
-    params = random_tree(shapes, 15)
-    updates = jax.tree.map(lambda x: 0.01 * x, random_tree(shapes, 16))
     kv = None if groups == heads else groups
     tx = clipjax.qk_clip(
         optax.identity(), TAU, query="wq", key="wk", head_axis=axis if given else None, kv_heads=kv
     )
     s = logits_for(heads, 4)
-    new, *_ = step(tx, params, updates, jnp.asarray(s, jnp.float32))
-    w = f64_sum(params, updates)["attn"]
-    q, k, _ = R.rule(to_heads(w["wq"], heads), to_heads(w["wk"], groups), s, TAU)
-    pairs = [
-        (new["attn"][n], back(want), params["attn"][n], updates["attn"][n])
-        for n, want in (("wq", q), ("wk", k))
-    ]
-    assert within_budget(pairs) <= BUDGET
+    shapes = {"attn": {"wq": shape(heads), "wk": shape(groups)}}
+    new, _, _, params, updates, w = run_case(shapes, 15, tx, s, 0.01)
+    q, k, _ = R.rule(to_heads(w["attn"]["wq"], heads), to_heads(w["attn"]["wk"], groups), s, TAU)
+    wants = [(("attn", "wq"), back(q)), (("attn", "wk"), back(k))]
+    assert within_budget(pairs_of(new, params, updates, wants)) <= BUDGET
 
 
 MEGATRON = dict(heads=8, groups=2, head_dim=4, hidden=6)
 
 
-def megatron_fused(tau: float = TAU, **kw: Any) -> tuple[Any, Any, Any, np.ndarray]:
+def megatron_fused(tau: float = TAU) -> list:
+    """clipjax on Megatron's fused linear_qkv against the restatement with ``tau``."""
     h, g, hd, hidden = (MEGATRON[k] for k in ("heads", "groups", "head_dim", "hidden"))
     per_group = h // g
-    shape = (g * (per_group + 2) * hd, hidden)
-    params = random_tree({"linear_qkv": {"weight": shape}}, 7)
-    updates = jax.tree.map(lambda x: 0.01 * x, random_tree({"linear_qkv": {"weight": shape}}, 8))
+    shapes = {"linear_qkv": {"weight": (g * (per_group + 2) * hd, hidden)}}
     query = clipjax.QKHeads("linear_qkv", axis=0, count=g, dims=(0, per_group * hd))
     key = clipjax.QKHeads(
         "linear_qkv", axis=0, count=g, dims=(per_group * hd, (per_group + 1) * hd)
     )
-    tx = clipjax.qk_clip(optax.identity(), tau, query=query, key=key, kv_heads=g, **kw)
+    tx = clipjax.qk_clip(optax.identity(), TAU, query=query, key=key, kv_heads=g)
     s = logits_for(h, 2)
-    new, *_ = step(tx, params, updates, jnp.asarray(s, jnp.float32))
-    return new, params, updates, s
+    new, _, _, params, updates, w = run_case(shapes, 7, tx, s, 0.01)
+    want = R.megatron_qkv(w["linear_qkv"]["weight"], s, tau, groups=g, head_dim=hd)
+    return pairs_of(new, params, updates, [(("linear_qkv", "weight"), want)])
 
 
 def test_megatrons_fused_qkv_layout_within_the_budget() -> None:
-    new, params, updates, s = megatron_fused()
-    w = f64_sum(params, updates)["linear_qkv"]["weight"]
-    want = R.megatron_qkv(w, s, TAU, groups=MEGATRON["groups"], head_dim=MEGATRON["head_dim"])
-    p, u = params["linear_qkv"]["weight"], updates["linear_qkv"]["weight"]
-    assert error_ratio(new["linear_qkv"]["weight"], want, p, u) <= BUDGET
+    assert within_budget(megatron_fused()) <= BUDGET
 
 
-def mla_case(layout: str, rotary: bool = True) -> tuple[list, Any, Any, Any, np.ndarray]:
+def mla_case(layout: str) -> tuple[list, Any, Any, Any, np.ndarray]:
     heads, nope, rope, v, rank = 4, 6, 2, 5, 8
     if layout == "maxtext":
+        names, axis = ("wq_b", "wkv_b"), -1
         shapes = {"mla": {"wq_b": {"kernel": (rank, heads, nope + rope)},
                           "wkv_b": {"kernel": (rank, heads, nope + v)}}}  # fmt: skip
-        q = clipjax.QKHeads("wq_b", dims=(0, nope))
-        k = clipjax.QKHeads("wkv_b", dims=(0, nope))
-        rq = clipjax.QKHeads("wq_b", dims=(nope, nope + rope))
     else:
+        names, axis = ("linear_q_proj", "linear_kv_up_proj"), 0
         shapes = {"mla": {"linear_q_proj": {"weight": (heads * (nope + rope), rank)},
                           "linear_kv_up_proj": {"weight": (heads * (nope + v), rank)}}}  # fmt: skip
-        q = clipjax.QKHeads("linear_q_proj", axis=0, dims=(0, nope))
-        k = clipjax.QKHeads("linear_kv_up_proj", axis=0, dims=(0, nope))
-        rq = clipjax.QKHeads("linear_q_proj", axis=0, dims=(nope, nope + rope))
-    params = random_tree(shapes, 9)
-    updates = jax.tree.map(lambda x: 0.01 * x, random_tree(shapes, 10))
-    tx = clipjax.qk_clip(optax.identity(), TAU, query=q, key=k, rotary_query=rq if rotary else None)
+    heads_of = lambda name, dims: clipjax.QKHeads(
+        name, dims=dims, **({"axis": 0} if axis == 0 else {})
+    )
+    q, k = heads_of(names[0], (0, nope)), heads_of(names[1], (0, nope))
+    rq = heads_of(names[0], (nope, nope + rope))
+    tx = clipjax.qk_clip(optax.identity(), TAU, query=q, key=k, rotary_query=rq)
     s = logits_for(heads, 3)
-    new, *_ = step(tx, params, updates, jnp.asarray(s, jnp.float32))
-    w = f64_sum(params, updates)["mla"]
-    leaf = lambda tree, name: next(iter(tree["mla"][name].values()))
-    names = list(shapes["mla"])
-    if layout == "maxtext":
-        want = R.maxtext_mla(w["wq_b"]["kernel"], w["wkv_b"]["kernel"], s, TAU, nope=nope)
-    else:
-        want = R.megatron_mla(
-            w["linear_q_proj"]["weight"], w["linear_kv_up_proj"]["weight"], s, TAU, nope=nope
-        )
-    pairs = [
-        (leaf(new, n), want[i], leaf(params, n), leaf(updates, n)) for i, n in enumerate(names)
-    ]
-    return pairs, new, params, updates, s
+    new, _, _, params, updates, w = run_case(shapes, 9, tx, s, 0.01)
+    paths = [("mla", n, next(iter(shapes["mla"][n]))) for n in names]
+    restate = R.maxtext_mla if layout == "maxtext" else R.megatron_mla
+    want = restate(*(at(w, p) for p in paths), s, TAU, nope=nope)
+    return pairs_of(new, params, updates, list(zip(paths, want))), new, params, updates, s
 
 
 @pytest.mark.parametrize("layout", ["maxtext", "megatron"])
@@ -331,38 +294,31 @@ def test_mla_layouts_within_the_budget(layout: str) -> None:
     assert within_budget(pairs) <= BUDGET
 
 
+def stacked_pairs(shapes: Any, seed: int, tx: Any, s: np.ndarray, path: Any) -> tuple:
+    """The budget's pairs of every layer ``k`` of the leaves at ``path(name, k)``."""
+    new, out, state, params, updates, w = run_case(shapes, seed, tx, s)
+    wants = []
+    for k in range(len(s)):
+        flip = lambda n, k=k: at(w, path(n, k)).transpose(1, 0, 2)
+        q, kk, _ = R.rule(flip("query"), flip("key"), s[k], TAU)
+        wants += [(path("query", k), q.transpose(1, 0, 2)), (path("key", k), kk.transpose(1, 0, 2))]
+    return pairs_of(new, params, updates, wants), out, state, updates
+
+
 def test_stacked_layers_within_the_budget() -> None:
     layers, d, heads, head_dim = 3, 8, 4, 2
-    shapes = {"layers": {"attn": {"query": {"kernel": (layers, d, heads, head_dim)},
-                                  "key": {"kernel": (layers, d, heads, head_dim)}}}}  # fmt: skip
-    params, updates = random_tree(shapes, 11), random_tree(shapes, 12)
+    kernel = {"kernel": (layers, d, heads, head_dim)}
     tx = clipjax.qk_clip(optax.identity(), TAU, scope=clipjax.stacked(layers="layers"))
     s = np.stack([logits_for(heads, seed) for seed in range(layers)])
     s[1] = 10.0  # a layer with no head over tau
-    new, out, state = step(tx, params, updates, jnp.asarray(s, jnp.float32))
+    pairs, out, state, updates = stacked_pairs(
+        {"layers": {"attn": {"query": kernel, "key": kernel}}}, 11, tx, s,
+        lambda n, k: ("layers", "attn", n, "kernel", k),
+    )  # fmt: skip
     assert state.info.groups == tuple(f"layers/{k}/attn" for k in range(layers))
-    w = f64_sum(params, updates)["layers"]["attn"]
-    pairs = []
-    for k in range(layers):
-        q, kk, _ = R.rule(
-            w["query"]["kernel"][k].transpose(1, 0, 2),
-            w["key"]["kernel"][k].transpose(1, 0, 2),
-            s[k],
-            TAU,
-        )
-        for name, want in (("query", q), ("key", kk)):
-            pairs.append(
-                (
-                    new["layers"]["attn"][name]["kernel"][k],
-                    want.transpose(1, 0, 2),
-                    params["layers"]["attn"][name]["kernel"][k],
-                    updates["layers"]["attn"][name]["kernel"][k],
-                )
-            )
     assert within_budget(pairs) <= BUDGET
-    np.testing.assert_array_equal(
-        out["layers"]["attn"]["query"]["kernel"][1], updates["layers"]["attn"]["query"]["kernel"][1]
-    )
+    query = lambda tree: tree["layers"]["attn"]["query"]["kernel"][1]
+    np.testing.assert_array_equal(query(out), query(updates))
     m = clipjax.metrics(state)
     assert not bool(m["qk_clip/layers/1/attn/clipped"])
     assert int(m["qk_clip/layers/0/attn/clipped_heads"]) == int(np.sum(s[0] > TAU))
@@ -374,39 +330,19 @@ def test_a_layer_axis_after_the_head_axis() -> None:
     shapes = {
         "layers": {"query": (d, layers, heads, head_dim), "key": (d, layers, heads, head_dim)}
     }
-    params, updates = random_tree(shapes, 13), random_tree(shapes, 14)
     tx = clipjax.qk_clip(optax.identity(), TAU, scope=clipjax.stacked(layers="layers", axis=1))
     s = np.stack([logits_for(heads, seed) for seed in range(layers)])
-    new, *_ = step(tx, params, updates, jnp.asarray(s, jnp.float32))
-    w = f64_sum(params, updates)["layers"]
-    pairs = []
-    for k in range(layers):
-        q, kk, _ = R.rule(
-            w["query"][:, k].transpose(1, 0, 2), w["key"][:, k].transpose(1, 0, 2), s[k], TAU
-        )
-        at = lambda tree, n, k=k: tree["layers"][n][:, k]
-        pairs += [
-            (at(new, n), want.transpose(1, 0, 2), at(params, n), at(updates, n))
-            for n, want in (("query", q), ("key", kk))
-        ]
+    pairs, *_ = stacked_pairs(shapes, 13, tx, s, lambda n, k: ("layers", n, (slice(None), k)))
     assert within_budget(pairs) <= BUDGET
 
 
 def test_bfloat16_weights_keep_their_dtype() -> None:
-    params = {
-        "attn": {
-            "query": jnp.ones((4, 2, 3), jnp.bfloat16),
-            "key": jnp.ones((4, 2, 3), jnp.bfloat16),
-        }
-    }
+    params = {"attn": {n: jnp.ones((4, 2, 3), jnp.bfloat16) for n in ("query", "key")}}
     tx = clipjax.qk_clip(optax.identity(), TAU)
     out, _ = tx.update(params, tx.init(params), params, max_logits=jnp.array([400.0, 50.0]))
     assert out["attn"]["query"].dtype == jnp.bfloat16
     new = optax.apply_updates(params, out)
     np.testing.assert_allclose(np.asarray(new["attn"]["query"][0, :, 0], np.float32), [1.0, 2.0])
-
-
-# -- negative controls: a wrong rule misses the budget by far -----------------------------------
 
 
 def test_negative_controls_miss_the_budget() -> None:
@@ -425,23 +361,16 @@ def test_negative_controls_miss_the_budget() -> None:
     }
     # 2. GQA: each query head by its own factor, the key by its group's (not the group's on all).
     params, updates, _, _, s, pairs = mha_case(8, 2)
-    w = f64_sum(params, updates)["attn"]
     own = np.minimum(1.0, TAU / s) ** 0.5
-    q = w["query"]["kernel"] * own[None, :, None]
+    q = f64_sum(params, updates)["attn"]["query"]["kernel"] * own[None, :, None]
     controls["gqa per-head query"] = [(pairs[0][0], q, *pairs[0][2:])]
     # 3. MLA: the rotary query by sqrt(gamma), like the head-specific part.
-    mla_pairs, new, params, updates, s = mla_case("maxtext")
-    w = f64_sum(params, updates)["mla"]
-    scale = np.minimum(1.0, TAU / s)[:, None]
-    wq = w["wq_b"]["kernel"] * np.sqrt(scale)
+    mla_pairs, _, params, updates, s = mla_case("maxtext")
+    wq = f64_sum(params, updates)["mla"]["wq_b"]["kernel"] * np.sqrt(
+        np.minimum(1.0, TAU / s)[:, None]
+    )
     controls["mla rotary by sqrt"] = [(mla_pairs[0][0], wq, *mla_pairs[0][2:])]
     # 4. tau off by one part in 10^4.
-    new, params, updates, s = megatron_fused()
-    w = f64_sum(params, updates)["linear_qkv"]["weight"]
-    want = R.megatron_qkv(
-        w, s, TAU * (1 + 1e-4), groups=MEGATRON["groups"], head_dim=MEGATRON["head_dim"]
-    )
-    weight = lambda tree: tree["linear_qkv"]["weight"]
-    controls["tau + 1e-4"] = [(weight(new), want, weight(params), weight(updates))]
+    controls["tau + 1e-4"] = megatron_fused(TAU * (1 + 1e-4))
     for name, control in controls.items():
         assert within_budget(control) > CONTROL_MARGIN * BUDGET, name
