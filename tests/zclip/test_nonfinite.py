@@ -1,9 +1,6 @@
-"""zclip on a non-finite step: the statistics it keeps, and the boundary they set.
-
-Issue 12: the step's gradient passes unchanged (scale 1, counted), the mean and
-standard deviation are those before it, and ``threshold`` reports the spike
-boundary they set (capped by ``max_grad_norm``), not a NaN.
-"""
+"""zclip on a non-finite step (issue 12): the gradient passes unchanged (scale 1, counted),
+the statistics are those before it, and ``threshold`` reports the spike boundary they set
+(capped by ``max_grad_norm``), not a NaN."""
 
 from __future__ import annotations
 
@@ -24,8 +21,7 @@ def test_nonfinite_step_reports_spike_boundary(mode: str, max_grad_norm: float, 
     params = {"w": jnp.ones(4)}
     state = tx.init(params)
     update = jax.jit(tx.update)
-    # Norms (the leaf is 4 equal entries of g / 2, so its norm is g).
-    for g in [1.0, 1.2, 0.9, 1.1, 0.95]:
+    for g in [1.0, 1.2, 0.9, 1.1, 0.95]:  # 4 entries of g / 2: norm g
         _, state = update({"w": jnp.full(4, g / 2)}, state)
     kept = clipjax.metrics(state, flat=False)["zclip"]["global"]
     grads = {"w": jnp.full(4, bad)}
@@ -34,7 +30,6 @@ def test_nonfinite_step_reports_spike_boundary(mode: str, max_grad_norm: float, 
     expected = min(kept["mean"] + z_thresh * kept["std"], max_grad_norm)
     assert np.isfinite(m["threshold"]), f"threshold on a {bad} step is {m['threshold']}"
     np.testing.assert_allclose(m["threshold"], expected, rtol=1e-5)
-    # The statistics were kept and the gradient passed through.
     assert m["mean"] == kept["mean"] and m["std"] == kept["std"]
     assert m["scale"] == 1.0 and m["nonfinite_count"] == 1.0
     assert not np.isfinite(np.asarray(out["w"])).any()
