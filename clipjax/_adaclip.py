@@ -143,8 +143,7 @@ def adaclip(
       name: metrics prefix (default ``adaclip``).
 
     Returns:
-      A :class:`clipjax.ClipTransform`; metrics: ``grad_norm``, ``grad_max``,
-      ``bound``, ``clipped``, ``clipped_fraction`` and the counters.
+      A :class:`clipjax.ClipTransform`; its metrics: :doc:`/metrics_logging`.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -255,8 +254,7 @@ def ada_norm(
       name: metrics prefix (default ``ada_norm``).
 
     Returns:
-      A :class:`clipjax.ClipTransform`; metrics: ``grad_norm``, ``mean``,
-      ``mean_square``, ``target_norm``, ``scale`` and the counters.
+      A :class:`clipjax.ClipTransform`; its metrics: :doc:`/metrics_logging`.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
