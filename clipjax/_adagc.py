@@ -84,8 +84,7 @@ def adagc(
       name: metrics prefix (default ``adagc``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform`; metrics: ``grad_norm``, ``threshold``,
-      ``scale``, ``clipped``, ``mean`` (``gamma``) and the counters.
+      A :class:`~clipjax.ClipTransform`; its metrics: :doc:`/metrics_logging`.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
