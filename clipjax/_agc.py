@@ -160,13 +160,9 @@ def agc(
             target = max(eps, clipping * (w + eps))
             scale = min(1, target / (g + eps))
 
-    Unitwise equals ``optax.adaptive_grad_clip``; grouped, smartclip's AGC
-    (:doc:`/reference_smartclip`).
-
     ``exclude_bias_bn=True`` leaves parameters with ``ndim <= 1`` (biases,
-    norm scales) unclipped; grouped norms leave them out and they report
-    scale 1. A non-finite gradient norm passes unchanged (scale 1) and
-    increments ``nonfinite_count``.
+    norm scales) unclipped and out of grouped norms. A non-finite gradient
+    norm passes unchanged. Grouped AGC and smartclip's: :doc:`/reference_smartclip`.
 
     Static arguments: ``axis`` (it picks the unit axes); every other number may be injected.
 
@@ -186,10 +182,9 @@ def agc(
       name: metrics prefix (default ``agc``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform` whose ``update`` needs ``params``. Metrics
-      per group (per leaf when unitwise): ``grad_norm``, ``weight_norm``, ``target``,
-      ``scale``, ``clipped`` and the counters; unitwise also ``clipped_fraction``
-      (share of clipped units), with ``scale`` the smallest unit scale.
+      A :class:`~clipjax.ClipTransform` whose ``update`` needs ``params``; its
+      metrics (per leaf when unitwise, ``scale`` the smallest unit scale):
+      :doc:`/metrics_logging`.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
