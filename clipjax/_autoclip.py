@@ -282,8 +282,7 @@ def autoclip(
       name: metrics prefix (default ``autoclip``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform`; metrics: ``grad_norm``, ``threshold``, ``scale``,
-      ``clipped``, ``spike``, the counters, ``median`` and ``std`` or ``quantile``.
+      A :class:`~clipjax.ClipTransform`; its metrics: :doc:`/metrics_logging`.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
