@@ -136,12 +136,10 @@ def clip_by_value(
 ) -> ClipTransform:
     """Clamps every element of the updates to ``[-|max_abs|, |max_abs|]``.
 
-    Element-wise ``clip(g, -|max_abs|, |max_abs|)``; for ``max_abs > 0`` the
-    output equals ``optax.clip(max_abs)``, including non-finite elements
-    (``±inf`` become ``±max_abs``, NaN stays NaN). ``scope`` only decides how
-    the metrics are grouped. A complex element keeps its phase and has its
-    magnitude clamped. An integer or boolean leaf raises a ``ValueError``. A
-    callable ``scope`` goes in ``static_args``.
+    For ``max_abs > 0`` this equals ``optax.clip(max_abs)``, non-finite elements
+    included (``±inf`` become ``±max_abs``, NaN stays NaN). A complex element
+    keeps its phase. ``scope`` only groups the metrics; a callable one goes in
+    ``static_args``.
 
     Static arguments: none; every number may be injected.
 
@@ -154,9 +152,7 @@ def clip_by_value(
       name: metrics prefix (default ``clip_by_value``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform`; metrics: ``grad_norm`` (L2, before
-      clipping), ``clipped_fraction`` (share of elements clamped), ``clipped``
-      and the counters ``count``, ``step``, ``clipped_count``, ``nonfinite_count``.
+      A :class:`~clipjax.ClipTransform`; its metrics: :doc:`/metrics_logging`.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -232,18 +228,15 @@ def clip_by_percentile(
     ``2^-17`` of the exact bound; ``"auto"`` is exact for groups of up to
     ``AUTO_EXACT_MAX_SIZE`` (4096) elements and approximate above.
 
-    A group with a NaN or inf element is passed through unchanged, reports
-    ``bound = inf`` and ``clipped_fraction = 0`` and increments
-    ``nonfinite_count``. A complex element keeps its phase and has its
-    magnitude clamped; with bfloat16/float16 leaves the bound is rounded to
-    the leaf dtype. A callable ``scope`` goes in ``static_args``.
+    A group with a NaN or inf element passes unchanged (``bound = inf``). A
+    complex element keeps its phase; with bfloat16/float16 leaves the bound is
+    rounded to the leaf dtype. A callable ``scope`` goes in ``static_args``.
 
     Static arguments: none; every number may be injected.
 
     Args:
-      percentile: on the 0-100 scale, in ``(1, 100]``; 100 is the maximum
-        (nothing clipped). A value in ``(0, 1]``, almost surely a fraction
-        (0.95 for the 95th percentile), raises a ``ValueError``.
+      percentile: on the 0-100 scale, in ``(1, 100]`` (100: nothing clipped); a
+        value in ``(0, 1]``, almost surely a fraction, raises ``ValueError``.
       scope: ``"per_param"``, ``"per_layer"``, ``"global"`` or a callable
         ``(path, leaf) -> str``.
       method: ``"auto"``, ``"exact"`` or ``"approx"``.
@@ -251,8 +244,7 @@ def clip_by_percentile(
       name: metrics prefix (default ``clip_by_percentile``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform`; metrics: ``grad_norm``, ``bound``,
-      ``clipped_fraction``, ``clipped`` and the counters.
+      A :class:`~clipjax.ClipTransform`; its metrics: :doc:`/metrics_logging`.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
