@@ -112,8 +112,7 @@ def clip_by_global_norm(
       name: metrics prefix (default ``clip_by_global_norm``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform`; metrics: ``grad_norm``, ``threshold``
-      (``|max_norm|``), ``scale``, ``clipped`` and the counters.
+      A :class:`~clipjax.ClipTransform`; its metrics: :doc:`/metrics_logging`.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -199,8 +198,7 @@ def normalize_per_param(eps: float = 1e-8, *, name: str | None = None) -> ClipTr
       name: metrics prefix (default ``normalize_per_param``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform`; metrics per leaf: ``grad_norm`` and the
-      counters ``count``, ``step``, ``nonfinite_count``.
+      A :class:`~clipjax.ClipTransform`; its metrics: :doc:`/metrics_logging`.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -269,8 +267,7 @@ def zscore_normalize(eps: float = 1e-8, *, name: str | None = None) -> ClipTrans
       name: metrics prefix (default ``zscore_normalize``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform`; metrics per leaf: ``grad_norm`` (L2)
-      and the counters ``count``, ``step``, ``nonfinite_count``.
+      A :class:`~clipjax.ClipTransform`; its metrics: :doc:`/metrics_logging`.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
