@@ -81,8 +81,7 @@ def clip_norm_growth(
       name: metrics prefix (default ``clip_norm_growth``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform`; metrics: ``grad_norm``, ``threshold``
-      (``T``), ``scale``, ``clipped``, ``prev_norm`` and the counters.
+      A :class:`~clipjax.ClipTransform`; its metrics: :doc:`/metrics_logging`.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
@@ -234,8 +233,7 @@ def clip_norm_by_ema(
       name: metrics prefix (default ``clip_norm_by_ema``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform`; metrics: ``grad_norm``, ``threshold``
-      (``e``), ``scale``, ``clipped``, ``ema_norm`` and the counters.
+      A :class:`~clipjax.ClipTransform`; its metrics: :doc:`/metrics_logging`.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
