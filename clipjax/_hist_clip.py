@@ -263,9 +263,7 @@ def hist_clip(
       name: metrics prefix (default ``hist_clip``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform` (state :class:`HistClipState`); metrics
-      per group: ``grad_norm``, ``threshold``, ``clip_to``, ``scale``, ``clipped``,
-      ``spike``, ``mean``, ``std``, ``z`` (zstat), the counters, the warm-up clip's.
+      A :class:`~clipjax.ClipTransform`; its metrics: :doc:`/metrics_logging`.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
