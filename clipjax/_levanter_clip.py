@@ -87,8 +87,7 @@ def clip_by_historical_norm(
       name: metrics prefix (default ``clip_by_historical_norm``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform`; metrics: ``grad_norm``, ``threshold`` (+inf
-      until ``min_history``), ``scale``, ``clipped``, ``mean``, ``std`` and the counters.
+      A :class:`~clipjax.ClipTransform`; its metrics: :doc:`/metrics_logging`.
 
     Examples:
       >>> import jax.numpy as jnp, clipjax
