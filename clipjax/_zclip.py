@@ -246,9 +246,7 @@ def zclip(
       name: metrics prefix (default ``zclip``).
 
     Returns:
-      A :class:`~clipjax.ClipTransform`; metrics: ``grad_norm``, ``threshold``,
-      ``clip_to``, ``scale``, ``clipped``, ``spike``, ``capped``, ``z``, ``mean``,
-      ``std``, the counters, and ``held``, ``weight`` or ``headroom`` where they apply.
+      A :class:`~clipjax.ClipTransform`; its metrics: :doc:`/metrics_logging`.
 
     Examples:
       >>> import jax.numpy as jnp, optax, clipjax
