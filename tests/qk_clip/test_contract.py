@@ -16,6 +16,8 @@ import clipjax
 
 TAU = 10.0
 D, HEADS, HEAD_DIM = 8, 4, 2
+FIELDS = ("max_logit", "clipped", "clipped_heads", "factor", "step", "clipped_count",
+          "nonfinite_count")  # fmt: skip
 
 
 def attention_params(seed: int = 0, layers: int | None = None) -> dict[str, Any]:
@@ -37,31 +39,7 @@ def logits_at(t: int, rows: int = 1) -> jax.Array:
     return jnp.tile(base * (1.0 + 0.1 * t), (rows, 1))
 
 
-# -- the state ----------------------------------------------------------------------------
-
-
-def test_the_state_keeps_its_structure_shapes_and_dtypes() -> None:
-    params = attention_params()
-    tx = clipjax.qk_clip(optax.identity(), TAU)
-    state = tx.init(params)
-    shapes = jax.tree.map(lambda x: (x.shape, x.dtype), state)
-    update = jax.jit(tx.update)
-    for t in range(3):
-        _, state = update(params, state, params, max_logits=logits_at(t))
-        assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == shapes
-        assert jax.tree.structure(state) == jax.tree.structure(tx.init(params))
-    assert {k: v.dtype for k, v in state.metrics.items()} == {
-        "max_logit": jnp.float32,
-        "clipped": jnp.bool_,
-        "clipped_heads": jnp.int32,
-        "factor": jnp.float32,
-        "step": jnp.int32,
-        "clipped_count": jnp.int32,
-        "nonfinite_count": jnp.int32,
-    }
-
-
-def test_jit_traces_once_and_equals_eager() -> None:
+def test_jit_traces_once_keeps_the_state_and_equals_eager() -> None:
     params = attention_params()
     tx = clipjax.qk_clip(optax.identity(), TAU)
     traces = []
@@ -72,9 +50,12 @@ def test_jit_traces_once_and_equals_eager() -> None:
 
     jitted = jax.jit(update)
     state = eager_state = tx.init(params)
+    shapes = jax.tree.map(lambda x: (x.shape, x.dtype), state)
     for t in range(4):
         updates = jax.tree.map(lambda p, c=0.1 * (t + 1): c * p, params)
         out, state = jitted(updates, state, params, logits_at(t))
+        assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == shapes
+        assert jax.tree.structure(state) == jax.tree.structure(tx.init(params))
         eager, eager_state = tx.update(updates, eager_state, params, max_logits=logits_at(t))
         # XLA fuses the jitted rescale (a multiply-add): equal within float32 rounding.
         jax.tree.map(
@@ -82,6 +63,10 @@ def test_jit_traces_once_and_equals_eager() -> None:
         )
     assert len(traces) == 1
     jax.tree.map(np.testing.assert_array_equal, state, eager_state)
+    assert {k: v.dtype for k, v in state.metrics.items()} == {
+        **dict.fromkeys(FIELDS, jnp.int32), "max_logit": jnp.float32, "factor": jnp.float32,
+        "clipped": jnp.bool_,
+    }  # fmt: skip
 
 
 def test_metrics_names_and_counters() -> None:
@@ -91,9 +76,7 @@ def test_metrics_names_and_counters() -> None:
     for t in range(3):
         _, state = tx.update(params, state, params, max_logits=logits_at(t))
     m = clipjax.metrics(state)
-    fields = ["max_logit", "clipped", "clipped_heads", "factor", "step", "clipped_count",
-              "nonfinite_count"]  # fmt: skip
-    assert sorted(m) == sorted(f"qk/layers/attn/{f}" for f in fields)
+    assert sorted(m) == sorted(f"qk/layers/attn/{f}" for f in FIELDS)
     s = np.asarray(logits_at(2))[0]
     assert float(m["qk/layers/attn/max_logit"]) == pytest.approx(s.max())
     assert int(m["qk/layers/attn/clipped_heads"]) == 2
@@ -106,16 +89,10 @@ def test_a_nonfinite_logit_leaves_its_head_alone_and_is_counted() -> None:
     tx = clipjax.qk_clip(optax.identity(), TAU)
     s = jnp.array([[jnp.nan, jnp.inf, 30.0, 1.0]])
     out, state = tx.update(params, tx.init(params), params, max_logits=s)
-    kernel, given = (
-        out["layers"]["attn"]["query"]["kernel"],
-        params["layers"]["attn"]["query"]["kernel"],
-    )
-    np.testing.assert_array_equal(kernel[:, :2], given[:, :2])
+    kernel = lambda tree: tree["layers"]["attn"]["query"]["kernel"][:, :2]
+    np.testing.assert_array_equal(kernel(out), kernel(params))
     assert int(state.metrics["nonfinite_count"][0]) == 1
     assert int(state.metrics["clipped_heads"][0]) == 1
-
-
-# -- jit, scan and the layers of a scanned model ------------------------------------------
 
 
 def scanned_model_loss(params: Any, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -179,9 +156,6 @@ def test_update_under_vmap_takes_the_max_over_axis_name() -> None:
         mine = jax.tree.map(lambda a, r=replica: a[r], out)
         jax.tree.map(np.testing.assert_allclose, mine, single)
     np.testing.assert_allclose(states.metrics["max_logit"][:, 0], [60.0, 60.0])
-
-
-# -- optimizers and optax's wrappers -------------------------------------------------------
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
@@ -290,9 +264,6 @@ def test_flax_serialization_round_trip() -> None:
     assert restored.info == state.info
 
 
-# -- max logits as a tree --------------------------------------------------------------------
-
-
 def test_a_tree_of_logits_is_read_by_module_path() -> None:
     params = {
         "params": {
@@ -326,9 +297,6 @@ def test_a_stacked_module_reads_layers_by_heads_from_a_tree() -> None:
     jax.tree.map(np.testing.assert_array_equal, out_tree, out_rows)
 
 
-# -- bad input, named ------------------------------------------------------------------------
-
-
 def test_missing_params_and_max_logits_are_named() -> None:
     params = attention_params()
     tx = clipjax.qk_clip(optax.identity(), TAU)
@@ -342,35 +310,25 @@ def test_missing_params_and_max_logits_are_named() -> None:
 
 
 @pytest.mark.parametrize(
-    ("logits", "message"),
+    ("kwargs", "logits", "message"),
     [
-        (jnp.ones((2, 4)), r"max_logits must be \[groups, heads\].*1: layers/attn"),
-        (jnp.ones((3,)), r"3 query heads"),
-        ({"other": jnp.ones(4)}, r"holds nothing under layers/attn"),
+        ({}, jnp.ones((2, 4)), r"max_logits must be \[groups, heads\].*1: layers/attn"),
+        ({}, jnp.ones((3,)), r"3 query heads"),
+        ({}, {"other": jnp.ones(4)}, r"holds nothing under layers/attn"),
+        (dict(query="q_proj"), None, r"no parameter matches the pattern\(s\) \['q_proj'\]"),
+        (dict(key="out"), None, r"attention module layers/attn has no key leaf"),
+        (dict(key=clipjax.QKHeads("key", axis=-1)), None, r"2 entries do not split into 4 heads"),
+        (dict(query=clipjax.QKHeads("query", span=(0, 9))), None, r"span \(0, 9\) exceeds"),
+        (dict(query=clipjax.QKHeads("query", dims=(0, 5))), None, r"dims \(0, 5\) exceed"),
     ],
 )
-def test_bad_max_logits_are_named(logits: Any, message: str) -> None:
-    params = attention_params()
-    tx = clipjax.qk_clip(optax.identity(), TAU)
-    with pytest.raises(ValueError, match=message):
-        tx.update(params, tx.init(params), params, max_logits=logits)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        (dict(query="q_proj"), r"no parameter matches the pattern\(s\) \['q_proj'\]"),
-        (dict(key="out"), r"attention module layers/attn has no key leaf"),
-        (dict(key=clipjax.QKHeads("key", axis=-1)), r"2 entries do not split into 4 heads"),
-        (dict(query=clipjax.QKHeads("query", span=(0, 9))), r"span \(0, 9\) exceeds"),
-        (dict(query=clipjax.QKHeads("query", dims=(0, 5))), r"dims \(0, 5\) exceed"),
-    ],
-)
-def test_bad_layouts_are_named(kwargs: dict[str, Any], message: str) -> None:
+def test_bad_max_logits_and_layouts_are_named(kwargs: dict, logits: Any, message: str) -> None:
     params = attention_params()
     tx = clipjax.qk_clip(optax.identity(), TAU, **kwargs)
     with pytest.raises(ValueError, match=message):
-        tx.update(params, tx.init(params), params, max_logits=logits_at(0))
+        tx.update(
+            params, tx.init(params), params, max_logits=logits_at(0) if logits is None else logits
+        )
 
 
 def test_a_module_without_a_key_is_named() -> None:
