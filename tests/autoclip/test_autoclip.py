@@ -14,11 +14,7 @@ from tests import references as R
 from tests import restate as S
 
 needs_smartclip = pytest.mark.skipif(not R.have_smartclip(), reason="smartclip not installed")
-STREAMS = {
-    "spikes": lambda: R.spikes()[0],
-    "regime_shift": lambda: R.regime_shift(),
-    "constant": lambda: R.constant(),
-}
+STREAMS = {"spikes": lambda: R.spikes()[0], "regime_shift": R.regime_shift, "constant": R.constant}
 RTOL = 3e-5
 WARMUP = dict(warmup_steps=30, min_history=20)  # the reference traces' warm-up
 
@@ -28,17 +24,10 @@ WARMUP = dict(warmup_steps=30, min_history=20)  # the reference traces' warm-up
 @pytest.mark.parametrize(
     "window_size, percentile", [(50, 95.0), (7, 50.0), (1024, 99.0), (1, 100.0)]
 )
-def test_window_percentile_matches_smartclip(
-    stream: str, window_size: int, percentile: float
-) -> None:
+def test_window_percentile_matches_smartclip(stream: str, window_size: int, percentile: float):
     norms = STREAMS[stream]()
-    kw = dict(
-        mode="percentile",
-        history="window",
-        window_size=window_size,
-        percentile=percentile,
-        **WARMUP,
-    )
+    kw = dict(mode="percentile", history="window", window_size=window_size, percentile=percentile)
+    kw.update(WARMUP)
     ref = R.smartclip_autoclip(norms, **kw)
     got = drive.run(clipjax.autoclip(**kw), norms)
     drive.assert_close(got["threshold"], ref["threshold"])
@@ -51,9 +40,8 @@ def test_window_percentile_matches_smartclip(
 @pytest.mark.parametrize("stream", sorted(STREAMS))
 def test_auto_mode_textbook_median_and_welford_std(stream: str) -> None:
     norms = STREAMS[stream]()
-    kw = WARMUP
-    got = drive.run(clipjax.autoclip(**kw), norms)
-    ref = R.smartclip_autoclip(norms, **kw)
+    got = drive.run(clipjax.autoclip(**WARMUP), norms)
+    ref = R.smartclip_autoclip(norms, **WARMUP)
     median = S.p2_restated(norms, textbook=True)
     drive.assert_close(got["median"], median)
     drive.assert_close(got["std"][1:], ref["std"][1:])  # Welford ddof=1 as smartclip
@@ -141,40 +129,25 @@ def test_gate_counts_per_group() -> None:
     assert (got["scale"] == 1.0).all()
 
 
-@pytest.mark.parametrize(
-    "kwargs, arg",
-    [
-        ({"percentile": 0.0}, "percentile"),
-        ({"percentile": 101.0}, "percentile"),
-        ({"window_size": 0}, "window_size"),
-        ({"ema_decay": 1.0}, "ema_decay"),
-        ({"mode": "x"}, "mode"),
-        ({"history": "x"}, "history"),
-        ({"eps": 0.0}, "eps"),
-        ({"warmup_steps": -1}, "warmup_steps"),
-    ],
-)
+@pytest.mark.parametrize("kwargs, arg", [
+    ({"percentile": 0.0}, "percentile"), ({"percentile": 101.0}, "percentile"),
+    ({"window_size": 0}, "window_size"), ({"ema_decay": 1.0}, "ema_decay"), ({"mode": "x"}, "mode"),
+    ({"history": "x"}, "history"), ({"eps": 0.0}, "eps"), ({"warmup_steps": -1}, "warmup_steps"),
+])  # fmt: skip
 def test_invalid_hyperparameters(kwargs: dict, arg: str) -> None:
     with pytest.raises(ValueError, match=arg):
         clipjax.autoclip(**kwargs)
 
 
-@pytest.mark.parametrize(
-    "kwargs, arg",
-    [
-        ({"percentile": 90.0}, "percentile"),
-        ({"window_size": 50}, "window_size"),
-        ({"ema_decay": 0.9}, "ema_decay"),
-        ({"mode": "percentile", "quantile_lr": 0.1}, "quantile_lr"),
-        ({"mode": "percentile", "history": "geometric", "window_size": 64}, "window_size"),
-        # Issue 37: at their default values they used to be accepted.
-        ({"percentile": 95.0}, "percentile"),
-        ({"ema_decay": 0.99}, "ema_decay"),
-        ({"quantile_lr": 0.2}, "quantile_lr"),
-        ({"mode": "percentile", "ema_decay": 0.99}, "ema_decay"),
-        ({"mode": "percentile", "history": "ema", "quantile_lr": 0.2}, "quantile_lr"),
-    ],
-)
+@pytest.mark.parametrize("kwargs, arg", [
+    ({"percentile": 90.0}, "percentile"), ({"window_size": 50}, "window_size"),
+    ({"ema_decay": 0.9}, "ema_decay"), ({"mode": "percentile", "quantile_lr": 0.1}, "quantile_lr"),
+    ({"mode": "percentile", "history": "geometric", "window_size": 64}, "window_size"),
+    # Issue 37: at their default values they used to be accepted.
+    ({"percentile": 95.0}, "percentile"), ({"ema_decay": 0.99}, "ema_decay"),
+    ({"quantile_lr": 0.2}, "quantile_lr"), ({"mode": "percentile", "ema_decay": 0.99}, "ema_decay"),
+    ({"mode": "percentile", "history": "ema", "quantile_lr": 0.2}, "quantile_lr"),
+])  # fmt: skip
 def test_an_argument_without_effect_in_the_mode_names_itself(kwargs, arg) -> None:
     with pytest.raises(ValueError, match=f"{arg}=.* has no effect with mode="):
         clipjax.autoclip(**kwargs)
@@ -223,10 +196,8 @@ def test_percentile_range_and_its_default() -> None:
     clipjax.autoclip(mode="percentile", percentile=1.5)
     params = {"w": jnp.zeros(2)}
     # None is the 95th percentile.
-    implicit = clipjax.autoclip(mode="percentile", window_size=8, warmup_steps=1, min_history=1)
-    explicit = clipjax.autoclip(
-        mode="percentile", percentile=95.0, window_size=8, warmup_steps=1, min_history=1
-    )
+    kw = dict(mode="percentile", window_size=8, warmup_steps=1, min_history=1)
+    implicit, explicit = clipjax.autoclip(**kw), clipjax.autoclip(percentile=95.0, **kw)
     states = [tx.init(params) for tx in (implicit, explicit)]
     for x in [1.0, 2.0, 3.0, 10.0]:
         g = {"w": jnp.array([x, 0.0])}

@@ -63,25 +63,13 @@ CDF = {
 }
 # (relative error of the second-half geometric mean, rank error) allowed, per
 # tail and quantile_lr; see the module docstring for the measured values.
-TOL = {
-    ("light", 0.05): (0.03, 0.02),
-    ("heavy", 0.05): (0.15, 0.02),
-    ("light", 0.2): (0.08, 0.04),
-    ("heavy", 0.2): (0.15, 0.02),
-}
+TOL = {("light", 0.05): (0.03, 0.02), ("heavy", 0.05): (0.15, 0.02),
+       ("light", 0.2): (0.08, 0.04), ("heavy", 0.2): (0.15, 0.02)}  # fmt: skip
 
 
-def _tx(quantile_lr=0.2, scope="per_param", **kw):
-    return clipjax.autoclip(
-        mode="percentile",
-        history="geometric",
-        percentile=100 * P,
-        quantile_lr=quantile_lr,
-        scope=scope,
-        warmup_steps=1,
-        min_history=1,
-        **kw,
-    )
+def _tx(quantile_lr=0.2, scope="per_param"):
+    kw = dict(percentile=100 * P, quantile_lr=quantile_lr, scope=scope, warmup_steps=1)
+    return clipjax.autoclip(mode="percentile", history="geometric", min_history=1, **kw)
 
 
 def _quantiles(tx, x):
@@ -90,26 +78,13 @@ def _quantiles(tx, x):
     return np.stack([got[f"autoclip/g{i}/quantile"] for i in range(x.shape[1])], axis=1)
 
 
-# ----------------------------------------------------------------------------
-# Step by step against the restatement
-# ----------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("quantile_lr, percentile", [(0.2, 95.0), (0.05, 50.0), (0.5, 99.0)])
 def test_matches_restatement_step_by_step(quantile_lr, percentile):
     norms = R.with_nan(R.with_nan(R.spikes(300, 4)[0], [0, 3, 150]), 160, math.inf)
-    kw = dict(
-        mode="percentile",
-        history="geometric",
-        percentile=percentile,
-        quantile_lr=quantile_lr,
-        warmup_steps=30,
-        min_history=20,
-    )
+    kw = dict(mode="percentile", history="geometric", percentile=percentile,
+              quantile_lr=quantile_lr, warmup_steps=30, min_history=20)  # fmt: skip
     want = S.autoclip(norms, **kw)  # observe_first: the default
-    got, (outs, ins), same = S.run_tree(
-        clipjax.autoclip(**kw), norms[:, None], lambda r: S.flat_tree(r)
-    )
+    got, (outs, ins), same = S.run_tree(clipjax.autoclip(**kw), norms[:, None], S.flat_tree)
     # the stream starts with a NaN: the quantile starts at the first *finite* norm
     assert np.isnan(want["quantile"][0]) and want["quantile"][1] == norms[1]
     S.compare(got, want, "autoclip/global/")
@@ -130,11 +105,6 @@ def test_threshold_is_quantile_floored_at_eps():
     assert q[0] == pytest.approx(1e-5, rel=1e-6)
 
 
-# ----------------------------------------------------------------------------
-# Convergence on stationary streams
-# ----------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("quantile_lr", [0.05, 0.2])
 @pytest.mark.parametrize("dist", sorted(DISTS))
 def test_converges_to_the_true_quantile(dist, quantile_lr):
@@ -152,11 +122,6 @@ def test_converges_to_the_true_quantile(dist, quantile_lr):
     # coverage of the pre-step quantile: p up to |log(q_T/q_0)|/(lr T) (module docstring)
     cover = np.mean(x[STEPS // 2 :] <= q[STEPS // 2 - 1 : -1], axis=0)
     assert np.abs(cover - P).max() < 0.005, cover
-
-
-# ----------------------------------------------------------------------------
-# Tracking a drifting scale
-# ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("quantile_lr", [0.05, 0.2])
@@ -194,11 +159,6 @@ def test_follows_a_slow_exponential_drift(quantile_lr):
     for a in range(1000, steps - 200 + 1, 200):
         dev = np.abs(np.exp(ratio[a : a + 200].mean(axis=0)) - 1)
         assert dev.max() < 0.20, (a, dev)
-
-
-# ----------------------------------------------------------------------------
-# Validation
-# ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("quantile_lr", [0.0, -0.1, -1.0])
