@@ -337,10 +337,6 @@ SLOW_TESTS.update(
             "skip_on_spike/test_skip_on_spike_steps.py::"
             "test_orbax_checkpoint_continues_bit_identically"
         ): "orbax save and restore; contract/test_serialization keeps skip_on_spike's",
-        (
-            "skip_on_spike/test_skip_on_spike_steps.py::"
-            "test_the_donated_step_copies_no_optimizer_state"
-        ): "HLO of the donated step; test_fold keeps it",
         "spam/test_spam_pieces.py::test_alone_it_copies_no_more_than_adamw": (
             "XLA cost analysis; the donated step's HLO stays"
         ),
@@ -430,8 +426,8 @@ _REPRESENTATIVES: dict[str, tuple[str | tuple[str, ...], str]] = {
         ("zclip-clipped", "zscore_clip-skip"),
         "a run per feedback",
     ),
-    "adaptive/test_follow.py::test_clip_target_ratchets_after_a_lasting_rise": (
-        "zclip-clip_target",
+    "adaptive/test_follow.py::test_a_lasting_x2_rise": (
+        ("zclip-clip_target", "zclip-clipped"),
         "a run per clipper",
     ),
     "adaptive/test_follow.py::test_required_settings_follow_a_run": (
@@ -705,7 +701,7 @@ _REPRESENTATIVES: dict[str, tuple[str | tuple[str, ...], str]] = {
     ),
     "skip_on_spike/test_fold.py::test_the_donated_step_has_no_conditional_and_no_copy": (
         "adamw",
-        "compiled per inner optimizer",
+        "compiled per inner optimizer and route",
     ),
     "skip_on_spike/test_fold.py::test_update_if_skips_bit_identically_and_takes_as_update": (
         "adam-0 adamw-5",
