@@ -227,8 +227,7 @@ def zclip(
       max_grad_norm: an absolute ceiling on every step's norm, or None.
         ``"auto"``: 1.0, except None under ``feedback="clipped"``.
       eps: added to the standard deviation in the z-score.
-      warmup_steps: finite norms collected before the rule applies (``>= 1``),
-        held by ``start="hold"``, ramped by ``"weight"``.
+      warmup_steps: finite norms collected before the rule applies (``>= 1``).
       mode: ``"zscore"`` or ``"percentile"``.
       clip_option: ``"adaptive_scaling"`` (None: the default) or ``"mean"``.
       clip_factor: multiplier of the adaptive clip value (None: 1.0).
