@@ -330,10 +330,9 @@ def spam(
       clip_delay: the clip waits this many steps after the start and after
         each reset (an int >= 0).
       mu_dtype: the first moment's dtype (None: that of the params).
-      mask: a tree of bools (or a function of the params returning one): the
-        leaves to decay; None decays all.
-      count_clipped: report ``clipped_fraction`` and ``nonfinite_count``, at
-        the cost of a reduction of its own over the gradient and ``v``.
+      mask: a tree of bools (or a function of the params giving one): the leaves to
+        decay; None decays all.
+      count_clipped: report ``clipped_fraction`` and ``nonfinite_count`` (one more reduction).
       name: metrics prefix (default ``spam``).
 
     Examples:
@@ -416,13 +415,11 @@ def stable_spam(
       eps: added to Adam's ``sqrt(v_hat)`` and to AdaGN's ``sqrt(mean_square)``.
       weight_decay: the decoupled weight decay rate.
       reset_interval: Adam's moments are reset every this many steps (an int >= 1).
-      scope: AdaClip's and AdaGN's groups (default ``"per_param"``, the
-        reference's).
+      scope: AdaClip's and AdaGN's groups (default ``"per_param"``, the reference's).
       mu_dtype: the first moment's dtype (None: that of the params).
-      mask: a tree of bools (or a function of the params returning one): the
-        leaves to decay; None decays all.
-      count_clipped: report AdaClip's ``clipped_fraction`` (see
-        :func:`clipjax.adaclip`); ``False`` leaves out its counting pass.
+      mask: a tree of bools (or a function of the params giving one): the leaves to
+        decay; None decays all.
+      count_clipped: report AdaClip's ``clipped_fraction`` (one more read of the gradient).
       name: prefix of its own metrics (``resets``; default ``stable_spam``).
 
     Examples:
