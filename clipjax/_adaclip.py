@@ -137,8 +137,7 @@ def adaclip(
 
     Args:
       theta: the EMA's decay rate, in (0, 1) (the paper's gamma_3).
-      scope: ``"per_param"`` (default, the reference's), ``"per_layer"``,
-        ``"global"`` or a callable ``(path, leaf) -> group name``.
+      scope: the groups (:class:`~clipjax.ClipTransform`); ``"per_param"``: the reference's.
       count_clipped: report ``clipped_fraction`` (a second read of the gradient).
       name: metrics prefix (default ``adaclip``).
 
@@ -249,8 +248,7 @@ def ada_norm(
       gamma1: the norm EMA's decay rate, in (0, 1).
       gamma2: the squared norm EMA's decay rate, in (0, 1).
       eps: added to ``sqrt(mean_square)``.
-      scope: ``"per_param"`` (default, the reference's), ``"per_layer"``,
-        ``"global"`` or a callable ``(path, leaf) -> group name``.
+      scope: the groups (:class:`~clipjax.ClipTransform`); ``"per_param"``: the reference's.
       name: metrics prefix (default ``ada_norm``).
 
     Returns:
