@@ -1,8 +1,5 @@
-"""The benchmarks run and write every section; the repeatable figures (bytes accessed) hold.
-
-Memory traffic comes from XLA's cost analysis and does not depend on the
-machine's load, so it is asserted; wall-clock times never are.
-"""
+"""The benchmarks run and write every section; the repeatable figures (XLA's bytes accessed, not
+the machine's load) hold; wall-clock times are never asserted."""
 
 from __future__ import annotations
 
@@ -21,8 +18,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import common
 import traffic
 
-# Slow, `make test` skips it: runs the benchmark scripts.
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # runs the benchmark scripts
 
 compile_bench = __import__("compile")  # benchmarks/compile.py
 
@@ -45,37 +41,24 @@ SECTIONS = (
 )
 
 
-@pytest.fixture(scope="module")
-def figures() -> dict[str, float]:
+@traffic_bounds
+def test_the_clippers_read_the_gradients_once() -> None:
     groups = {g.title: g for g in common.groups(("global",))}
     with ordinary_path():  # what an ordinary step reads (tests/compiled_step.py)
-        return {
-            **traffic.extra(groups["clip_by_global_norm"], SHAPES),
-            **traffic.extra(groups["zclip"], SHAPES),
-            **traffic.extra(groups["agc"], SHAPES),
-        }
-
-
-@traffic_bounds
-def test_clip_by_global_norm_reads_the_gradients_once(figures: dict[str, float]) -> None:
+        figures = {
+            k: v for name in ("clip_by_global_norm", "zclip", "agc")
+            for k, v in traffic.extra(groups[name], SHAPES).items()
+        }  # fmt: skip
     assert figures["clipjax.clip_by_global_norm + adam"] <= common.TARGETS["traffic"]
     # optax's select and division over full tensors: about 5 gradient bytes.
     assert figures[common.OPTAX_GN] >= 3.0
-
-
-@traffic_bounds
-def test_adaptive_clipper_reads_the_gradients_once(figures: dict[str, float]) -> None:
     assert figures["clipjax.zclip[global] + adam"] <= common.TARGETS["traffic"]
-
-
-@traffic_bounds
-def test_agc_reads_gradients_and_params_once(figures: dict[str, float]) -> None:
+    # agc reads the gradients and the params once.
     assert figures["clipjax.agc[global] + adam"] <= 2.0 + 0.2
     assert figures["clipjax.agc[unitwise] + adam"] <= figures[common.OPTAX_AGC] + 0.1
 
 
 @traffic_bounds
-@pytest.mark.slow
 def test_unitwise_agc_traffic_target_on_the_benchmark_tree() -> None:
     # Unit norms weigh more on the small tree; the target is set on the benchmark's.
     group = {g.title: g for g in common.groups(("global",))}["agc"]
@@ -173,7 +156,6 @@ def test_compile_page_says_what_each_row_computes_and_where_compile_time_goes() 
     assert compile_bench.constructs(4, 1, []).count("\n* `") == 0
 
 
-@pytest.mark.slow
 def test_train_step_page_has_its_header_and_a_row_per_configuration(tmp_path: str) -> None:
     # The smoke test's model, one layout, one row and its counterpart, one round (~15 s).
     cmd = [sys.executable, os.path.join("benchmarks", "train_step.py"), "--size", "tiny"]

@@ -13,7 +13,7 @@ pytest.importorskip("flax")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
-# Slow, `make test` skips it: runs examples/demo.py in a subprocess (13 training runs at full size).
+# Slow, `make test` skips it: runs examples/demo.py (13 training runs at full size).
 pytestmark = pytest.mark.slow
 
 DEMO = scripts.Script(ROOT / "examples" / "demo.py", "clipjax_demo", timeout=600)
@@ -65,18 +65,9 @@ def test_help_and_bad_setting() -> None:
 
 def test_summary_of_synthetic_rows() -> None:
     demo = DEMO.load()
-    rows = [
-        {
-            "step": i,
-            "eval_loss": 1.0,
-            "seconds": 0.001,
-            "x/global/grad_norm": 1.0,
-            "x/global/threshold": 10.0,
-            "x/global/scale": 1.0,
-            "x/global/clipped": 0.0,
-        }
-        for i in range(10)
-    ]
+    x = dict(grad_norm=1.0, threshold=10.0, scale=1.0, clipped=0.0)
+    x = {f"x/global/{k}": v for k, v in x.items()}
+    rows = [{"step": i, "eval_loss": 1.0, "seconds": 0.001, **x} for i in range(10)]
     rows[5].update({"x/global/grad_norm": 100.0, "x/global/scale": 0.02, "x/global/clipped": 1.0})
     rows[6]["eval_loss"] = 3.0
     summary = demo.summarize(rows, [5])

@@ -1,15 +1,6 @@
-"""The notebooks run top to bottom, and are committed without outputs.
-
-Each notebook is executed with nbclient in a kernel started from this very
-interpreter (a kernel spec written to a temporary folder), so the test needs
-no ``ipykernel install`` and uses the environment it runs in. Set
-``CLIPJAX_NOTEBOOK_OUT`` to a folder to keep the executed copies there
-(``make notebooks`` does, in ``build/notebooks``).
-
-Outputs are stripped in git: a notebook saved from Jupyter with its outputs
-fails ``test_outputs_stripped``; clear them with ``nbstripout notebooks/*.ipynb``
-(or "Clear All Outputs" in Jupyter) before committing.
-"""
+"""The notebooks run top to bottom, in a kernel of this interpreter (a kernel spec in a temporary
+folder), show no warning or machine path, and are committed without outputs (clear them with
+``nbstripout notebooks/*.ipynb``). ``CLIPJAX_NOTEBOOK_OUT`` keeps the executed copies."""
 
 from __future__ import annotations
 
@@ -26,7 +17,7 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
-# Slow, `make test` skips it: executes both notebooks top to bottom (training runs, plots).
+# Slow, `make test` skips it: training runs, plots.
 pytestmark = pytest.mark.slow
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -73,8 +64,7 @@ def test_notebook_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPat
         resources={"metadata": {"path": str(tmp_path)}},  # the kernel's working directory
     )
     client.execute()  # raises CellExecutionError, with the cell and traceback, on failure
-    # The executed notebooks are pages of the docs: no warning (it would name the
-    # kernel's temporary file) and no path of the machine that ran them.
+    # The executed notebooks are pages of the docs: a warning names the kernel's temporary file.
     shown = [
         (i, output.get("text", "") + str(output.get("data", {}).get("text/plain", "")))
         for i, cell in enumerate(notebook.cells)

@@ -1,16 +1,7 @@
-"""One version: the package, its metadata, the CHANGELOG and the generated pages agree.
-
-``clipjax.__version__`` is the source; ``pyproject.toml`` reads it
-(``version = { attr = "clipjax.__version__" }``), so a build's metadata
-carries it; the installed distribution must say the same (an editable
-install made before a version change keeps the old metadata until it is
-reinstalled); the CHANGELOG's newest release heading is that version (an
-``## Unreleased`` section above it holds the work on main since); and every
-generated page (``docs/generated/*.md``, ``benchmarks/*.md``) whose header
-states a clipjax version states this one. A page generated before the
-release says the previous version until its script runs again: that check is
-an expected failure naming the script, never a silent skip.
-"""
+"""One version: ``clipjax.__version__`` (which pyproject.toml reads), the installed metadata, the
+CHANGELOG's newest release heading and every generated page that states a clipjax version. A
+page generated before the release may say the previous one until its script runs again: an
+expected failure naming the script, never a silent skip."""
 
 from __future__ import annotations
 
@@ -31,27 +22,26 @@ SCRIPT_DIRS = ("benchmarks", "examples")
 
 
 def changelog_versions() -> list[tuple[str, str]]:
-    """``(version, rest of the heading)`` of every release heading, newest first."""
     return HEADING.findall((ROOT / "CHANGELOG.md").read_text())
 
 
 def generated_pages() -> list[Path]:
-    pages = sorted((ROOT / "docs" / "generated").glob("*.md")) + sorted(
-        (ROOT / "benchmarks").glob("*.md")
-    )
-    return [p for p in pages if page_versions(p)]
+    pages = [*(ROOT / "docs" / "generated").glob("*.md"), *(ROOT / "benchmarks").glob("*.md")]
+    return sorted(p for p in pages if page_versions(p))
+
+
+def header(page: Path) -> str:
+    return "\n".join(page.read_text().splitlines()[:HEADER_LINES])
 
 
 def page_versions(page: Path) -> list[str]:
-    header = "\n".join(page.read_text().splitlines()[:HEADER_LINES])
-    return VERSION.findall(header)
+    return VERSION.findall(header(page))
 
 
 def generator(page: Path) -> str:
     """The script that writes ``page``: the one its header's command runs, else the one
     under benchmarks/ or examples/ that names it."""
-    header = "\n".join(page.read_text().splitlines()[:HEADER_LINES])
-    command = re.search(r"python ((?:benchmarks|examples)/\w+\.py)", header)
+    command = re.search(r"python ((?:benchmarks|examples)/\w+\.py)", header(page))
     if command:
         return command.group(1)
     # lm_spikes_<config>.md is named after its --config.
@@ -63,27 +53,22 @@ def generator(page: Path) -> str:
     raise AssertionError(f"no script under {SCRIPT_DIRS} names {page.relative_to(ROOT)}")
 
 
-def test_version_is_the_release() -> None:
+def test_version_is_the_release_and_the_installed_metadata_says_it() -> None:
     assert re.fullmatch(r"\d+\.\d+\.\d+", clipjax.__version__), clipjax.__version__
     assert clipjax.__version__ == "0.4.0"
-
-
-def test_pyproject_reads_the_package_version() -> None:
-    """The build takes its version from ``clipjax.__version__``, the one place it is written
-    (read as text: the oldest setuptools an environment may have predates the build's)."""
-    tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+")
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert "version" not in config["project"], "pyproject.toml states a version of its own"
-    assert "version" in config["project"]["dynamic"]
-    assert config["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "clipjax.__version__"}
-
-
-def test_installed_metadata_says_the_package_version() -> None:
     installed = importlib.metadata.version("clipjax")
     assert installed == clipjax.__version__, (
         f"the installed clipjax metadata says {installed}, the package {clipjax.__version__}: "
         "an install made before the version changed; reinstall it (pip install -e .)"
     )
+
+
+def test_pyproject_reads_the_package_version() -> None:
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+")
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in config["project"], "pyproject.toml states a version of its own"
+    assert "version" in config["project"]["dynamic"]
+    assert config["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "clipjax.__version__"}
 
 
 def test_changelog_newest_heading_is_the_version_with_its_date() -> None:

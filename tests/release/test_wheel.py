@@ -1,15 +1,7 @@
-"""The wheel installs into a clean virtual environment and works there.
-
-``make test-wheel`` (CI) builds the wheel and sdist into ``dist/`` and runs this
-file with ``CLIPJAX_TEST_WHEEL=1``. The test makes a fresh venv (no system site
-packages, so the development install is invisible), installs the wheel with pip
-(jax, optax, chex and numpy come from the package index), and from a folder
-outside the checkout imports clipjax and runs one
-``optax.chain(clipjax.autoclip(), optax.adam(1e-3))`` update.
-
-Without ``CLIPJAX_TEST_WHEEL=1`` it is skipped: it needs the package index and
-a few hundred megabytes of downloads (less with a warm pip cache).
-"""
+"""The wheel installs into a clean virtual environment (no system site packages, jax, optax, chex
+and numpy from the package index) and, from outside the checkout, imports clipjax and runs an
+``optax.chain(clipjax.autoclip(), optax.adam(1e-3))`` update. ``make test-wheel`` (CI) runs it
+with ``CLIPJAX_TEST_WHEEL=1``; without it, it skips (it downloads a few hundred megabytes)."""
 
 from __future__ import annotations
 
@@ -30,8 +22,7 @@ VERSION = re.search(
     r'^__version__ = "([^"]+)"', (ROOT / "clipjax" / "__init__.py").read_text(), re.M
 ).group(1)
 
-# Slow, `make test` skips it: builds the wheel and installs it into a fresh virtual
-# environment.
+# Slow, `make test` skips it.
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
