@@ -376,9 +376,8 @@ def squantile_update(
         r ← r + 0.2·a·s·(p - 1[x < r]) / min(p, 1 - p)     (Robbins-Monro)
         value = EMA_{a/8}(r), bias-corrected               (Polyak averaging)
 
-    A stochastic gradient step of the pinball loss: it converges to the
-    ``p``-quantile, scales with the stream, goes down as well as up (unlike
-    smartclip's ``EmaQuantile``) and forgets in a multiple of ``1/a`` steps.
+    A stochastic gradient step of the pinball loss: scale-free, it goes down as
+    well as up (unlike smartclip's ``EmaQuantile``) and forgets in ``O(1/a)`` steps.
     """
     dtype = state.estimate.dtype
     x = jnp.asarray(x, dtype)
