@@ -57,9 +57,8 @@ def adagc(
 
     * warm-up, the group's first ``warmup_steps`` finite norms: global
       clipping, ``h = min(1, absolute_threshold / (G + eps))`` with ``G`` the
-      global norm (over the groups whose norm is finite), applied to every
-      group; ``gamma_i <- min(gamma_i, h * g_i)``, ``gamma`` starting at +inf;
-      the reported threshold is ``absolute_threshold``;
+      global norm, applied to every group; ``gamma_i <- min(gamma_i, h * g_i)``,
+      ``gamma`` starting at +inf;
     * afterwards: ``T_i = relative_threshold * gamma_i`` (``gamma`` from before
       the step), ``scale_i = min(1, T_i / (g_i + eps))``, then
       ``gamma_i <- beta * gamma_i + (1 - beta) * scale_i * g_i``.
