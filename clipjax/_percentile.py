@@ -292,8 +292,7 @@ def approx_percentile(
       percentile: in ``[0, 100]``, a number or a scalar array.
       bins: counters per pass, a power of two in ``[2**11, 2**20]``.
       passes: number of passes; default enough for 16 mantissa bits (2 for
-        float32, 3 for float64 with 4096 bins). With
-        ``passes·log2(bins) >= 31`` (float32) the result is exact.
+        float32, 3 for float64 with 4096 bins).
 
     Returns:
       A float32 scalar (float64 for float64 input); NaN if any value is non-finite, 0 if none.
