@@ -130,9 +130,7 @@ def run_if(
     """``tx.update`` on the steps where ``pred`` holds; elsewhere its state stays as it was.
 
     ``route`` is :func:`route_of` ``(tx)``. Where ``pred`` is False the
-    returned updates are not ``tx``'s: the caller masks them. ``"fold"`` calls
-    ``update_if``; ``"select"`` runs a clipjax clipper every step and selects
-    its small state; ``"cond"`` runs ``tx`` under ``lax.cond``.
+    returned updates are not ``tx``'s: the caller masks them.
     """
     if route == "fold":
         # Folded into its own arithmetic (clipjax.adam: _adam.adam_arithmetic).
@@ -195,12 +193,10 @@ def selecting(tx: optax.GradientTransformation) -> SkippableTransform:
 def chain(*transforms: optax.GradientTransformation) -> SkippableTransform:
     """``optax.chain`` that can skip a step: see :class:`SkippableTransform`.
 
-    ``init`` and ``update`` are ``optax.chain(*transforms)``'s: the state is
-    the tuple of the members' states, and the updates are the same bit for
-    bit. ``update_if(pred, ...)`` passes ``pred`` to each member: a member
-    with its own ``update_if`` (:func:`clipjax.adamw`, a nested
-    ``clipjax.chain``) folds it in; a clipjax clipper runs and has its small
-    state selected; any other transform runs under ``lax.cond``.
+    ``init`` and ``update`` are ``optax.chain(*transforms)``'s, bit for bit.
+    ``update_if(pred, ...)`` passes ``pred`` to each member: one with its own
+    ``update_if`` (:func:`clipjax.adamw`) folds it in; a clipjax clipper has
+    its small state selected; any other transform runs under ``lax.cond``.
 
     A clipper that holds a step (``zclip(start="hold")``, the warm-up steps
     of ``zclip(feedback="clipped")``) makes the chain run the members after
