@@ -74,10 +74,6 @@ def _want(config, norms, feedback=None):
     return restated(norms, **kw, **rkw, feedback=DEFAULT[algo] if feedback is None else feedback)
 
 
-def _single(row):
-    return {"w": row[0] * jnp.asarray(S.UNIT, jnp.float32)}
-
-
 def _run_many(txs, seq, trees):
     """Every ``txs[i]`` on ``trees[i](row)`` of one ``[steps, k]`` sequence in one jitted
     scan: per transform its metrics, output and input leaf norms, "output identical"."""
@@ -113,10 +109,6 @@ def _check_rec(rec, want, prefix, what=""):
         raise AssertionError(f"[{what}] {e}") from None
 
 
-def _check_run(tx, norms, want, prefix):
-    _check_rec(_run_many([tx], np.asarray(norms)[:, None], [_single])[0], want, prefix)
-
-
 def test_incremental_p2_is_the_shared_restatement():
     for seed in range(3):
         x = np.random.default_rng(seed).lognormal(0, 0.5, 400)
@@ -134,7 +126,7 @@ def test_feedback_matches_restatement(config):
     algo = CONFIGS[config][0]
     fbs = ACCEPTED[config]
     txs = [_make(config, fb) for fb in fbs] + [_make(config)]
-    recs = _run_many(txs, NORMS[:, None], [_single] * len(txs))
+    recs = _run_many(txs, NORMS[:, None], [S.flat_tree] * len(txs))
     for fb, rec in zip((*fbs, None), recs):
         _check_rec(rec, _want(config, NORMS, fb), f"{algo}/global/", f"{config} feedback={fb}")
         if fb == "skip":  # every spike fires and is not counted
@@ -152,9 +144,9 @@ def test_ema_percentile_judge_first_is_observe_first_shifted(feedback):
     observe-first quantile of step t-1 (floored at eps), used once count-before >= gate."""
     kw = dict(mode="percentile", history="ema", ema_decay=0.95, **AUTO_KW)
     eps, p = 1e-8, "autoclip/global/"
-    base, _, _ = S.run_tree(clipjax.autoclip(**kw), NORMS[:, None], _single)
+    base, _, _ = S.run_tree(clipjax.autoclip(**kw), NORMS[:, None])
     tx = clipjax.autoclip(**kw, feedback=feedback, max_grad_norm=None)  # no ceiling
-    got, _, _ = S.run_tree(tx, NORMS[:, None], _single)
+    got, _, _ = S.run_tree(tx, NORMS[:, None])
     np.testing.assert_allclose(got[p + "quantile"], base[p + "quantile"], rtol=S.RTOL)
     np.testing.assert_array_equal(got[p + "count"], base[p + "count"])
     q_prev = np.concatenate([[np.nan], base[p + "quantile"][:-1]])
@@ -218,14 +210,14 @@ def test_axis_name_every_replica_sees_the_averaged_norm(config, feedback):
     tx = _make(config, feedback, axis_name="i")
     reps = len(REPLICA_FACTORS)
     local = NORMS[:, None] * REPLICA_FACTORS[None, :]  # [steps, replicas]
-    params = _single(jnp.ones(1))
+    params = S.flat_tree(jnp.ones(1))
     state0 = jax.tree.map(lambda a: jnp.broadcast_to(a, (reps, *a.shape)), tx.init(params))
 
     def step(state, row):
-        grads = jax.vmap(_single)(row[:, None])
+        grads = jax.vmap(S.flat_tree)(row[:, None])
         upd = jax.vmap(lambda g, s: tx.update(g, s, params), axis_name="i")
         out, state = upd(grads, state)
-        applied = jnp.linalg.norm(out["w"], axis=1) / jnp.linalg.norm(grads["w"], axis=1)
+        applied = jnp.linalg.norm(out["g0"], axis=1) / jnp.linalg.norm(grads["g0"], axis=1)
         return state, (clipjax.metrics(state), applied)
 
     run = jax.jit(lambda seq: jax.lax.scan(step, state0, seq)[1])
@@ -251,7 +243,7 @@ def test_inject_hyperparams_feedback(case):
     feedback = case.split("-")[1]
     injected = optax.inject_hyperparams(getattr(clipjax, name), static_args=("warmup_steps",))
     want = getattr(S, name)(NORMS, **kw, feedback=feedback)
-    _check_run(injected(**kw, feedback=feedback), NORMS, want, f"{name}/global/")
+    S.check_run(injected(**kw, feedback=feedback), NORMS, want, f"{name}/global/")
 
 
 # The level the statistics set after a step (post-update): what the next step is judged by.
@@ -273,12 +265,12 @@ def test_spike_moves_threshold_no_more_than_its_clip_value(config):
     extra = {} if algo == "zclip" else {"max_grad_norm": None}
     make = lambda fb: _make(config, fb, **extra)
     t, norms, key, level = SPIKES[2], R.spikes(N, 0)[0], f"{algo}/global/", LEVEL[algo]
-    a = _run_many([make("clipped"), make("skip"), make("raw")], norms[:, None], [_single] * 3)
+    a = _run_many([make("clipped"), make("skip"), make("raw")], norms[:, None], [S.flat_tree] * 3)
     clipped, skipped, raw = (r[0] for r in a)
     assert clipped[key + "clipped"][t] and skipped[key + "clipped"][t]
     replaced = norms.copy()
     replaced[t] = clipped[key + "threshold"][t]
-    ((ref_c, *_),) = _run_many([make("clipped")], replaced[:, None], [_single])
+    ((ref_c, *_),) = _run_many([make("clipped")], replaced[:, None], [S.flat_tree])
     np.testing.assert_allclose(level(clipped, key)[t], level(ref_c, key)[t], rtol=1e-4)
     # skip: the spike does not move the statistics at all (observing its clip value
     # may move them a little either way: zclip's variance shrinks when it observes
@@ -290,7 +282,7 @@ def test_spike_moves_threshold_no_more_than_its_clip_value(config):
 
 
 def test_zclip_skip_update_on_spike_is_feedback_skip():
-    run = lambda **kw: S.run_tree(clipjax.zclip(**kw, **ZCLIP_KW), NORMS[:, None], _single)[0]
+    run = lambda **kw: S.run_tree(clipjax.zclip(**kw, **ZCLIP_KW), NORMS[:, None])[0]
     a, b = run(skip_update_on_spike=True), run(feedback="skip")
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 from functools import partial
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -19,24 +18,8 @@ NORMS = R.with_nan(R.with_nan(R.spikes(N, 0)[0], [10, 130]), 200, math.inf)
 GATE = dict(warmup_steps=30, min_history=20)
 
 
-def _single(row):
-    return {"w": row[0] * jnp.asarray(S.UNIT, jnp.float32)}
-
-
-def _run(tx, norms):
-    got, (outs, ins), same = S.run_tree(tx, np.asarray(norms, np.float64)[:, None], _single)
-    with np.errstate(invalid="ignore"):  # inf / inf on the non-finite steps
-        applied = outs["w"] / np.where(ins["w"] == 0, 1, ins["w"])
-    return got, applied, same["w"]
-
-
-def _check(tx, norms, want, prefix):
-    got, applied, same = _run(tx, norms)
-    S.compare(got, want, prefix)
-    finite = np.isfinite(want["grad_norm"])
-    np.testing.assert_allclose(applied[finite], want["scale"][finite], rtol=S.RTOL)
-    assert np.all(np.asarray(same)[~finite]), "a non-finite step must pass unchanged"
-    return got
+def _metrics(tx, norms):
+    return S.run_tree(tx, np.asarray(norms, np.float64)[:, None])[0]
 
 
 @pytest.mark.parametrize("feedback", ["observe_first", "raw", "clipped", "skip"])
@@ -46,7 +29,7 @@ def _check(tx, norms, want, prefix):
 def test_auto_window_matches_restatement(feedback, window_size):
     kw = dict(mode="auto", history="window", window_size=window_size, **GATE)
     tx = clipjax.autoclip(**kw, feedback=feedback)
-    got = _check(tx, NORMS, S.autoclip(NORMS, **kw, feedback=feedback), "autoclip/global/")
+    got = S.check_run(tx, NORMS, S.autoclip(NORMS, **kw, feedback=feedback), "autoclip/global/")
     if feedback == "clipped" and window_size == 64:
         # the x10 .. x1000 spikes of R.spikes (all after the gate) are all clipped
         at = [int(t) for t in R.spikes(N, 0)[1]]
@@ -75,7 +58,7 @@ def test_window_median_follows_a_noise_free_shift_in_half_a_window(factor):
     norms, at = _shift(factor)
     kw = dict(mode="auto", history="window", window_size=w, **GATE)
     want = S.autoclip(norms, **kw, feedback="raw")
-    got = _run(clipjax.autoclip(**kw, feedback="raw"), norms)[0]
+    got = _metrics(clipjax.autoclip(**kw, feedback="raw"), norms)
     # Not ``clipped``: on a constant stream T == g, which T / (g + eps) clips in
     # float64 and not in float32.
     S.compare(got, want, "autoclip/global/", ["median", "std", "threshold", "count"])
@@ -101,7 +84,7 @@ def test_window_follows_a_noisy_shift_as_restated(feedback, factor):
     # No ceiling: the window alone follows the shift.
     kw = dict(mode="auto", history="window", window_size=w, max_grad_norm=None, **GATE)
     want = S.autoclip(norms, **kw, feedback=feedback)
-    got = _check(clipjax.autoclip(**kw, feedback=feedback), norms, want, "autoclip/global/")
+    got = S.check_run(clipjax.autoclip(**kw, feedback=feedback), norms, want, "autoclip/global/")
     # the new level's own threshold: median + 3 std of its stationary stream
     steady = np.median(norms[at:]) + 3 * np.std(norms[at:], ddof=1)
     predicted = _first_within(want["threshold"], steady, at)
@@ -143,7 +126,7 @@ def test_judge_first_threshold_is_inf_before_first_observation(clipper, feedback
     if feedback == "skip" and kw.get("mode") == "percentile":
         pytest.skip("percentile mode rejects feedback='skip'")
     tx = getattr(clipjax, prefix)(feedback=feedback, max_grad_norm=None, **kw)
-    got, _, _ = _run(tx, FIRST)
+    got = _metrics(tx, FIRST)
     threshold = got[f"{prefix}/global/threshold"]
     assert np.all(np.isposinf(threshold[:3])), threshold
     assert np.all(np.isfinite(threshold[3:])), threshold
@@ -153,12 +136,12 @@ def test_judge_first_threshold_is_inf_before_first_observation(clipper, feedback
 def test_other_rules_threshold_before_the_first_observation():
     """Observe-first is finite on the first observation; clip-then-observe clippers
     report +inf through their warm-up."""
-    got, _, _ = _run(clipjax.zscore_clip(), FIRST)
+    got = _metrics(clipjax.zscore_clip(), FIRST)
     threshold = got["zscore_clip/global/threshold"]
     assert np.isfinite(threshold[2]) and threshold[2] == pytest.approx(1.0)
-    got, _, _ = _run(clipjax.zclip(max_grad_norm=None, warmup_steps=2), FIRST)
+    got = _metrics(clipjax.zclip(max_grad_norm=None, warmup_steps=2), FIRST)
     assert np.all(np.isposinf(got["zclip/global/threshold"][:4]))
-    got, _, _ = _run(clipjax.hist_clip(warmup_steps=2, warmup_clip=None), FIRST)
+    got = _metrics(clipjax.hist_clip(warmup_steps=2, warmup_clip=None), FIRST)
     assert np.all(np.isposinf(got["hist_clip/global/threshold"][:4]))
 
 
@@ -168,7 +151,7 @@ def test_the_ceiling_bounds_the_steps_before_the_first_observation(clipper):
     before any observation is the ceiling, not +inf, and the norm 2.0 at step 3 (gate
     still closed) leaves at 1.0, reported as capped."""
     prefix, kw = KINDS[clipper]
-    got, _, _ = _run(getattr(clipjax, prefix)(feedback="clipped", **kw), FIRST)
+    got = _metrics(getattr(clipjax, prefix)(feedback="clipped", **kw), FIRST)
     np.testing.assert_array_equal(got[f"{prefix}/global/threshold"], 1.0)
     np.testing.assert_array_equal(got[f"{prefix}/global/capped"], [0, 0, 0, 1, 1])
     np.testing.assert_allclose(got[f"{prefix}/global/scale"][3:], [1 / 2, 1 / 1.5], rtol=1e-5)
@@ -187,13 +170,15 @@ def test_judge_first_gate_defaults_to_ten(factory, feedback):
     want = partial(getattr(S, factory), min_history=10, feedback=feedback, max_grad_norm=None)
     key = f"{factory}/global/clipped"
     norms = _steady_then_spike(10)  # the spike is the 11th norm: the gate is open
-    got = _check(tx(), norms, want(norms, warmup_steps=10), f"{factory}/global/")
+    got = S.check_run(tx(), norms, want(norms, warmup_steps=10), f"{factory}/global/")
     assert got[key][10] and not got[key][:10].any()
     # one fewer observation: the gate is still closed on the spike
-    assert not _run(tx(), _steady_then_spike(9))[0][key][9]
+    assert not _metrics(tx(), _steady_then_spike(9))[key][9]
     # a value set by hand wins; the other one keeps its default of 10
     norms = _steady_then_spike(20)
-    got = _check(tx(warmup_steps=30), norms, want(norms, warmup_steps=30), f"{factory}/global/")
+    got = S.check_run(
+        tx(warmup_steps=30), norms, want(norms, warmup_steps=30), f"{factory}/global/"
+    )
     assert not got[key].any()
 
 
@@ -201,7 +186,7 @@ def test_judge_first_gate_defaults_to_ten(factory, feedback):
 def test_observe_first_gate_keeps_smartclip_defaults(factory):
     norms = NORMS[:160]
     want = getattr(S, factory)(norms, warmup_steps=100, min_history=50)
-    got = _check(getattr(clipjax, factory)(), norms, want, f"{factory}/global/")
+    got = S.check_run(getattr(clipjax, factory)(), norms, want, f"{factory}/global/")
     clipped = got[f"{factory}/global/clipped"]
     assert not clipped[:99].any() and clipped[140]  # R.spikes' x100 spike at 140
 

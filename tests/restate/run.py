@@ -64,6 +64,22 @@ def run_tree(
     return m, (jax.tree.map(np.asarray, outs), jax.tree.map(np.asarray, ins)), same
 
 
+def check_run(
+    tx: Any, norms: Any, want: dict[str, np.ndarray], prefix: str, make_tree: Callable = flat_tree
+) -> dict[str, np.ndarray]:
+    """:func:`run_tree` on ``norms`` (``[steps]`` or ``[steps, k]``) against the restatement
+    ``want``: :func:`compare`, the scale applied to every leaf on the finite steps, and the
+    non-finite steps passed unchanged. Returns the metrics."""
+    norms = np.asarray(norms, np.float64)
+    got, (outs, ins), same = run_tree(tx, norms.reshape(len(norms), -1), make_tree)
+    compare(got, want, prefix)
+    finite = np.isfinite(want["grad_norm"])
+    for o, i, sm in zip(jax.tree.leaves(outs), jax.tree.leaves(ins), jax.tree.leaves(same)):
+        np.testing.assert_allclose(o[finite] / i[finite], want["scale"][finite], rtol=RTOL)
+        assert np.all(np.asarray(sm)[~finite]), "a non-finite step must pass unchanged"
+    return got
+
+
 def compare(
     got: dict[str, np.ndarray],
     want: dict[str, np.ndarray],
