@@ -278,7 +278,7 @@ SLOW_TESTS.update(
         (
             "hist_clip/test_hist_clip.py::"
             "test_warmup_clip_metrics_are_nested_and_generic_transforms_work"
-        ): "a run per warm-up clip; test_nested_warmup_clip stays",
+        ): "a run per warm-up clip; the nested warm-up metrics tests stay",
         "historical_clip/test_historical_clip.py::test_per_param_and_per_layer_groups": (
             "a trace per scope; the global trace against Levanter stays"
         ),

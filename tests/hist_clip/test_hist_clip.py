@@ -1,7 +1,9 @@
-"""hist_clip against drytorch's HistClipper / ParamHistClipper, and its FIXes."""
+"""hist_clip against drytorch's HistClipper / ParamHistClipper, its FIXes, and its warm-up
+clip's nested metrics."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -19,11 +21,7 @@ FNS = {
     "mean": clipjax.mean_clipping,
     "reciprocal": clipjax.reciprocal_clipping,
 }
-STREAMS = {
-    "spikes": lambda: R.spikes()[0],
-    "regime_shift": lambda: R.regime_shift(),
-    "constant": lambda: R.constant(),
-}
+STREAMS = {"spikes": lambda: R.spikes()[0], "regime_shift": R.regime_shift, "constant": R.constant}
 RTOL = 3e-5
 
 
@@ -36,10 +34,9 @@ TORCH_WARMUP = clipjax.clip_by_global_norm(1.0, eps=1e-6)
 
 
 def assert_matches_reference(got: dict, ref: dict, norms: np.ndarray, kind: str = "zstat") -> None:
-    """drytorch's threshold is the clip value on a fire: clipjax's ``clip_to`` on a
-    clipped step (the norm itself elsewhere); clipjax's ``threshold`` is the boundary
-    from the statistics before the step. During the warm-up clipjax's own metrics say
-    what the warm-up clip did: its threshold (1.0), the norm the step leaves with."""
+    """drytorch's threshold (the clip value on a fire) is clipjax's ``clip_to`` on a clipped
+    step, the norm elsewhere; clipjax's ``threshold`` is the boundary from the statistics
+    before the step, and the warm-up clip's (1.0) during the warm-up."""
     norms = np.asarray(norms, np.float64)
     if norms.ndim == 1:
         got = {k: v[:, None] for k, v in got.items()}
@@ -64,28 +61,19 @@ def assert_matches_reference(got: dict, ref: dict, norms: np.ndarray, kind: str 
     assert_close(got["threshold"][warm + 1 :], np.where(mu != 0, boundary, np.inf))
 
 
-def criterion(kind: str, clip: str) -> clipjax.Criterion:
-    if kind == "zstat":
-        return clipjax.zstat_criterion(clip_fn=FNS[clip])
-    return clipjax.ema_criterion(clip_fn=FNS[clip])
-
-
 @needs_drytorch
 @pytest.mark.parametrize("stream", sorted(STREAMS))
 @pytest.mark.parametrize(
     "kind, clip",
-    [
-        ("zstat", "max"),
-        ("zstat", "mean"),
-        ("zstat", "reciprocal"),
-        ("ema", "max"),
-        ("ema", "reciprocal"),
-    ],
+    [*(("zstat", c) for c in ("max", "mean", "reciprocal")), ("ema", "max"), ("ema", "reciprocal")],
 )
 def test_matches_drytorch_step_by_step(stream: str, kind: str, clip: str) -> None:
     norms = STREAMS[stream]()
     ref = R.drytorch_reference(norms, criterion=kind, clip=clip)
-    got = drive.run(clipjax.hist_clip(criterion(kind, clip), warmup_clip=TORCH_WARMUP), norms)
+    criterion = {"zstat": clipjax.zstat_criterion, "ema": clipjax.ema_criterion}[kind]
+    got = drive.run(
+        clipjax.hist_clip(criterion(clip_fn=FNS[clip]), warmup_clip=TORCH_WARMUP), norms
+    )
     assert_matches_reference(got, ref, norms, kind)
     assert_close(got["scale"], ref["scale"])  # the factor applied, the warm-up clip's included
     assert_close(got["applied"], ref["scale"])
@@ -98,13 +86,8 @@ def test_matches_drytorch_step_by_step(stream: str, kind: str, clip: str) -> Non
 def test_per_param_is_param_hist_clipper() -> None:
     norms = np.stack([R.spikes(seed=1)[0], R.regime_shift(400, seed=2)], axis=1)
     ref = R.drytorch_reference(norms, per_param=True)
-    got = drive.run(
-        clipjax.hist_clip(
-            scope="per_param",
-            warmup_clip=clipjax.clip_by_global_norm(1.0, eps=1e-6, scope="per_param"),
-        ),
-        norms,
-    )
+    warmup = clipjax.clip_by_global_norm(1.0, eps=1e-6, scope="per_param")
+    got = drive.run(clipjax.hist_clip(scope="per_param", warmup_clip=warmup), norms)
     assert_matches_reference(got, ref, norms)
     assert_close(got["applied"], ref["scale"])
 
@@ -191,8 +174,46 @@ def test_invalid_hyperparameters_name_the_argument(make, arg: str) -> None:
 
 
 def test_a_warmup_clip_without_warmup_is_refused() -> None:
-    """Issue 37: hist_clip(warmup_steps=0, warmup_clip=...) was accepted."""
+    """Issue 37."""
     with pytest.raises(ValueError, match=r"warmup_clip=.* has no effect with warmup_steps=0"):
         clipjax.hist_clip(warmup_steps=0, warmup_clip=clipjax.clip_by_global_norm(1.0))
     clipjax.hist_clip(warmup_steps=0)
     clipjax.hist_clip(warmup_steps=0, warmup_clip=None)
+
+
+def test_nested_warmup_metrics_reset_after_warmup() -> None:
+    """Once the warm-up ends its clip no longer runs: its nested metrics read ``clipped``
+    False, ``grad_norm`` 0 and ``scale`` 1, and its counters keep their totals."""
+    tx = clipjax.hist_clip(warmup_steps=2, warmup_clip=clipjax.clip_by_global_norm(1.0))
+    state = tx.init({"w": jnp.ones(4)})
+    update = jax.jit(tx.update)
+    nested = lambda state: clipjax.metrics(state, flat=False)["hist_clip"][
+        "clip_by_global_norm/global"
+    ]
+    for g in [0.5, 5.0]:  # warm-up: 0.5 (not clipped), then 5.0 (clipped by the warm-up clip)
+        _, state = update({"w": jnp.full(4, g / 2)}, state)
+    m = nested(state)
+    assert m["clipped"] == 1.0 and m["grad_norm"] == pytest.approx(5.0)
+    for g in [1.0, 1.1, 0.9]:
+        _, state = update({"w": jnp.full(4, g / 2)}, state)
+        m = nested(state)
+        assert m["clipped"] == 0.0, "the warm-up clip did not run: clipped must read False"
+        assert m["grad_norm"] == 0.0 and m["scale"] == 1.0
+        assert m["step"] == 2 and m["count"] == 2  # two warm-up steps, one clipped
+        assert m["clipped_count"] == 1 and m["nonfinite_count"] == 0
+
+
+def test_nested_warmup_metrics_reset_per_group() -> None:
+    """per_param: each group's nested metrics reset when that group's warm-up ends."""
+    warmup = clipjax.clip_by_global_norm(1.0, scope="per_param")
+    tx = clipjax.hist_clip(warmup_steps=2, warmup_clip=warmup, scope="per_param")
+    state = tx.init({"a": jnp.ones(4), "b": jnp.ones(4)})
+    update = jax.jit(tx.update)
+    # "a" is clipped by the warm-up clip on its last warm-up step, "b" on its first.
+    for ga, gb in [(0.5, 4.0), (3.0, 0.5), (1.0, 1.0), (1.0, 1.0)]:
+        _, state = update({"a": jnp.full(4, ga / 2), "b": jnp.full(4, gb / 2)}, state)
+        if ga == gb:  # after the warm-up
+            for group in ("a", "b"):
+                v = clipjax.metrics(state, flat=False)["hist_clip"][f"clip_by_global_norm/{group}"]
+                assert (v["grad_norm"], v["scale"], v["clipped"]) == (0.0, 1.0, 0.0), (group, v)
+                assert (v["step"], v["count"], v["clipped_count"]) == (2, 2, 1), (group, v)
