@@ -73,8 +73,7 @@ def clip_norm_growth(
         ``add`` and ``mul`` is required.
       min_value: the floor of ``p`` (``> 0``), or None.
       max_decay: how much ``p`` may fall in a step (``>= 1``), or None.
-      scope: ``"per_param"`` (torchzero's ``tensorwise=True``), ``"global"``,
-        ``"per_layer"``, a callable or :func:`clipjax.stacked`.
+      scope: the groups (:class:`~clipjax.ClipTransform`); ``"per_param"``: ``tensorwise=True``.
       feedback: ``"clipped"`` (default), ``"raw"`` or ``"skip"``.
       axis_name: average the group norms over this mapped axis first.
       leaf_norms: also record each leaf's L2 norm before clipping.
@@ -222,12 +221,10 @@ def clip_norm_by_ema(
 
     Args:
       beta: EMA decay, in (0, 1).
-      max_ema_growth: the largest growth factor of the EMA's norm a step
-        (``> 0``), or None for no cap.
+      max_ema_growth: the EMA norm's largest growth factor a step (``> 0``), or None.
       init: the EMA's initial value, every element.
       min_norm: the cap never falls below this (``>= 0``).
-      scope: ``"per_param"`` (torchzero's ``tensorwise=True``), ``"global"``,
-        ``"per_layer"``, a callable or :func:`clipjax.stacked`.
+      scope: the groups (:class:`~clipjax.ClipTransform`); ``"per_param"``: ``tensorwise=True``.
       axis_name: average the update and EMA norms over this mapped axis first.
       leaf_norms: also record each leaf's L2 norm before clipping.
       name: metrics prefix (default ``clip_norm_by_ema``).
