@@ -79,8 +79,7 @@ def clip_by_historical_norm(
         rolling_interval_length]``; default Levanter's
         ``max(2, rolling_interval_length // 2)`` (so a window of length 1
         never clips unless ``min_history=1``).
-      scope: ``"global"`` (Levanter's), ``"per_param"``, ``"per_layer"``, a
-        callable or :func:`clipjax.stacked`.
+      scope: the groups (:class:`~clipjax.ClipTransform`); ``"global"``: Levanter's.
       feedback: ``"raw"`` (default), ``"clipped"`` or ``"skip"``.
       axis_name: average the group norms over this mapped axis first.
       leaf_norms: also record each leaf's L2 norm before clipping.
