@@ -105,8 +105,7 @@ def clip_by_global_norm(
       norm_type: the order p of the norm, ``> 0`` or ``float("inf")``;
         default 2.0.
       eps: added to the norm in the denominator.
-      scope: the groups (:class:`~clipjax.ClipTransform`); each is clipped to
-        ``max_norm`` on its own (``"global"``: the whole tree, optax's rule).
+      scope: the groups (:class:`~clipjax.ClipTransform`), each clipped on its own.
       axis_name: average the group norms over this mapped axis first.
       leaf_norms: also record each leaf's L2 norm before clipping.
       name: metrics prefix (default ``clip_by_global_norm``).
