@@ -88,29 +88,17 @@ def drytorch_reference(
         clip = "reciprocal" if criterion == "zstat" else "max"
     if clip not in _CLIPS:
         raise ValueError(f"clip must be one of {_CLIPS}")
-    clip_fn = {
-        "reciprocal": go.reciprocal_clipping,
-        "max": go.max_clipping,
-        "mean": go.mean_clipping,
-    }[clip]
-
-    x = np.asarray(norms, dtype=np.float64)
-    if x.ndim == 1:
-        x2 = x[:, None]
-    elif x.ndim == 2:
-        x2 = x
-    else:
-        raise ValueError(f"norms must be 1-D or 2-D, got shape {x.shape}")
+    x2 = np.asarray(norms, dtype=np.float64)
+    x2 = x2[:, None] if x2.ndim == 1 else x2
+    if x2.ndim != 2:
+        raise ValueError(f"norms must be 1-D or 2-D, got shape {np.shape(norms)}")
     n_steps, n_params = x2.shape
+    n_groups = n_params if per_param else 1
 
     log: dict[int, dict[str, Any]] = {}
-    ckw: dict[str, Any] = {"clipping_function": clip_fn}
-    if alpha is not None:
-        ckw["alpha"] = alpha
-    if criterion == "zstat":
-        ckw["z_thresh"] = z_thresh
-    else:
-        ckw["r_thresh"] = r_thresh
+    ckw: dict[str, Any] = {"clipping_function": getattr(go, f"{clip}_clipping")}
+    ckw.update({} if alpha is None else {"alpha": alpha})
+    ckw.update({"z_thresh": z_thresh} if criterion == "zstat" else {"r_thresh": r_thresh})
     crit = _recording_criterion(go, criterion, log, **ckw)
     warm = go.NoOp() if warmup_max_norm is None else go.GradNormClipper(warmup_max_norm)
     cls = go.ParamHistClipper if per_param else go.HistClipper
@@ -142,18 +130,15 @@ def drytorch_reference(
         befores = [_grad_np(p) for p in params]
         if per_param:
             gns = [p.grad.norm(2, dtype=float).item() for p in params]
-            warm_flags = [_handler_for(i).active and not len(_handler_for(i)) >= n_warmup_steps
-                          for i in range(n_params)]  # fmt: skip
         else:
             gns = [math.sqrt(sum((p.grad**2).sum().item() for p in params))]
-            warm_flags = [clipper._warmup_handler.active and
-                          not len(clipper._warmup_handler) >= n_warmup_steps]  # fmt: skip
+        warm_flags = [_handler_for(j).active and not len(_handler_for(j)) >= n_warmup_steps
+                      for j in range(n_groups)]  # fmt: skip
         log.clear()
         with torch.no_grad():
             clipper(params)
         afters = [_grad_np(p) for p in params]
 
-        n_groups = n_params if per_param else 1
         row: dict[str, list] = {k: [] for k in keys}
         for j in range(n_groups):
             c = _crit_for(j)

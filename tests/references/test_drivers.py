@@ -225,6 +225,10 @@ def test_zclip_matches_restatement(max_grad_norm):
     # clip_val is set exactly on spikes and then equals the threshold when below the cap.
     np.testing.assert_array_equal(~np.isnan(r["clip_val"]), r["spike"])
     assert (r["error"] == "").all() and r["finite_out"].all()
+    if max_grad_norm is None:  # float32 close to float64
+        b = R.zclip_reference(x, warmup_steps=w, max_grad_norm=None, dtype="float32")
+        np.testing.assert_allclose(b["threshold"], r["threshold"], rtol=1e-5)
+        np.testing.assert_allclose(b["scale"], r["scale"], rtol=1e-5)
 
 
 @zclip_available
@@ -240,15 +244,6 @@ def test_zclip_clips_the_spikes():
     calm = ~r["spike"] & ~r["warmup"]
     np.testing.assert_allclose(r["threshold"][calm], r["grad_norm"][calm], rtol=0)
     assert (r["scale"][calm] == 1.0).all()
-
-
-@zclip_available
-def test_zclip_float32_close_to_float64():
-    x = _short()
-    a = R.zclip_reference(x, warmup_steps=10, max_grad_norm=None)
-    b = R.zclip_reference(x, warmup_steps=10, max_grad_norm=None, dtype="float32")
-    np.testing.assert_allclose(b["threshold"], a["threshold"], rtol=1e-5)
-    np.testing.assert_allclose(b["scale"], a["scale"], rtol=1e-5)
 
 
 @zclip_available
