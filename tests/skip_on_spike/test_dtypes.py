@@ -1,11 +1,8 @@
 """skip_on_spike returns the inner optimizer's own dtypes on every route.
 
-The grid: params float32/bfloat16 x gradients float32/bfloat16 x ``mu_dtype``
-None/float32, around ``clipjax.adamw`` (the fold route),
-``optax.chain(clipjax.zclip(), optax.adam(...))`` and ``optax.adam`` (both
-under ``lax.cond``). Each step's updates and inner state have the dtypes the
-inner optimizer alone gives on the same inputs, on taken and skipped steps,
-and a taken step's values are the inner optimizer's.
+Params and gradients float32/bfloat16 x ``mu_dtype`` None/float32, on the fold route and
+two ``lax.cond`` routes: updates and inner state have the dtypes the inner optimizer alone
+gives, on taken and skipped steps, and a taken step's values are the inner optimizer's.
 """
 
 from __future__ import annotations
@@ -28,16 +25,13 @@ DTYPES = {"f32": F32, "bf16": BF16}
 MU_DTYPES = {"mu_none": None, "mu_f32": F32}
 
 # route -> (skip_on_spike's inner, the optimizer alone), given mu_dtype.
+ADAMW = (clipjax.adamw, optax.adamw)
 ROUTES: dict[str, Callable[[Any], tuple[Any, Any]]] = {
-    "fold_clipjax_adamw": lambda mu: (
-        clipjax.adamw(1e-2, mu_dtype=mu),
-        optax.adamw(1e-2, mu_dtype=mu),
-    ),
+    "fold_clipjax_adamw": lambda mu: tuple(adamw(1e-2, mu_dtype=mu) for adamw in ADAMW),
     "cond_chain_zclip_adam": lambda mu: (
-        optax.chain(clipjax.zclip(warmup_steps=2), optax.adam(1e-2, mu_dtype=mu)),
-        optax.chain(clipjax.zclip(warmup_steps=2), optax.adam(1e-2, mu_dtype=mu)),
+        2 * (optax.chain(clipjax.zclip(warmup_steps=2), optax.adam(1e-2, mu_dtype=mu)),)
     ),
-    "cond_optax_adam": lambda mu: (optax.adam(1e-2, mu_dtype=mu), optax.adam(1e-2, mu_dtype=mu)),
+    "cond_optax_adam": lambda mu: 2 * (optax.adam(1e-2, mu_dtype=mu),),
 }
 SPIKE_STEP, STEPS = 3, 5
 

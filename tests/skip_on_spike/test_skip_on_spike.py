@@ -1,17 +1,9 @@
 """``skip_on_spike``: drop a step whose gradient norm or loss spikes.
 
-* A float64 NumPy restatement of the rule decides every step of streams with
-  spikes in the loss only, the norm only, both, NaN/Inf losses and gradients
-  and a lasting upward shift (with and without ``max_consecutive_skips``); the
-  transform must take the same decisions, report the same thresholds and hold
-  the same buffers (never a skipped value).
-* A skipped step leaves the inner state bit-identical and returns zeros in
-  each leaf's dtype.
-
-The restatement is ``tests/restate/skip_on_spike.py``. OLMo-core's and Levanter's
-rules next to the transform: test_skip_on_spike_references.py. How it composes with
-jit, scan, wrappers and checkpoints, and what its compiled step costs:
-test_skip_on_spike_steps.py.
+Against the float64 restatement ``tests/restate/skip_on_spike.py``: the same
+decisions, thresholds and buffers (never a skipped value) on streams with spikes,
+NaN/Inf and a lasting shift. A skipped step leaves the inner state bit-identical
+and returns zeros in each leaf's dtype.
 """
 
 from __future__ import annotations
@@ -42,33 +34,14 @@ from tests.skip_streams import (
     tree_equal,
 )
 
-FIELDS = {
-    "grad_norm",
-    "value",
-    "grad_threshold",
-    "value_threshold",
-    "skipped",
-    "skipped_count",
-    "consecutive_skips",
-    "nonfinite_count",
-    "step",
-    "count",
-}
+FIELDS = {"grad_norm", "value", "grad_threshold", "value_threshold", "skipped", "skipped_count",
+          "consecutive_skips", "nonfinite_count", "step", "count"}  # fmt: skip
 
-CASES = [
-    ("clean", True, None),
-    ("loss_spike", True, None),
-    ("norm_spike", True, None),
-    ("norm_spike", False, None),
-    ("both", True, None),
-    ("burst", False, None),
-    ("nan_loss", True, None),
-    ("nan_grad", True, None),
-    ("nan_grad", False, None),
-    ("shift", True, None),
-    ("shift", True, 3),
-    ("shift", False, 3),
-]
+# (stream, with a loss, max_consecutive_skips)
+CASES = [("clean", True, None), ("loss_spike", True, None), ("norm_spike", True, None),
+         ("norm_spike", False, None), ("both", True, None), ("burst", False, None),
+         ("nan_loss", True, None), ("nan_grad", True, None), ("nan_grad", False, None),
+         ("shift", True, None), ("shift", True, 3), ("shift", False, 3)]  # fmt: skip
 
 
 @pytest.mark.parametrize("feedback", ["clipped", "skip", "raw"])
@@ -164,9 +137,6 @@ def test_nonfinite_steps_are_counted_and_always_skipped() -> None:
     assert int(states[-1].metrics["nonfinite_count"][0]) == 4
 
 
-# --------------------------------------------------------------------------- inner state
-
-
 def spike_run(
     inner: optax.GradientTransformation, params: Any, spike_at: int = 12
 ) -> list[tuple[Any, Any]]:
@@ -232,9 +202,6 @@ def test_value_and_extra_args_reach_the_inner_transform() -> None:
     assert float(plateau.scale) < 1.0  # it saw the losses
 
 
-# --------------------------------------------------------------------------- metrics
-
-
 def test_state_structure_is_fixed_and_typed() -> None:
     params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
     tx = clipjax.skip_on_spike(optax.adam(1e-3), window_size=WINDOW)
@@ -279,22 +246,14 @@ def test_metrics_reports_its_fields_and_the_inner_clippers() -> None:
     assert set(keys) == {f"guard/global/{f}" for f in FIELDS}
 
 
-# --------------------------------------------------------------------------- feedback
-
-
-def lognormal_shift(factor: float, steps: int = 400, at: int = 200, seed: int = 0) -> list[float]:
-    rng = np.random.default_rng(seed)
-    norms = np.exp(0.1 * rng.standard_normal(steps))
-    norms[at:] *= factor
-    return [float(np.float32(x)) for x in norms]
-
-
 @pytest.mark.parametrize(("factor", "most_skips"), [(10.0, 40), (50.0, 60)])
 def test_a_lasting_shift_is_learnt_within_the_steps_the_restatement_predicts(
     factor: float, most_skips: int
 ) -> None:
     """Window 128, sigma 6, lognormal noise: "clipped" learns a x10 / x50 shift."""
-    norms = lognormal_shift(factor)
+    norms = np.exp(0.1 * np.random.default_rng(0).standard_normal(400))
+    norms[200:] *= factor
+    norms = [float(np.float32(x)) for x in norms]
     ref = S.skip_on_spike(norms, None, window=128, sigma=6.0, min_history=64, feedback="clipped")
     expected = [r["skipped"] for r in ref]
     tx = clipjax.skip_on_spike(optax.sgd(1.0))
@@ -320,9 +279,8 @@ ROUTES = {
 
 @pytest.mark.parametrize("route", sorted(ROUTES))
 def test_a_skipped_step_reads_as_skipped_on_every_route(route: str) -> None:
-    """0.4 reported grad_norm 0, scale 1, clipped False there: a calm step on a chart.
-    The clipper saw no gradient: grad_norm and z NaN, skipped True, nothing clipped;
-    thresholds, statistics and counters as they stand; the state untouched."""
+    """The clipper saw no gradient: grad_norm and z NaN, skipped True, nothing clipped (0.4
+    reported grad_norm 0, scale 1: a calm step on a chart); its state untouched."""
     inner = ROUTES[route](clipjax.zclip(warmup_steps=3, max_grad_norm=None))
     tx = clipjax.skip_on_spike(inner, window_size=8, min_history=4)
     params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
@@ -335,11 +293,7 @@ def test_a_skipped_step_reads_as_skipped_on_every_route(route: str) -> None:
     steps = [state for _, state in run(tx, grads, [1.0] * len(grads), params)]
     assert tx.route == route
     assert [bool(s.metrics["skipped"][0]) for s in steps[11:16]] == [
-        False,
-        True,
-        False,
-        True,
-        False,
+        t in (12, 14) for t in range(11, 16)
     ]
     for state, previous in ((steps[12], steps[11]), (steps[14], steps[13])):
         for found in (clipjax.metrics(state), jax.jit(clipjax.metrics)(state)):
@@ -365,31 +319,17 @@ def test_a_skipped_step_reads_as_skipped_on_every_route(route: str) -> None:
     assert "zclip/global/skipped" not in clipjax.metrics(state)
 
 
-# --------------------------------------------------------------------------- arguments
+# Each refused for its last argument.
+BAD = [(kw, list(kw)[-1]) for kw in [
+    {"window_size": 0}, {"window_size": 2.0}, {"window_size": True}, {"sigma": 0.0},
+    {"sigma": -1.0}, {"sigma": float("nan")}, {"sigma": "6"}, {"min_history": 0},
+    {"window_size": 4, "min_history": 5}, {"min_history": 1.5}, {"max_consecutive_skips": 0},
+    {"max_consecutive_skips": 2.0}, {"name": ""}, {"name": 3}, {"axis_name": 3},
+    {"feedback": "observe_first"}, {"feedback": None},
+]]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "argument"),
-    [
-        ({"window_size": 0}, "window_size"),
-        ({"window_size": 2.0}, "window_size"),
-        ({"window_size": True}, "window_size"),
-        ({"sigma": 0.0}, "sigma"),
-        ({"sigma": -1.0}, "sigma"),
-        ({"sigma": float("nan")}, "sigma"),
-        ({"sigma": "6"}, "sigma"),
-        ({"min_history": 0}, "min_history"),
-        ({"window_size": 4, "min_history": 5}, "min_history"),
-        ({"min_history": 1.5}, "min_history"),
-        ({"max_consecutive_skips": 0}, "max_consecutive_skips"),
-        ({"max_consecutive_skips": 2.0}, "max_consecutive_skips"),
-        ({"name": ""}, "name"),
-        ({"name": 3}, "name"),
-        ({"axis_name": 3}, "axis_name"),
-        ({"feedback": "observe_first"}, "feedback"),
-        ({"feedback": None}, "feedback"),
-    ],
-)
+@pytest.mark.parametrize(("kwargs", "argument"), BAD)
 def test_invalid_arguments_name_the_argument(kwargs: dict[str, Any], argument: str) -> None:
     with pytest.raises(ValueError, match=argument):
         clipjax.skip_on_spike(optax.sgd(1.0), **kwargs)

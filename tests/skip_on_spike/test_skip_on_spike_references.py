@@ -1,9 +1,5 @@
-"""``skip_on_spike`` next to OLMo-core's ``SkipStepOptimizer`` and Levanter's skip-step wrapper.
-
-Their rules restated: where they mean the same thing as clipjax's (a window with
-no spike in it yet), their thresholds and decisions agree; after a spike or a NaN
-loss they differ, because they keep it in their windows.
-"""
+"""``skip_on_spike`` next to OLMo-core's ``SkipStepOptimizer`` and Levanter's skip-step
+wrapper, restated: they agree until their windows hold a spike or a NaN loss (they keep it)."""
 
 from __future__ import annotations
 
@@ -11,13 +7,7 @@ import numpy as np
 import optax
 
 import clipjax
-from tests.skip_streams import (
-    STEPS,
-    directions,
-    make_stream,
-    norm64,
-    run,
-)
+from tests.skip_streams import STEPS, directions, make_stream, norm64, run
 
 
 def levanter_thresholds(norms: list[float], length: int, sigma: float) -> list[tuple[bool, float]]:

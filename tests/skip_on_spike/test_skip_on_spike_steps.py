@@ -1,7 +1,5 @@
-"""``skip_on_spike`` in a training step: ``lax.scan``, donation, ``MultiSteps``,
-``nnx.Optimizer.update(..., value=loss)``, orbax; the full-size copies and bytes
-of its compiled step; and the route each kind of inner transform takes.
-"""
+"""``skip_on_spike`` in a training step (``lax.scan``, donation, ``MultiSteps``, nnx, orbax),
+what its compiled step costs, and the route each kind of inner transform takes."""
 
 from __future__ import annotations
 
@@ -18,23 +16,15 @@ import pytest
 import clipjax
 from tests.compiled_step import bytes_accessed, compiled_train_step, full_size_copies
 from tests.conftest import version_of
-from tests.skip_streams import (
-    RULE,
-    SHAPES,
-    STEPS,
-    directions,
-    make_stream,
-    run,
-    tree_equal,
-)
+from tests.skip_streams import RULE, SHAPES, STEPS, directions, make_stream, run, tree_equal
 
-# --------------------------------------------------------------------------- composition
+ZEROS = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
 
 
 def test_lax_scan_traces_once_and_equals_the_loop() -> None:
     grads, losses = make_stream("both")
     tx = clipjax.skip_on_spike(optax.adam(1e-2), **RULE)
-    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
+    params = ZEROS
     traces = []
 
     def body(carry: Any, xs: Any) -> tuple[Any, Any]:
@@ -61,13 +51,10 @@ def test_lax_scan_traces_once_and_equals_the_loop() -> None:
 
 
 def test_buffers_can_be_donated() -> None:
-    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
+    params = ZEROS
     tx = clipjax.skip_on_spike(optax.adam(1e-3))
-    steps = {
-        "without value": jax.jit(lambda g, s: tx.update(g, s, params), donate_argnums=1),
-        "with value": jax.jit(lambda g, s: tx.update(g, s, params, value=1.0), donate_argnums=1),
-    }
-    for step in steps.values():
+    for value in ({}, {"value": 1.0}):
+        step = jax.jit(lambda g, s, v=value: tx.update(g, s, params, **v), donate_argnums=1)
         state = tx.init(params)
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message=".*donated.*")
@@ -81,7 +68,7 @@ def test_inside_multisteps() -> None:
     tx = optax.MultiSteps(
         clipjax.skip_on_spike(optax.adam(1e-2), window_size=8, min_history=4), every_k_schedule=2
     )
-    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
+    params = ZEROS
     states = [s for _, s in run(tx, grads[:24], losses[:24], params)]
     inner = [s.inner_opt_state for s in states]
     # The inner transform runs on every second micro-batch (its state is
@@ -122,7 +109,7 @@ def test_orbax_checkpoint_continues_bit_identically(tmp_path: Path) -> None:
 
     grads, losses = make_stream("both")
     tx = clipjax.skip_on_spike(optax.inject_hyperparams(optax.adam)(learning_rate=1e-2), **RULE)
-    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
+    params = ZEROS
     step = jax.jit(lambda p, s, g, v: tx.update(g, s, p, value=v))
 
     def train(params: Any, state: Any, ts: range) -> tuple[Any, Any]:
@@ -142,29 +129,13 @@ def test_orbax_checkpoint_continues_bit_identically(tmp_path: Path) -> None:
     assert tree_equal(jax.device_get(train(*restored, range(28, STEPS))), jax.device_get(final))
 
 
-@pytest.mark.parametrize(
-    "inner",
-    [optax.adam(1e-3), optax.chain(clipjax.zclip(), optax.adamw(1e-3))],
-    ids=["adam", "chain_zclip_adamw"],
-)
-def test_the_donated_step_copies_no_optimizer_state(inner: optax.GradientTransformation) -> None:
-    compiled, _ = compiled_train_step(clipjax.skip_on_spike(inner))
-    assert full_size_copies(compiled.as_text(), {(64, 64), (64,)}) == 0
-
-
 @pytest.mark.skipif(
     version_of(jax) < (0, 5),
     reason="bytes accessed are calibrated on jaxlib >= 0.5's cost analysis",
 )
 def test_a_taken_step_costs_the_norm_and_one_round_trip_of_the_updates() -> None:
-    """Over adam: the norm (as any global clipper), plus the conditional's boundary.
-
-    The inner update runs under ``lax.cond``, so its updates are written out and
-    read back instead of fusing into ``apply_updates``: one write and one read.
-    The norm is clipjax's global clipper's, whose static bytes include the
-    overflow recompute (a branch an ordinary step never runs): measured against
-    that clipper, the conditional's boundary stands alone.
-    """
+    """Over adam: the norm (clipjax's global clipper's, with its overflow branch), plus the
+    conditional's boundary: the updates written out and read back instead of fused."""
     adam, grad_bytes = compiled_train_step(optax.chain(optax.adam(1e-3)))
     clip, _ = compiled_train_step(optax.chain(clipjax.clip_by_global_norm(1e30), optax.adam(1e-3)))
     skip, _ = compiled_train_step(clipjax.skip_on_spike(optax.adam(1e-3)))
@@ -176,24 +147,22 @@ def test_a_taken_step_costs_the_norm_and_one_round_trip_of_the_updates() -> None
     assert 0.5 < extra <= 2.5, extra
 
 
-# --------------------------------------------------------------------------- routes
-
+# A wrapper around clipjax's adamw (the fold hidden), and the same around optax's.
 WRAPPED = {
-    "inject_hyperparams": (
-        lambda: optax.inject_hyperparams(clipjax.adamw)(learning_rate=1e-2, weight_decay=0.1),
-        lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, weight_decay=0.1),
+    "inject_hyperparams": tuple(
+        lambda m=m: optax.inject_hyperparams(m)(learning_rate=1e-2, weight_decay=0.1)
+        for m in (clipjax.adamw, optax.adamw)
     ),
-    "multi_steps": (
-        lambda: optax.MultiSteps(clipjax.adamw(1e-2), every_k_schedule=3),
-        lambda: optax.MultiSteps(optax.adamw(1e-2), every_k_schedule=3),
+    "multi_steps": tuple(
+        lambda m=m: optax.MultiSteps(m(1e-2), every_k_schedule=3)
+        for m in (clipjax.adamw, optax.adamw)
     ),
 }
 
 
 def test_route_says_how_a_step_is_skipped() -> None:
-    """Decided at construction from what the inner transform is, and kept: a
-    wrapper around a clipjax optimizer hides its update_if (a conditional)."""
-    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
+    """Decided at construction from the inner transform, and kept."""
+    params = ZEROS
     routes = {
         "fold": clipjax.adamw(1e-3),
         "fold_chain": clipjax.chain(clipjax.zclip(), clipjax.adam(1e-3)),
@@ -228,8 +197,8 @@ def wrapper_run(tx: Any, params: Any) -> list[Any]:
 
 @pytest.mark.parametrize("wrapper", sorted(WRAPPED))
 def test_a_wrapper_around_clipjax_adamw_is_the_conditional_around_optax(wrapper: str) -> None:
-    """A wrapper hides clipjax.adamw's update_if: both run under lax.cond, with the
-    same decisions, states and updates bit for bit, op by op and compiled."""
+    """Both under lax.cond: the same decisions, states and updates bit for bit, op by op and
+    compiled."""
     ours, theirs = (
         clipjax.skip_on_spike(m(), window_size=4, min_history=2, sigma=3.0)
         for m in WRAPPED[wrapper]
@@ -253,9 +222,8 @@ def test_a_wrapper_around_clipjax_adamw_is_the_conditional_around_optax(wrapper:
 
 @pytest.mark.parametrize("wrapper", sorted(WRAPPED))
 def test_a_wrapper_costs_what_the_conditional_around_optax_costs(wrapper: str) -> None:
-    """The price of deciding the route at construction: the step around the
-    wrapper is the conditional's (0.4's traced fold accessed less: see
-    docs/reference_skip_step.md), and the direct fold still costs less."""
+    """The step around the wrapper is the conditional's (0.4's traced fold accessed less:
+    docs/reference_skip_step.md); the direct fold costs less."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", clipjax.ConditionalRouteWarning)
         ours, _ = compiled_train_step(clipjax.skip_on_spike(WRAPPED[wrapper][0]()))
@@ -269,7 +237,7 @@ def test_a_wrapper_costs_what_the_conditional_around_optax_costs(wrapper: str) -
 
 
 def test_the_conditional_route_around_full_size_moments_warns() -> None:
-    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
+    params = ZEROS
     tx = clipjax.skip_on_spike(optax.adam(1e-3))
     state = tx.init(params)
     with pytest.warns(clipjax.ConditionalRouteWarning, match="route 'cond'"):
@@ -279,11 +247,7 @@ def test_the_conditional_route_around_full_size_moments_warns() -> None:
         warnings.simplefilter("error", clipjax.ConditionalRouteWarning)
         tx.update(params, state, params)
         jax.jit(tx.update)(params, state, params)
-    quiet = [
-        optax.sgd(0.1),  # no full-size state: nothing to gain
-        clipjax.adamw(1e-3),
-        clipjax.zclip(),
-    ]
+    quiet = [optax.sgd(0.1), clipjax.adamw(1e-3), clipjax.zclip()]  # sgd: no full-size state
     for make, _ in WRAPPED.values():  # a wrapper hides clipjax.adamw's fold
         tx = clipjax.skip_on_spike(make())
         with pytest.warns(clipjax.ConditionalRouteWarning, match="not inside"):
