@@ -1,14 +1,9 @@
 """``clip_by_historical_norm`` against a float64 restatement of Levanter's code.
 
-The restatement (``tests/restate/historical_clip.py``) follows
-stanford-crfm/levanter at 9263f81e8b453241332c2c0b2d2001bfb2d2241c,
-``src/levanter/optim/clip_update_norm.py``; ``fix=True`` adds clipjax's documented
-change. Error budget: float32 clipjax against float64, relative 3e-5 on the
-threshold, the scale and the window's mean and std (measured below 3e-6); the
-decisions and counters exact. Negative controls: another window, another
-sigma, the unfixed code on a NaN. The recipe (Levanter's ``AdamConfig`` chain with
-the clip after the moments and the weight decay) is run against the same chain
-with the restated clip.
+The restatement (``tests/restate/historical_clip.py``) follows stanford-crfm/levanter at
+9263f81e8b453241332c2c0b2d2001bfb2d2241c, ``src/levanter/optim/clip_update_norm.py``;
+``fix=True`` adds clipjax's documented change. Error budget: relative 3e-5 on the threshold,
+the scale and the window's mean and std (measured below 3e-6); decisions and counters exact.
 """
 
 from __future__ import annotations
@@ -39,11 +34,16 @@ def prefix(group: str = "global") -> str:
     return f"clip_by_historical_norm/{group}/"
 
 
+def run(norms: np.ndarray, **kwargs: Any) -> tuple:
+    """``S.run_tree`` of ``clip_by_historical_norm(**kwargs)`` on one stream of norms."""
+    return S.run_tree(clipjax.clip_by_historical_norm(**kwargs), norms[:, None])
+
+
 @pytest.mark.parametrize("norms", ["spiky", "down"])
 @pytest.mark.parametrize("settings", [{}, {"rolling_interval_length": 32, "sigma_factor": 2.0}])
 def test_trace_equals_levanter(norms: str, settings: dict) -> None:
     seq = {"spiky": SPIKY, "down": DOWN}[norms]
-    got, (outs, ins), _ = S.run_tree(clipjax.clip_by_historical_norm(**settings), seq[:, None])
+    got, (outs, ins), _ = run(seq, **settings)
     want = L.historical_clip(seq, fix=False, **settings)
     S.compare(got, want, prefix(), FIELDS)
     np.testing.assert_allclose(outs["g0"] / ins["g0"], want["scale"], rtol=S.RTOL)
@@ -52,7 +52,7 @@ def test_trace_equals_levanter(norms: str, settings: dict) -> None:
 
 
 def test_a_nan_norm_follows_the_fix() -> None:
-    got, _, same = S.run_tree(clipjax.clip_by_historical_norm(), WITH_NAN[:, None])
+    got, _, same = run(WITH_NAN)
     S.compare(got, L.historical_clip(WITH_NAN), prefix(), FIELDS)
     assert bool(np.asarray(same["g0"])[150]) and got[prefix() + "nonfinite_count"][-1] == 2
 
@@ -63,13 +63,12 @@ def test_fix_levanter_stops_clipping_while_a_nan_is_in_the_window() -> None:
     norms = R.with_nan(SPIKY, [150])
     theirs = L.historical_clip(norms, fix=False)
     assert theirs["scale"][187] == 1.0 and np.isnan(theirs["threshold"][160:278]).all()
-    got, _, _ = S.run_tree(clipjax.clip_by_historical_norm(), norms[:, None])
-    assert got[prefix() + "scale"][187] < 0.05
+    assert run(norms)[0][prefix() + "scale"][187] < 0.05
 
 
 @pytest.mark.parametrize("feedback", ["clipped", "skip"])
 def test_other_feedbacks_equal_their_restatement(feedback: str) -> None:
-    got, _, _ = S.run_tree(clipjax.clip_by_historical_norm(feedback=feedback), WITH_NAN[:, None])
+    got = run(WITH_NAN, feedback=feedback)[0]
     S.compare(got, L.historical_clip(WITH_NAN, feedback=feedback), prefix(), FIELDS)
 
 
@@ -91,7 +90,7 @@ def test_short_windows_take_levanters_default_min_history(length: int) -> None:
     """Levanter's count, at most the window's length, must reach max(2, length // 2): a
     window of 1 never clips (0.4's default min(max(2, length // 2), length) clipped)."""
     seq = SPIKY[:120]
-    got, _, _ = S.run_tree(clipjax.clip_by_historical_norm(length), seq[:, None])
+    got, _, _ = run(seq, rolling_interval_length=length)
     want = L.historical_clip(seq, rolling_interval_length=length, fix=False)
     S.compare(got, want, prefix(), FIELDS)
     clipped = got[prefix() + "clipped"]
@@ -104,13 +103,12 @@ def test_raw_feedback_lets_the_second_spike_through() -> None:
     feedback="clipped" the threshold stays near 0.4 and clips it (docs/defences_2025.md)."""
     norms = 0.3 * np.exp(0.1 * np.random.default_rng(0).standard_normal(300))
     norms[150], norms[160] = 3000.0, 30.0
-    raw, (outs, ins), _ = S.run_tree(clipjax.clip_by_historical_norm(), norms[:, None])
+    raw, (outs, ins), _ = run(norms)
     threshold, scale = raw[prefix() + "threshold"], outs["g0"] / ins["g0"]
     assert scale[150] < 2e-4 and scale[160] == 1.0  # the first caught, the second whole
     np.testing.assert_allclose(threshold[151:279], 816.0, rtol=1e-3)
     assert threshold[279] < 10  # the spike has left the window
-    tx = clipjax.clip_by_historical_norm(feedback="clipped")
-    clipped, (outs, ins), _ = S.run_tree(tx, norms[:, None])
+    clipped, (outs, ins), _ = run(norms, feedback="clipped")
     assert clipped[prefix() + "threshold"][151:].max() < 0.41
     np.testing.assert_allclose(outs["g0"][160] / ins["g0"][160], 0.397 / 30.0, rtol=1e-2)
     # The page and the docstring say what the default costs, with these figures.
@@ -122,15 +120,12 @@ def test_raw_feedback_lets_the_second_spike_through() -> None:
 
 
 def test_negative_controls_are_far_over_the_budget() -> None:
-    got, _, _ = S.run_tree(clipjax.clip_by_historical_norm(), SPIKY[:, None])
+    got = run(SPIKY)[0]
     for kw in ({"rolling_interval_length": 100}, {"sigma_factor": 2.5}):
         want = L.historical_clip(SPIKY, fix=False, **kw)
         ok = np.isfinite(want["threshold"]) & np.isfinite(got[prefix() + "threshold"])
         error = np.max(np.abs(got[prefix() + "threshold"][ok] / want["threshold"][ok] - 1))
         assert error > 100 * S.RTOL, kw
-
-
-# ---------------------------------------------------------------- the recipe
 
 
 def levanter_chain(clip: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -146,12 +141,12 @@ def levanter_chain(clip: optax.GradientTransformation) -> optax.GradientTransfor
 
 
 class RestatedClip:
-    """The restated clip as an optax transform run eagerly: the norms seen so far."""
+    """The restated clip as an optax transform run eagerly on the norms seen so far."""
 
     def __init__(self, **kwargs: Any) -> None:
         self.norms: list[float] = []
-        self.kwargs = kwargs
         self.scales: list[float] = []
+        self.kwargs = kwargs
 
     def transform(self) -> optax.GradientTransformation:
         def update(updates: Any, state: Any, params: Any = None) -> Any:
@@ -210,10 +205,9 @@ def test_bad_arguments_are_named(kwargs: dict, argument: str) -> None:
 
 
 def test_inject_hyperparams() -> None:
-    make = optax.inject_hyperparams(
+    tx = optax.inject_hyperparams(
         clipjax.clip_by_historical_norm, static_args=("rolling_interval_length",)
-    )
-    tx = make(rolling_interval_length=8, sigma_factor=2.0, min_history=4)
+    )(rolling_interval_length=8, sigma_factor=2.0, min_history=4)
     params = {"w": jnp.zeros(3)}
     state = tx.init(params)
     for g in (1.0, 1.1, 0.9, 1.0, 30.0):
