@@ -17,7 +17,17 @@ def P2Median(p: float = 0.5) -> P2:
     return P2(p, textbook=True)
 
 
-class _AutoStats:
+class _Stats:
+    """``raw_threshold``: the quantile, or ``center + k * std``."""
+
+    center, k = "median", 3.0
+
+    def raw_threshold(self) -> float:
+        r = self.report()
+        return r["quantile"] if "quantile" in r else r[self.center] + self.k * r["std"]
+
+
+class _AutoStats(_Stats):
     """mode="auto": textbook P² median + Welford std (ddof=1, 0 with one sample)."""
 
     def __init__(self) -> None:
@@ -37,12 +47,8 @@ class _AutoStats:
         std = math.sqrt(self.m2 / (self.k - 1)) if self.k > 1 else 0.0
         return {"median": self.p2.value(), "std": std}
 
-    def raw_threshold(self) -> float:
-        r = self.report()
-        return r["median"] + 3.0 * r["std"]
 
-
-class _WindowStats:
+class _WindowStats(_Stats):
     def __init__(self, percentile: float, window_size: int) -> None:
         self.p, self.w, self.xs = percentile, window_size, []
 
@@ -52,11 +58,8 @@ class _WindowStats:
     def report(self) -> dict[str, float]:
         return {"quantile": float(np.percentile(self.xs, self.p)) if self.xs else NAN}
 
-    def raw_threshold(self) -> float:
-        return self.report()["quantile"]
 
-
-class _WindowMedianStats:
+class _WindowMedianStats(_Stats):
     """mode="auto", history="window": numpy median and std (ddof=1, 0 with one
     value) of the last ``window_size`` observations."""
 
@@ -72,12 +75,8 @@ class _WindowMedianStats:
         std = float(np.std(self.xs, ddof=1)) if len(self.xs) > 1 else 0.0
         return {"median": float(np.median(self.xs)), "std": std}
 
-    def raw_threshold(self) -> float:
-        r = self.report()
-        return r["median"] + 3.0 * r["std"]
 
-
-class _GeometricStats:
+class _GeometricStats(_Stats):
     """The geometric quantile: start at the first value, ``q <- q exp(-lr (1[x <= q] - p))``."""
 
     def __init__(self, percentile: float, quantile_lr: float) -> None:
@@ -92,15 +91,14 @@ class _GeometricStats:
     def report(self) -> dict[str, float]:
         return {"quantile": self.q}
 
-    def raw_threshold(self) -> float:
-        return self.q
 
-
-class _ZScoreStats:
+class _ZScoreStats(_Stats):
     """EMA mean and variance, both starting at the first value."""
 
+    center = "mean"
+
     def __init__(self, zmax: float, decay: float) -> None:
-        self.zmax, self.d, self.m, self.s = zmax, decay, NAN, 0.0
+        self.k, self.d, self.m, self.s = zmax, decay, NAN, 0.0
 
     def observe(self, x: float) -> None:
         if math.isnan(self.m):
@@ -114,10 +112,6 @@ class _ZScoreStats:
         if math.isnan(self.m):
             return {"mean": NAN, "std": NAN}
         return {"mean": self.m, "std": math.sqrt(max(0.0, self.s))}
-
-    def raw_threshold(self) -> float:
-        r = self.report()
-        return r["mean"] + self.zmax * r["std"]
 
 
 def _smartclip_family(
