@@ -367,7 +367,7 @@ SLOW_TESTS.update(
         "skip_on_spike/test_fold.py::test_lax_scan_traces_once_and_equals_the_loop": (
             "a scan compiled; test_skip_on_spike_steps keeps skip_on_spike's"
         ),
-        "qk_clip/test_docs.py::test_the_helper_equals_the_materialised_logits": (
+        "qk_clip/test_docs.py::test_the_block_prints_what_its_comment_says[the helper]": (
             "materialises the attention logits; tests/qk_clip/test_max_logits checks the helper"
         ),
     }

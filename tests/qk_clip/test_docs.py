@@ -3,53 +3,41 @@ recipes in tests/qk_clip/test_flax.py, which is slow)."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import optax
 import pytest
 
+from tests.docs.markdown_tables import python_blocks
 from tests.paths import ROOT
 
 PAGE = ROOT / "docs" / "qk_clip.md"
 
 
-def blocks() -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", PAGE.read_text(), flags=re.S | re.M)
-
-
-def run(block: str, capsys: pytest.CaptureFixture) -> tuple[dict[str, Any], str]:
+def run(index: int, capsys: pytest.CaptureFixture) -> tuple[dict[str, Any], str]:
+    """Runs block ``index`` of the page: its namespace and what it printed."""
     namespace: dict[str, Any] = {}
-    exec(compile(block, str(PAGE), "exec"), namespace)
+    exec(compile(python_blocks(PAGE)[index], str(PAGE), "exec"), namespace)
     return namespace, capsys.readouterr().out
 
 
 def test_the_page_has_its_six_blocks() -> None:
-    assert len(blocks()) == 6
+    assert len(python_blocks(PAGE)) == 6
 
 
-def test_the_first_example(capsys: pytest.CaptureFixture) -> None:
-    if not hasattr(optax.contrib, "muon"):
+@pytest.mark.parametrize(
+    ("index", "printed"),
+    [
+        (0, ["2 0.25"]),
+        (1, []),
+        (2, ["qk_clip: optimizer must be an optax GradientTransformation", "True", "2"]),
+        (3, ["True"]),  # the helper equals the materialised logits' max
+    ],
+    ids=["the first example", "the layouts build", "the wrong wirings raise", "the helper"],
+)
+def test_the_block_prints_what_its_comment_says(
+    index: int, printed: list[str], capsys: pytest.CaptureFixture
+) -> None:
+    if index in (0, 2) and not hasattr(optax.contrib, "muon"):
         pytest.skip("optax.contrib.muon is newer than this optax")
-    _, out = run(blocks()[0], capsys)
-    assert out.split() == ["2", "0.25"]
-
-
-def test_the_layouts_build(capsys: pytest.CaptureFixture) -> None:
-    run(blocks()[1], capsys)
-
-
-def test_the_wrong_wirings_raise(capsys: pytest.CaptureFixture) -> None:
-    if not hasattr(optax.contrib, "muon"):
-        pytest.skip("optax.contrib.muon is newer than this optax")
-    _, out = run(blocks()[2], capsys)
-    assert out.splitlines() == [
-        "qk_clip: optimizer must be an optax GradientTransformation",
-        "True",
-        "2",
-    ]
-
-
-def test_the_helper_equals_the_materialised_logits(capsys: pytest.CaptureFixture) -> None:
-    _, out = run(blocks()[3], capsys)
-    assert out.strip() == "True"
+    assert run(index, capsys)[1].splitlines() == printed

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import clipjax
-from tests.qk_clip.test_docs import blocks, run
+from tests.qk_clip.test_docs import run
 
 # Slow, `make test` skips it: compiles the training steps of four small flax models.
 pytestmark = pytest.mark.slow
@@ -96,7 +96,7 @@ def test_the_docs_nnx_recipe(capsys: pytest.CaptureFixture) -> None:
     nnx = pytest.importorskip("flax.nnx")
     if not hasattr(nnx, "capture"):
         pytest.skip("nnx.capture is newer than this flax")
-    namespace, out = run(blocks()[4], capsys)
+    namespace, out = run(4, capsys)
     assert out.strip() == "['qk_clip/layers/0', 'qk_clip/layers/1']"
     metrics = namespace["metrics"]
     assert int(metrics["qk_clip/layers/0/step"]) == 3
@@ -105,5 +105,5 @@ def test_the_docs_nnx_recipe(capsys: pytest.CaptureFixture) -> None:
 
 def test_the_docs_linen_recipe(capsys: pytest.CaptureFixture) -> None:
     pytest.importorskip("flax.linen")
-    _, out = run(blocks()[5], capsys)
+    _, out = run(5, capsys)
     assert out.strip() == "['qk_clip/attn_0', 'qk_clip/attn_1']"

@@ -1,14 +1,13 @@
 """The two QK-Clip mistakes 0.4.0 let pass without a word, now loud (issue 50, item 7).
 
 (a) ``[d_model, heads * head_dim]`` kernels without ``head_axis=-1``: 0.4.0 read them along
-its default ``-2`` and rescaled blocks of input rows (on examples/qk_clip_muon.py's model,
-150 steps: 48 steps with a head clipped where the right wiring clips 32). A leaf both of
-whose last axes split into the heads is now refused, naming the leaf and ``head_axis``.
+``-2`` and rescaled blocks of input rows (examples/qk_clip_muon.py, 150 steps: 48 steps with
+a head clipped where the right wiring clips 32). A leaf that splits into the heads along both
+of its last axes is now refused, naming the leaf and ``head_axis``.
 
 (b) ``optax.chain(qk_clip(...), muon)``, the rescale before the optimizer: 0.4.0 ran it (the
-largest max logit after a step 578.93 in 150 steps, Muon alone 248.84). ``qk_clip`` now
-wraps the optimizer, ``qk_clip(muon, tau)``; the 0.4 call ``qk_clip(tau)`` is refused with
-the new form in its message.
+largest max logit after a step 578.93 in 150 steps, Muon alone 248.84). ``qk_clip(muon, tau)``
+now wraps the optimizer; the 0.4 call ``qk_clip(tau)`` is refused with the new form.
 """
 
 from __future__ import annotations
@@ -35,9 +34,6 @@ def square_params() -> dict[str, Any]:
 
 
 LOGITS = jnp.array([[1.0, 40.0, 5.0, 12.5], [30.0, 1.0, 1.0, 1.0]])
-
-
-# -- (a) the head axis -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
@@ -111,10 +107,7 @@ def test_one_key_head_is_the_whole_leaf_on_either_axis() -> None:
     np.testing.assert_allclose(new["attn"]["wq"], np.sqrt(TAU / 40.0), rtol=1e-6)
 
 
-# -- (b) the place of the rescale -------------------------------------------------------------
-
-
-def test_the_0_4_call_is_refused_with_the_new_form() -> None:
+def test_the_0_4_call_and_no_optimizer_are_refused() -> None:
     message = (
         r"qk_clip: optimizer must be an optax GradientTransformation.*got 100\.0 \(tau=100\.0 "
         r"first, as in 0\.4\? .*clipjax\.qk_clip\(optax\.contrib\.muon\(\.\.\.\), tau=100\.0\)"
@@ -123,9 +116,6 @@ def test_the_0_4_call_is_refused_with_the_new_form() -> None:
         optax.chain(clipjax.qk_clip(100.0, query="wq", key="wk"), optax.sgd(0.1))
     with pytest.raises(ValueError, match="optimizer must be an optax GradientTransformation"):
         clipjax.qk_clip("muon")
-
-
-def test_no_optimizer_is_refused() -> None:
     with pytest.raises(TypeError, match="optimizer"):
         clipjax.qk_clip(tau=100.0)  # pyright: ignore[reportCallIssue]
 
