@@ -1,10 +1,8 @@
-"""clipjax inside optax's wrappers: inject_hyperparams, MultiSteps, masked,
-partition, apply_if_finite. ``clipjax.metrics`` reads through all of them.
-"""
+"""clipjax inside inject_hyperparams, MultiSteps, masked, partition and apply_if_finite;
+``clipjax.metrics`` reads through all of them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -30,13 +28,9 @@ def is_kernel(path: tuple[Any, ...], _: Any) -> bool:
     return path[-1].key == "kernel"
 
 
-# --- inject_hyperparams ---------------------------------------------------------
-#
 # case -> (factory, static_args, fixed kwargs, {hyperparameter: (first value, second value)}).
-# static_args: the hyperparameters that fix shapes or Python control flow and are
-# numbers (inject_hyperparams would make them arrays). Strings, bools and None
-# are static without being named; a callable (e.g. scope=) must be named, or
-# inject_hyperparams calls it as a schedule.
+# static_args: the numbers that fix shapes or Python control flow (inject_hyperparams
+# would make them arrays); strings, bools and None stay static unnamed.
 
 
 def hist_clip_zstat(alpha: float = 0.97, z_thresh: float = 2.5, warmup_steps: int = 20) -> Any:
@@ -44,81 +38,66 @@ def hist_clip_zstat(alpha: float = 0.97, z_thresh: float = 2.5, warmup_steps: in
     return clipjax.hist_clip(clipjax.zstat_criterion(alpha, z_thresh), warmup_steps=warmup_steps)
 
 
-INJECT: dict[str, tuple[Callable[..., Any], tuple[str, ...], dict[str, Any], dict[str, Any]]] = {
-    "clip_by_global_norm": (
-        clipjax.clip_by_global_norm,
-        ("norm_type",),
-        {},
-        {"max_norm": (5.0, 1.0), "eps": (1e-7, 1e-3)},
+def case(factory: Any, static: tuple[str, ...] = (), fixed: Any = None, **hyper: Any) -> tuple:
+    return factory, static, fixed or {}, hyper
+
+
+EPS = {"eps": (1e-8, 1e-2)}
+PERCENTILE = {"mode": "percentile", "warmup_steps": 3, "min_history": 3}
+AGC = {"clipping": (0.05, 0.01), "eps": (1e-3, 1e-1)}
+INJECT = {
+    "clip_by_global_norm": case(
+        clipjax.clip_by_global_norm, ("norm_type",), max_norm=(5.0, 1.0), eps=(1e-7, 1e-3)
     ),
-    "zclip": (
+    "zclip": case(
         clipjax.zclip,
         ("warmup_steps",),
         {"warmup_steps": 3},
-        {
-            "alpha": (0.97, 0.8),
-            "z_thresh": (2.5, 1.0),
-            "max_grad_norm": (100.0, 20.0),
-            "eps": (1e-6, 1e-3),
-            "clip_factor": (1.0, 0.7),
-        },
+        alpha=(0.97, 0.8),
+        z_thresh=(2.5, 1.0),
+        max_grad_norm=(100.0, 20.0),
+        eps=(1e-6, 1e-3),
+        clip_factor=(1.0, 0.7),
     ),
-    "hist_clip": (
+    "hist_clip": case(
         hist_clip_zstat,
         ("warmup_steps",),
         {"warmup_steps": 3},
-        {"alpha": (0.97, 0.8), "z_thresh": (2.5, 1.0)},
+        alpha=(0.97, 0.8),
+        z_thresh=(2.5, 1.0),
     ),
-    "agc": (clipjax.agc, (), {}, {"clipping": (0.05, 0.01), "eps": (1e-3, 1e-1)}),
-    "agc_per_layer": (
-        clipjax.agc,
-        (),
-        {"scope": "per_layer"},
-        {"clipping": (0.05, 0.01), "eps": (1e-3, 1e-1)},
+    "agc": case(clipjax.agc, **AGC),
+    "agc_per_layer": case(clipjax.agc, (), {"scope": "per_layer"}, **AGC),
+    "autoclip": case(
+        clipjax.autoclip, ("window_size",), warmup_steps=(3, 6), min_history=(2, 3), **EPS
     ),
-}
-if hasattr(clipjax, "autoclip"):
-    INJECT["autoclip"] = (
+    "autoclip_window": case(
         clipjax.autoclip,
         ("window_size",),
-        {},
-        {"warmup_steps": (3, 6), "min_history": (2, 3), "eps": (1e-8, 1e-2)},
-    )
-    INJECT["autoclip_window"] = (
+        {**PERCENTILE, "window_size": 4},
+        percentile=(95.0, 50.0),
+        **EPS,
+    ),
+    "autoclip_ema": case(
         clipjax.autoclip,
         ("window_size",),
-        {"mode": "percentile", "window_size": 4, "warmup_steps": 3, "min_history": 3},
-        {"percentile": (95.0, 50.0), "eps": (1e-8, 1e-2)},
-    )
-    INJECT["autoclip_ema"] = (
-        clipjax.autoclip,
-        ("window_size",),
-        {"mode": "percentile", "history": "ema", "warmup_steps": 3, "min_history": 3},
-        {"percentile": (95.0, 50.0), "ema_decay": (0.99, 0.8)},
-    )
-if hasattr(clipjax, "zscore_clip"):
-    INJECT["zscore_clip"] = (
+        {**PERCENTILE, "history": "ema"},
+        percentile=(95.0, 50.0),
+        ema_decay=(0.99, 0.8),
+    ),
+    "zscore_clip": case(
         clipjax.zscore_clip,
-        (),
-        {},
-        {
-            "zmax": (3.0, 1.0),
-            "ema_decay": (0.99, 0.8),
-            "warmup_steps": (3, 6),
-            "min_history": (2, 3),
-            "eps": (1e-8, 1e-2),
-        },
-    )
-if hasattr(clipjax, "clip_by_value"):
-    INJECT["clip_by_value"] = (clipjax.clip_by_value, (), {}, {"max_abs": (1.0, 0.05)})
-    INJECT["clip_by_percentile"] = (
-        clipjax.clip_by_percentile,
-        (),
-        {},
-        {"percentile": (90.0, 50.0)},
-    )
-    INJECT["normalize_per_param"] = (clipjax.normalize_per_param, (), {}, {"eps": (1e-8, 1e-1)})
-    INJECT["zscore_normalize"] = (clipjax.zscore_normalize, (), {}, {"eps": (1e-8, 1e-1)})
+        zmax=(3.0, 1.0),
+        ema_decay=(0.99, 0.8),
+        warmup_steps=(3, 6),
+        min_history=(2, 3),
+        **EPS,
+    ),
+    "clip_by_value": case(clipjax.clip_by_value, max_abs=(1.0, 0.05)),
+    "clip_by_percentile": case(clipjax.clip_by_percentile, percentile=(90.0, 50.0)),
+    "normalize_per_param": case(clipjax.normalize_per_param, eps=(1e-8, 1e-1)),
+    "zscore_normalize": case(clipjax.zscore_normalize, eps=(1e-8, 1e-1)),
+}
 
 SWITCH = 4  # the step at which the injected hyperparameters change
 STEPS = 8
@@ -146,47 +125,24 @@ def test_inject_hyperparams_equals_the_clipper_built_with_those_values(case: str
         assert_trees_close(clipjax_states(state), [direct_state], 1e-5, f"{case} step {t} ")
     m = clipjax.metrics(state)
     assert m.keys() == clipjax.metrics(direct_state).keys()
-    assert any(k.endswith("/global/step") or k.endswith("/step") for k in m)
-
-
-# hyperparameters that must be static_args, with the factory and the others held fixed
-# (zclip's and hist_clip's warmup_steps may be injected: their warm-up sample is kept as
-# running sums, tests/contract/test_inject.py.) norm_type chooses the norm's code:
-# passed, it must be static.
-MUST_BE_STATIC = [
-    (
-        "clip_by_global_norm",
-        clipjax.clip_by_global_norm,
-        {"max_norm": 1.0, "norm_type": 2.0},
-        "norm_type",
-    ),
-]
-if hasattr(clipjax, "autoclip"):
-    # window_size defaults to None (1024 or 100 by mode): pass a number to inject it, in
-    # a mode whose history reads it (with the whole history it has no effect: a ValueError)
-    MUST_BE_STATIC.append(
-        (
-            "autoclip",
-            clipjax.autoclip,
-            {"mode": "percentile", "window_size": 1024},
-            "window_size",
-        )
-    )
+    assert any(k.endswith("/step") for k in m)
 
 
 @pytest.mark.parametrize(
-    ("algo", "factory", "kwargs", "arg"),
-    MUST_BE_STATIC,
-    ids=[f"{c[0]}-{c[3]}" for c in MUST_BE_STATIC],
+    ("factory", "kwargs", "arg"),
+    [
+        (clipjax.clip_by_global_norm, {"max_norm": 1.0, "norm_type": 2.0}, "norm_type"),
+        # Passed as a number (in a mode whose history reads it) it must be static.
+        (clipjax.autoclip, {"mode": "percentile", "window_size": 1024}, "window_size"),
+    ],
+    ids=["clip_by_global_norm-norm_type", "autoclip-window_size"],
 )
 def test_shape_and_control_flow_hyperparameters_must_be_static(
-    algo: str, factory: Any, kwargs: dict[str, Any], arg: str
+    factory: Any, kwargs: dict[str, Any], arg: str
 ) -> None:
-    others = tuple(a for _, f, _, a in MUST_BE_STATIC if f is factory and a != arg)
-    tx = optax.inject_hyperparams(factory, static_args=others)(**kwargs)
+    tx = optax.inject_hyperparams(factory)(**kwargs)
     with pytest.raises(ValueError, match=f"{arg}.*static_args"):
-        state = tx.init(PARAMS)
-        jax.jit(tx.update)(gradients(0), state, PARAMS)
+        jax.jit(tx.update)(gradients(0), tx.init(PARAMS), PARAMS)
 
 
 def test_a_schedule_drives_max_norm_and_metrics_follow() -> None:
@@ -228,8 +184,6 @@ def test_a_schedule_drives_z_thresh_inside_jit() -> None:
     assert int(m["zclip/global/clipped_count"]) >= 1  # the spike at step 5
     assert m.keys() == clipjax.metrics(state).keys()
 
-
-# --- MultiSteps -----------------------------------------------------------------
 
 K = 3  # mini-steps per real step
 REAL_STEPS = 4
@@ -275,9 +229,6 @@ def test_multi_steps_clips_the_accumulated_gradient_once_per_real_step() -> None
     assert bool(clipjax.metrics(states[3 * K - 1])["zclip/global/clipped"])
 
 
-# --- masked, partition ----------------------------------------------------------
-
-
 # One clipper per way of grouping leaves: the engine, agc's unitwise path, the
 # element-wise clippers.
 MASKED = ["zclip_per_layer", "hist_clip", "agc", "clip_by_percentile"]
@@ -288,15 +239,14 @@ def test_masked_clips_only_the_selected_leaves() -> None:
     tx = optax.masked(all_clippers(MASKED), mask)
     state = tx.init(PARAMS)
     update = jax.jit(tx.update)
-    kernels = {"params": {k: {"kernel": v["kernel"]} for k, v in PARAMS["params"].items()}}
+    kernels = lambda t: {"params": {k: {"kernel": v["kernel"]} for k, v in t["params"].items()}}
     direct = all_clippers(MASKED)
     direct_update = jax.jit(direct.update)
-    direct_state = direct.init(kernels)
+    direct_state = direct.init(kernels(PARAMS))
     for t in range(7):
         grads = gradients(t)
         out, state = update(grads, state, PARAMS)
-        kernel_grads = {"params": {k: {"kernel": v["kernel"]} for k, v in grads["params"].items()}}
-        expected, direct_state = direct_update(kernel_grads, direct_state, kernels)
+        expected, direct_state = direct_update(kernels(grads), direct_state, kernels(PARAMS))
         for layer in ("Dense_0", "Dense_1"):
             np.testing.assert_array_equal(
                 out["params"][layer]["bias"], grads["params"][layer]["bias"]
@@ -361,9 +311,6 @@ def test_partition_with_two_clippers_of_one_kind_names_them_apart() -> None:
     )
     _, state = named.update(gradients(0), named.init(PARAMS), PARAMS)
     assert {k.split("/")[0] for k in clipjax.metrics(state)} == {"kernels", "biases"}
-
-
-# --- apply_if_finite ------------------------------------------------------------
 
 
 def with_nan(tree: Any) -> Any:
