@@ -1,14 +1,6 @@
-"""``adaclip``, ``ada_norm``, ``spam`` and ``stable_spam`` without a reference.
-
-* A lasting x10 shift of the gradient scale: AdaClip's bound and AdaGN's
-  EMAs catch up.
-* adaclip's scopes against a NumPy restatement.
-* The fold: ``update_if(False)`` leaves the state bit-identical, the donated
-  step of ``skip_on_spike(spam)`` has no conditional and no full-size copy.
-* optax's Adam moments, ``inject_hyperparams``, arguments refused by name.
-
-The traces against pytorch-optimizer are ``test_spam.py``.
-"""
+"""``adaclip``, ``ada_norm``, ``spam`` and ``stable_spam`` without a reference: a lasting
+shift, adaclip's scopes against NumPy, the fold, optax's moments, inject_hyperparams and
+arguments refused by name (the traces against pytorch-optimizer: test_spam.py)."""
 
 from __future__ import annotations
 
@@ -119,21 +111,14 @@ def test_adaclip_scopes_match_a_numpy_restatement() -> None:
             expected, counted = out, clipjax.metrics(state)
     uncounted = clipjax.metrics(state)
     chex.assert_trees_all_close(out, expected, rtol=1e-6)
-    assert set(counted) - set(uncounted) == {
-        "adaclip/l1/clipped_fraction",
-        "adaclip/l2/clipped_fraction",
-    }
+    assert set(counted) - set(uncounted) == {f"adaclip/{k}/clipped_fraction" for k in ("l1", "l2")}
     chex.assert_trees_all_close(uncounted, {k: counted[k] for k in uncounted}, rtol=1e-6)
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda: clipjax.spam(1e-2, reset_interval=3, warmup_steps=2, clip_delay=1),
-        lambda: clipjax.stable_spam(1e-2, reset_interval=3, weight_decay=0.1),
-    ],
-    ids=["spam", "stable_spam"],
-)
+@pytest.mark.parametrize("make", [
+    lambda: clipjax.spam(1e-2, reset_interval=3, warmup_steps=2, clip_delay=1),
+    lambda: clipjax.stable_spam(1e-2, reset_interval=3, weight_decay=0.1),
+], ids=["spam", "stable_spam"])  # fmt: skip
 def test_update_if_skips_bit_identically_and_takes_as_update(make: Any) -> None:
     tx = make()
     params = {k: jnp.asarray(v) for k, v in PARAMS.items()}
@@ -153,22 +138,16 @@ def test_update_if_skips_bit_identically_and_takes_as_update(make: Any) -> None:
         params = optax.apply_updates(params, updates)
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda: clipjax.skip_on_spike(clipjax.spam(1e-3)),
-        lambda: clipjax.skip_on_spike(clipjax.spam(1e-3, weight_decay=0.1, count_clipped=False)),
-        lambda: clipjax.skip_on_spike(clipjax.stable_spam(1e-3, weight_decay=0.1)),
-    ],
-    ids=["spam", "spam_uncounted", "stable_spam"],
-)
+@pytest.mark.parametrize("make", [
+    lambda: clipjax.spam(1e-3),
+    lambda: clipjax.spam(1e-3, weight_decay=0.1, count_clipped=False),
+    lambda: clipjax.stable_spam(1e-3, weight_decay=0.1),
+], ids=["spam", "spam_uncounted", "stable_spam"])  # fmt: skip
 def test_the_donated_step_has_no_conditional_and_no_copy(make: Any) -> None:
-    """Around skip_on_spike, as clipjax.adamw (test_fold.py).
-
-    The clip's limit is read by the first moment's loop and overwritten by the
-    second's: without the order clipjax._xla.after imposes, XLA copies v.
-    """
-    compiled, _ = compiled_train_step(make())
+    """Around skip_on_spike, as clipjax.adamw (test_fold.py). The clip's limit is read by the
+    first moment's loop and overwritten by the second's: without clipjax._xla.after, XLA
+    copies v."""
+    compiled, _ = compiled_train_step(clipjax.skip_on_spike(make()))
     text = compiled.as_text()
     assert full_size_copies(text, {(64, 64), (64,)}) == 0
     assert full_size_conditionals(text, {(64, 64), (64,)}) == 0
@@ -212,22 +191,15 @@ def test_inject_hyperparams() -> None:
             chex.assert_trees_all_close(out, expected, rtol=2e-5)
 
 
-@pytest.mark.parametrize(
-    ("call", "match"),
-    [
-        (lambda: clipjax.spam(reset_interval=0), "reset_interval"),
-        (lambda: clipjax.spam(warmup_steps=-1), "warmup_steps"),
-        (lambda: clipjax.spam(clip_delay=1.5), "clip_delay"),
-        (lambda: clipjax.spam(threshold=-1.0), "threshold"),
-        (lambda: clipjax.spam(b2=1.0), "b2"),
-        (lambda: clipjax.stable_spam(reset_interval=0), "reset_interval"),
-        (lambda: clipjax.stable_spam(theta=1.0), "theta"),
-        (lambda: clipjax.adaclip(theta=0.0), "theta"),
-        (lambda: clipjax.ada_norm(gamma1=1.5), "gamma1"),
-        (lambda: clipjax.ada_norm(scope="per_row"), "scope"),
-        (lambda: clipjax.spam(name=""), "name"),
-    ],
-)
+SPAM, STABLE = clipjax.spam, clipjax.stable_spam
+BAD = [(SPAM, {"reset_interval": 0}), (SPAM, {"warmup_steps": -1}), (SPAM, {"clip_delay": 1.5}),
+       (SPAM, {"threshold": -1.0}), (SPAM, {"b2": 1.0}), (STABLE, {"reset_interval": 0}),
+       (STABLE, {"theta": 1.0}), (clipjax.adaclip, {"theta": 0.0}),
+       (clipjax.ada_norm, {"gamma1": 1.5}), (clipjax.ada_norm, {"scope": "per_row"}),
+       (SPAM, {"name": ""})]  # fmt: skip
+
+
+@pytest.mark.parametrize(("call", "match"), [(lambda f=f, kw=kw: f(**kw), *kw) for f, kw in BAD])
 def test_bad_arguments_name_themselves(call: Any, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call()

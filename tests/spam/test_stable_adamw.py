@@ -1,16 +1,8 @@
 """StableAdamW: ``clipjax.adamw(..., update_clipping=True)`` and ``clipjax.adam``'s.
 
-* Step by step against torch-optimi's ``StableAdamW`` and pytorch-optimizer's
-  ``StableAdamW`` on the same gradient sequences (steady, spikes, a quiet
-  period then a burst that makes the divisor exceed 1, a NaN, a long run), at
-  float32 tolerance: parameters and each tensor's RMS (recomputed from the
-  reference's own moments).
-* The options where the two references differ: optimi's fully decoupled weight
-  decay (``decouple_lr``) and pytorch-optimizer's coupled L2 decay
-  (``weight_decouple=False``), each reproduced by a clipjax configuration.
-* The fold: ``update_if`` skips bit-identically, ``skip_on_spike`` around it
-  compiles to a donated step with no conditional and no full-size copy; the
-  metrics are per tensor.
+Step by step against torch-optimi's and pytorch-optimizer's ``StableAdamW`` (parameters
+and each tensor's RMS, recomputed from the reference's moments), including the options
+where the two differ; the fold (``update_if``, no conditional, no copy); per-tensor metrics.
 """
 
 from __future__ import annotations
@@ -29,10 +21,8 @@ import clipjax
 from tests.compiled_step import compiled_train_step, full_size_conditionals, full_size_copies
 from tests.skip_streams import tree_equal
 
-# Slow: every test runs next to torch-optimi's and pytorch-optimizer's
-# StableAdamW (torch), which `make test-all` installs and `make test` leaves out.
-# Without them the file still collects, so that `make test` deselects it (a
-# module-level importorskip would report it skipped there instead).
+# Slow: the torch references are installed by `make test-all` only. Without them the file
+# still collects, so that `make test` deselects it (not reported skipped).
 HAVE_REFERENCES = all(
     importlib.util.find_spec(module) is not None
     for module in ("torch", "optimi", "pytorch_optimizer")
@@ -134,6 +124,11 @@ def pto_stable(**kw: Any) -> Any:
 TRACES = [("steady", 40), ("spikes", 40), ("burst", 40), ("long", 400)]
 
 
+def adamw(eps: float) -> Any:
+    """The references' defaults: betas (0.9, 0.99), weight decay 1e-2."""
+    return clipjax.adamw(LR, b2=0.99, eps=eps, weight_decay=1e-2, update_clipping=True)
+
+
 # Each reference with its defaults: betas (0.9, 0.99), weight decay 1e-2 times the
 # clipped learning rate; eps 1e-6 (optimi) and 1e-8 (pytorch-optimizer).
 REFERENCES = {"optimi": (optimi_stable, 1e-6), "pytorch_optimizer": (pto_stable, 1e-8)}
@@ -145,9 +140,7 @@ def test_trace_equals_the_reference(reference: str, kind: str, steps: int) -> No
     make, eps = REFERENCES[reference]
     grads = stream(kind, steps)
     theirs = torch_trace(make(), grads)
-    ours = clipjax_trace(
-        clipjax.adamw(LR, b2=0.99, eps=eps, weight_decay=1e-2, update_clipping=True), grads
-    )
+    ours = clipjax_trace(adamw(eps), grads)
     assert_traces_equal(ours, theirs)
     if kind == "burst":
         # The burst after the quiet period is what the clipping is for.
@@ -185,9 +178,7 @@ def test_adam_without_decay_equals_the_references_with_zero_decay() -> None:
 def test_a_nan_gradient_element_stays_in_its_elements_as_in_torch_optimi() -> None:
     grads = stream("nan", 14)
     (params, _), (ref_params, _) = (
-        clipjax_trace(
-            clipjax.adamw(LR, b2=0.99, eps=1e-6, weight_decay=1e-2, update_clipping=True), grads
-        ),
+        clipjax_trace(adamw(1e-6), grads),
         torch_trace(optimi_stable(), grads),
     )
     for p, q in zip(params, ref_params):
@@ -201,9 +192,7 @@ def test_fix_pytorch_optimizer_a_nan_element_makes_the_whole_tensor_nan() -> Non
     """**FIX**: pytorch-optimizer clamps a NaN RMS to NaN: every element of the tensor goes NaN."""
     grads = stream("nan", 14)
     (params, _), (ref_params, _) = (
-        clipjax_trace(
-            clipjax.adamw(LR, b2=0.99, eps=1e-8, weight_decay=1e-2, update_clipping=True), grads
-        ),
+        clipjax_trace(adamw(1e-8), grads),
         torch_trace(pto_stable(), grads),
     )
     for t in range(9):  # equal up to the NaN
@@ -223,11 +212,8 @@ def test_divisor_is_max_of_one_and_rms_and_off_is_optax() -> None:
         _, state = tx.update({k: jnp.asarray(v) for k, v in g.items()}, state, params)
     m = clipjax.metrics(state)
     for k in SHAPES:
-        rms, divisor = (
-            float(m[f"update_clipping/{k}/rms"]),
-            float(m[f"update_clipping/{k}/divisor"]),
-        )
-        assert divisor == pytest.approx(max(1.0, rms))
+        divisor = float(m[f"update_clipping/{k}/divisor"])
+        assert divisor == pytest.approx(max(1.0, float(m[f"update_clipping/{k}/rms"])))
     assert max(float(m[f"update_clipping/{k}/divisor"]) for k in SHAPES) > 1.0
     # Off, the state is optax's (loadable into optax.adamw and back).
     off = clipjax.adamw(LR).init(params)
