@@ -1,18 +1,10 @@
 """``optax.inject_hyperparams`` without surprises, for every public transform factory.
 
-``optax.inject_hyperparams(clipjax.X)(...)`` turns every number it is given,
-and every numeric default, into an array (a tracer under ``jit``). Every
-argument a user would schedule (thresholds, decays, ``max_grad_norm``,
-``z_thresh``, ``alpha``, warm-up lengths, ...) works that way with no
-``static_args``; the few numbers that size a buffer or pick the arithmetic
-are listed on the docstring's "Static arguments:" line, default to None (so
-inject_hyperparams leaves them alone unless given) and must be named in
-``static_args`` when given. Each case injects all of its numeric arguments at
-values other than the defaults, runs 3 updates under ``jit`` (the last a
-spike), and compares updates and metrics with the plain factory called with
-the same values. The coverage test checks that every numeric parameter of
-every factory is injected by some case or listed as static.
-"""
+inject_hyperparams turns every number given, and every numeric default, into an array. Every
+argument a user would schedule works that way with no ``static_args``; the few numbers that
+size a buffer or pick the arithmetic are on the docstring's "Static arguments:" line, default
+to None, and must be named in ``static_args`` when given. Each case injects all of its
+numbers at values other than the defaults and runs 3 jitted updates (the last a spike)."""
 
 from __future__ import annotations
 
@@ -39,7 +31,6 @@ SPIKE = STEPS - 1  # the step whose gradients spike
 
 
 def hist_clip_zstat(alpha: float = 0.97, z_thresh: float = 2.5, warmup_steps: int = 20) -> Any:
-    """hist_clip's criterion numbers, through a factory that builds the criterion."""
     criterion = clipjax.zstat_criterion(alpha, z_thresh)
     return clipjax.hist_clip(criterion, warmup_steps=warmup_steps)
 
@@ -66,7 +57,7 @@ def skip_and_clip_adamw(
 def skip_and_clip_rule(
     max_norm: float | None = None, grad_norm_ema_decay: float | None = None, eps: float = 1e-8
 ) -> Any:
-    """skip_and_clip_by_global_norm with a drop rule (a callable: never injected)."""
+    """With a drop rule (a callable: never injected)."""
     return clipjax.skip_and_clip_by_global_norm(
         clipjax.adamw(1e-2),
         drop_norm=clipjax.drop_norm_by_grad_norm_ema((2,)),
@@ -78,45 +69,26 @@ def skip_and_clip_rule(
 
 # case -> (factory, keyword arguments: every number in them is injected)
 # Adam's numbers, other than the defaults, for the optimizers built on it.
-ADAM = dict(learning_rate=1e-2, b1=0.8, b2=0.99, eps=1e-7)
+LR = dict(learning_rate=1e-2)
+ADAM = dict(**LR, b1=0.8, b2=0.99, eps=1e-7)
+CEIL, ONE = dict(max_grad_norm=40.0), dict(warmup_steps=1, min_history=1)
+PCT = dict(mode="percentile", percentile=80.0)
 CASES: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
-    "autoclip_all": (
-        clipjax.autoclip,
-        dict(warmup_steps=1, min_history=2, eps=1e-6, max_grad_norm=40.0),
-    ),
+    "autoclip_all": (clipjax.autoclip, dict(warmup_steps=1, min_history=2, eps=1e-6, **CEIL)),
     "autoclip_window_clipped": (
         clipjax.autoclip,
-        dict(feedback="clipped", warmup_steps=1, min_history=1, eps=1e-6, max_grad_norm=40.0),
+        dict(feedback="clipped", **ONE, eps=1e-6, **CEIL),
     ),
-    "autoclip_percentile": (
-        clipjax.autoclip,
-        dict(mode="percentile", percentile=80.0, warmup_steps=1, min_history=1),
-    ),
-    "autoclip_ema": (
-        clipjax.autoclip,
-        dict(mode="percentile", history="ema", percentile=80.0, ema_decay=0.9, warmup_steps=1),
-    ),
-    "autoclip_geometric": (
-        clipjax.autoclip,
-        dict(mode="percentile", history="geometric", percentile=80.0, quantile_lr=0.3),
-    ),
+    "autoclip_percentile": (clipjax.autoclip, dict(**PCT, **ONE)),
+    "autoclip_ema": (clipjax.autoclip, dict(**PCT, history="ema", ema_decay=0.9, warmup_steps=1)),
+    "autoclip_geometric": (clipjax.autoclip, dict(**PCT, history="geometric", quantile_lr=0.3)),
     "zscore_clip": (
         clipjax.zscore_clip,
-        dict(
-            zmax=1.5,
-            ema_decay=0.9,
-            warmup_steps=1,
-            min_history=1,
-            eps=1e-6,
-            feedback="clipped",
-            max_grad_norm=40.0,
-        ),
+        dict(zmax=1.5, ema_decay=0.9, **ONE, eps=1e-6, feedback="clipped", **CEIL),
     ),
     "zclip": (
         clipjax.zclip,
-        dict(
-            alpha=0.8, z_thresh=1.5, max_grad_norm=40.0, eps=1e-5, warmup_steps=2, clip_factor=0.9
-        ),
+        dict(alpha=0.8, z_thresh=1.5, **CEIL, eps=1e-5, warmup_steps=2, clip_factor=0.9),
     ),
     "zclip_relative": (
         clipjax.zclip,
@@ -124,12 +96,9 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
     ),
     "zclip_percentile": (
         clipjax.zclip,
-        dict(mode="percentile", alpha=0.8, z_thresh=1.0, warmup_steps=1, max_grad_norm=40.0),
+        dict(mode="percentile", alpha=0.8, z_thresh=1.0, warmup_steps=1, **CEIL),
     ),
-    "hist_clip": (
-        clipjax.hist_clip,
-        dict(warmup_steps=2, feedback="clipped", max_grad_norm=40.0),
-    ),
+    "hist_clip": (clipjax.hist_clip, dict(warmup_steps=2, feedback="clipped", **CEIL)),
     "hist_clip_zstat": (hist_clip_zstat, dict(alpha=0.8, z_thresh=1.0, warmup_steps=1)),
     "adagc": (
         clipjax.adagc,
@@ -146,38 +115,22 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
     "ada_norm": (clipjax.ada_norm, dict(gamma1=0.6, gamma2=0.8, eps=1e-6)),
     "spam": (
         clipjax.spam,
-        dict(
-            ADAM,
-            weight_decay=0.1,
-            threshold=3.0,
-            reset_interval=2,
-            warmup_steps=1,
-            clip_delay=1,
-        ),
+        dict(ADAM, weight_decay=0.1, threshold=3.0, reset_interval=2, warmup_steps=1, clip_delay=1),
     ),
     "stable_spam": (
         clipjax.stable_spam,
         dict(ADAM, gamma1=0.6, gamma2=0.8, theta=0.9, weight_decay=0.1, reset_interval=2),
     ),
-    "skip_on_spike": (
-        skip_on_spike_adamw,
-        dict(sigma=1.0, min_history=2, max_consecutive_skips=3),
-    ),
+    "skip_on_spike": (skip_on_spike_adamw, dict(sigma=1.0, min_history=2, max_consecutive_skips=3)),
     "adam": (clipjax.adam, dict(ADAM, eps_root=1e-9)),
     "adamw": (clipjax.adamw, dict(ADAM, eps_root=1e-9, weight_decay=0.1)),
     "adam_clip": (
         clipjax.adam,
-        dict(learning_rate=1e-2, clip_grad_adapt=1.0, clip_grad_min=1e-6, clip_grad_warm_up=1),
+        dict(**LR, clip_grad_adapt=1.0, clip_grad_min=1e-6, clip_grad_warm_up=1),
     ),
     "adamw_clip": (
         clipjax.adamw,
-        dict(
-            learning_rate=1e-2,
-            weight_decay=0.1,
-            clip_grad_adapt=2.0,
-            clip_grad_min=1e-3,
-            clip_grad_warm_up=2,
-        ),
+        dict(**LR, weight_decay=0.1, clip_grad_adapt=2.0, clip_grad_min=1e-3, clip_grad_warm_up=2),
     ),
     "clip_norm_growth": (
         clipjax.clip_norm_growth,
@@ -198,19 +151,13 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
     ),
 }
 
-# The public factories the coverage test holds to account, and the case factories
-# standing for them.
-FACTORIES = {
-    name: getattr(clipjax, name)
-    for name in [
-        *("autoclip", "zscore_clip", "zclip", "hist_clip", "adagc", "agc"),
-        *("clip_by_global_norm", "clip_by_value", "clip_by_percentile"),
-        *("normalize_per_param", "zscore_normalize", "adaclip", "ada_norm"),
-        *("spam", "stable_spam", "skip_on_spike", "adam", "adamw"),
-        *("clip_norm_growth", "clip_norm_by_ema", "clip_by_historical_norm"),
-        "skip_and_clip_by_global_norm",
-    ]
-}
+# The public factories the coverage test holds to account, and the case factories standing
+# for them.
+PUBLIC = """autoclip zscore_clip zclip hist_clip adagc agc clip_by_global_norm clip_by_value
+    clip_by_percentile normalize_per_param zscore_normalize adaclip ada_norm spam stable_spam
+    skip_on_spike adam adamw clip_norm_growth clip_norm_by_ema clip_by_historical_norm
+    skip_and_clip_by_global_norm"""
+FACTORIES = {name: getattr(clipjax, name) for name in PUBLIC.split()}
 STANDS_FOR = {
     skip_on_spike_adamw: clipjax.skip_on_spike,
     hist_clip_zstat: clipjax.hist_clip,
@@ -221,11 +168,8 @@ STANDS_FOR = {
 
 def numeric(parameter: inspect.Parameter) -> bool:
     """Whether a user may pass a number for this parameter."""
-    default = parameter.default
-    if isinstance(default, bool):
-        return False
-    if isinstance(default, (int, float)):
-        return True
+    if isinstance(parameter.default, (int, float)):
+        return not isinstance(parameter.default, bool)
     return bool(re.search(r"\b(float|int|ScalarOrSchedule)\b", str(parameter.annotation)))
 
 

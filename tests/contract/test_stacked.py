@@ -1,17 +1,12 @@
-"""``clipjax.stacked``: one group per layer of a layer-stacked leaf.
-
-A model whose layers are stacked in one leaf (flax ``nn.scan`` / ``nnx.scan``,
-MaxText, Levanter) clipped with ``scope=clipjax.stacked(...)`` must behave, group
-by group, exactly like the same model with its layers unstacked into a list
-clipped with the plain scope: same group names, norms, statistics, scales,
-metrics and updates. Checked for every norm-based clipper with a scope, under
-``jit``, for the layer axis at 0 and 1, per_param and per_layer, and on real
-flax ``nn.scan`` and ``nnx.scan`` models.
-"""
+"""``scope=clipjax.stacked(...)``: each slice of a layer-stacked leaf is a group that behaves
+exactly like the same layer unstacked into a list under the plain scope (names, norms,
+statistics, scales, metrics, updates), for every norm-based clipper with a scope, on
+synthetic trees and real flax ``nn.scan`` / ``nnx.scan`` models."""
 
 from __future__ import annotations
 
 import re
+from functools import partial
 from typing import Any
 
 import chex
@@ -27,34 +22,24 @@ from clipjax import _grouping
 LAYERS = 4
 
 # Every clipper with a scope whose rule is norm-based, set to clip within a few steps.
+W3 = {"warmup_steps": 3}
+PERCENTILE = {"mode": "percentile", "warmup_steps": 3, "min_history": 3}
 CLIPPERS = {
-    "zclip": lambda scope: clipjax.zclip(warmup_steps=3, scope=scope),
-    "autoclip_ema": lambda scope: clipjax.autoclip(
-        mode="percentile", history="ema", ema_decay=0.9, warmup_steps=3, min_history=3, scope=scope
-    ),
-    "autoclip_window": lambda scope: clipjax.autoclip(
-        mode="percentile",
-        percentile=80.0,
-        window_size=4,
-        warmup_steps=3,
-        min_history=3,
-        scope=scope,
-    ),
-    "zscore_clip": lambda scope: clipjax.zscore_clip(warmup_steps=3, min_history=3, scope=scope),
-    "hist_clip": lambda scope: clipjax.hist_clip(warmup_steps=3, scope=scope),
-    "hist_clip_ema": lambda scope: clipjax.hist_clip(
-        clipjax.ema_criterion(), warmup_steps=3, scope=scope
-    ),
-    "adagc": lambda scope: clipjax.adagc(warmup_steps=3, scope=scope),
-    "agc": lambda scope: clipjax.agc(clipping=0.05, scope=scope),
-    "agc_exclude_bias": lambda scope: clipjax.agc(clipping=0.05, exclude_bias_bn=True, scope=scope),
-    "clip_norm_growth": lambda scope: clipjax.clip_norm_growth(mul=1.05, scope=scope),
-    "clip_norm_by_ema": lambda scope: clipjax.clip_norm_by_ema(scope=scope),
-    "clip_by_historical_norm": lambda scope: clipjax.clip_by_historical_norm(
-        4, sigma_factor=0.5, min_history=2, scope=scope
+    "zclip": partial(clipjax.zclip, **W3),
+    "autoclip_ema": partial(clipjax.autoclip, **PERCENTILE, history="ema", ema_decay=0.9),
+    "autoclip_window": partial(clipjax.autoclip, **PERCENTILE, percentile=80.0, window_size=4),
+    "zscore_clip": partial(clipjax.zscore_clip, **W3, min_history=3),
+    "hist_clip": partial(clipjax.hist_clip, **W3),
+    "hist_clip_ema": partial(clipjax.hist_clip, clipjax.ema_criterion(), **W3),
+    "adagc": partial(clipjax.adagc, **W3),
+    "agc": partial(clipjax.agc, clipping=0.05),
+    "agc_exclude_bias": partial(clipjax.agc, clipping=0.05, exclude_bias_bn=True),
+    "clip_norm_growth": partial(clipjax.clip_norm_growth, mul=1.05),
+    "clip_norm_by_ema": clipjax.clip_norm_by_ema,
+    "clip_by_historical_norm": partial(
+        clipjax.clip_by_historical_norm, 4, sigma_factor=0.5, min_history=2
     ),
 }
-NEEDS_PARAMS = {"agc"}
 
 
 def stacked_tree(seed: int, axis: int = 0) -> dict[str, Any]:
@@ -79,19 +64,10 @@ def stacked_tree(seed: int, axis: int = 0) -> dict[str, Any]:
 
 def unstack(tree: dict[str, Any], axis: int = 0) -> dict[str, Any]:
     """The same parameters with the layers unstacked into a list."""
-    params = tree["params"]
-
-    def take(k: int) -> Any:
-        return jax.tree.map(
-            lambda x: jnp.take(x, k, axis=axis if x.ndim > 1 else 0), params["layers"]
-        )
-
-    return {
-        "params": {
-            **{k: v for k, v in params.items() if k != "layers"},
-            "layers": [take(k) for k in range(LAYERS)],
-        }
-    }
+    params = dict(tree["params"])
+    layers = params.pop("layers")
+    take = lambda k: jax.tree.map(lambda x: jnp.take(x, k, axis=axis if x.ndim > 1 else 0), layers)
+    return {"params": {**params, "layers": [take(k) for k in range(LAYERS)]}}
 
 
 def gradient_stream(steps: int, axis: int = 0) -> list[dict[str, Any]]:
@@ -100,7 +76,6 @@ def gradient_stream(steps: int, axis: int = 0) -> list[dict[str, Any]]:
     for t in range(steps):
         g = stacked_tree(100 + t, axis)
         if t == 6:
-            g = jax.tree.map(lambda x: x, g)
             k = g["params"]["layers"]["attn"]["kernel"]
             g["params"]["layers"]["attn"]["kernel"] = k * jnp.where(
                 jnp.arange(LAYERS) == 2, 50.0, 1.0
@@ -135,39 +110,30 @@ def test_each_slice_is_the_unstacked_layer(name: str, base: str, axis: int) -> N
     grads = gradient_stream(12, axis)
     params = stacked_tree(0, axis)
     make = CLIPPERS[name]
-    ours = run(make(clipjax.stacked(base, axis=axis)), grads, params)
-    plain = run(
-        make(base),
-        [unstack(g, axis) for g in grads],
-        unstack(params, axis),
-    )
+    ours = run(make(scope=clipjax.stacked(base, axis=axis)), grads, params)
+    plain = run(make(scope=base), [unstack(g, axis) for g in grads], unstack(params, axis))
     state = ours[-1][1]
     names = state.info.groups
     assert len(names) == (1 + 2 * LAYERS if base == "per_layer" else 2 + 4 * LAYERS)
     assert f"params/layers/3/attn{'/kernel' if base == 'per_param' else ''}" in names
     clipped = 0
-    for t, ((u, s), (pu, ps)) in enumerate(zip(ours, plain)):
+    for (u, s), (pu, ps) in zip(ours, plain):
         assert_same_groups(clipjax.metrics(s), clipjax.metrics(ps))
         chex.assert_trees_all_close(unstack(u, axis), pu, rtol=2e-6, atol=1e-7)
-        m = clipjax.metrics(s)
-        clipped += sum(bool(v) for k, v in m.items() if k.endswith("/clipped"))
-        del t
-    # The comparison covers clipping steps, not only pass-through ones.
-    assert clipped > 0
+        clipped += sum(bool(v) for k, v in clipjax.metrics(s).items() if k.endswith("/clipped"))
+    assert clipped > 0  # the comparison covers clipping steps, not only pass-through ones
 
 
 def test_group_norms_are_per_slice_against_numpy() -> None:
     tree = stacked_tree(3, axis=1)
     leaves, _, _ = _grouping.leaves_with_names(tree)
+    grouping = _grouping.make_grouping(tree, clipjax.stacked("per_layer", axis=1))
+    expected: dict[str, list[np.ndarray]] = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(unstack(tree, 1))[0]:
+        expected.setdefault(clipjax.path_name(path[:-1]), []).append(np.asarray(x, np.float64))
+    expected = {k: [x.ravel() for x in v] for k, v in expected.items()}
     for ord in (1.0, 2.0, 3.0, np.inf):
-        grouping = _grouping.make_grouping(tree, clipjax.stacked("per_layer", axis=1))
         got = np.asarray(_grouping.group_norms(leaves, grouping, ord))
-        flat = jax.tree_util.tree_flatten_with_path(unstack(tree, 1))[0]
-        expected: dict[str, list[np.ndarray]] = {}
-        for path, x in flat:
-            expected.setdefault(clipjax.path_name(path[:-1]), []).append(
-                np.asarray(x, np.float64).ravel()
-            )
         for name, norm in zip(grouping.names, got):
             want = np.linalg.norm(np.concatenate(expected[name]), ord)
             np.testing.assert_allclose(norm, want, rtol=1e-6, err_msg=f"{name} ord={ord}")
@@ -176,11 +142,7 @@ def test_group_norms_are_per_slice_against_numpy() -> None:
 def test_names_say_the_layer_index() -> None:
     tree = stacked_tree(0)
     per_param = _grouping.make_grouping(tree, clipjax.stacked("per_param"))
-    assert per_param.names[:3] == (
-        "params/embed",
-        "params/head",
-        "params/layers/0/attn/bias",
-    )
+    assert per_param.names[:3] == ("params/embed", "params/head", "params/layers/0/attn/bias")
     assert "params/layers/3/mlp/kernel" in per_param.names
     # A callable declares which leaves are stacked; the index goes before the leaf's key.
     by_rank = _grouping.make_grouping(
@@ -188,13 +150,9 @@ def test_names_say_the_layer_index() -> None:
     )
     assert "params/layers/attn/2/kernel" in by_rank.names
     assert "params/layers/attn/bias" in by_rank.names  # rank 2: not declared stacked
-    assert plain_names_equal(tree)
-
-
-def plain_names_equal(tree: Any) -> bool:
     stacked = _grouping.make_grouping(tree, clipjax.stacked("per_layer"))
     plain = _grouping.make_grouping(unstack(tree), "per_layer")
-    return sorted(stacked.names) == sorted(plain.names)
+    assert sorted(stacked.names) == sorted(plain.names)
 
 
 def test_bad_declarations_raise_at_construction() -> None:
@@ -270,7 +228,8 @@ def _unstack_subtree(tree: Any, key: str) -> Any:
     return tree
 
 
-def _compare_on_model_gradients(grads: list[Any], plain: list[Any]) -> None:
+def _compare_on_model_gradients(grads: list[Any]) -> None:
+    plain = [_unstack_subtree(jax.tree.map(np.asarray, g), "layers") for g in grads]
     tx = clipjax.zclip(warmup_steps=3, scope=clipjax.stacked("per_layer"))
     plain_tx = clipjax.zclip(warmup_steps=3, scope="per_layer")
     ours = run(tx, grads, grads[0])
@@ -316,8 +275,7 @@ def test_flax_linen_nn_scan_model() -> None:
     for t in range(10):
         x, spike = jnp.asarray(rng.standard_normal((8, 3)), jnp.float32), 40.0 if t == 6 else 1.0
         grads.append(jax.grad(lambda p, x=x, c=spike: c * jnp.mean(model.apply(p, x) ** 2))(params))
-    plain = [_unstack_subtree(jax.tree.map(np.asarray, g), "layers") for g in grads]
-    _compare_on_model_gradients(grads, plain)
+    _compare_on_model_gradients(grads)
 
 
 def test_flax_nnx_scan_model() -> None:
@@ -360,8 +318,7 @@ def test_flax_nnx_scan_model() -> None:
     state_grads = nnx.grad(lambda m: jnp.mean(m(jnp.ones((2, 3))) ** 2))(model)
     grouping = _grouping.make_grouping(state_grads, clipjax.stacked("per_layer"))
     assert "layers/3/Dense_0" in grouping.names
-    plain = [_unstack_subtree(jax.tree.map(np.asarray, g), "layers") for g in grads]
-    _compare_on_model_gradients(grads, plain)
+    _compare_on_model_gradients(grads)
 
 
 def test_leaf_norms_are_whole_leaf_norms() -> None:
