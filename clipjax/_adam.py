@@ -250,7 +250,7 @@ def _scale_by_stable_adam(
         )
         metrics = {"rms": rms.astype(dtype), "divisor": divisor.astype(dtype)}
         if pred is not None:
-            metrics = jax.tree.map(lambda n, o: jnp.where(pred, n, o), metrics, state.metrics)
+            metrics = _kit.select_groups(pred, metrics, state.metrics)
         index = _xla.returned(state.leaf_index)
         return out, state._replace(adam=adam, decay=new_decay, metrics=metrics, leaf_index=index)
 
@@ -383,7 +383,7 @@ def _scale_by_adam_clip(
         old = clip_state.metrics
         metrics = _kit.step_metrics(old, norm=norm, clipped=fraction > 0, clipped_fraction=fraction)
         if pred is not None:
-            metrics = jax.tree.map(lambda n, o: jnp.where(pred, n, o), metrics, old)
+            metrics = _kit.select_groups(pred, metrics, old)
         return out, (new_adam, clip_state._replace(metrics=metrics))
 
     return _conditional.skippable_step(init, step)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _checks, _metrics
+from clipjax import _checks, _kit, _metrics
 from clipjax._kit import ClipTransform
 from clipjax._metrics import IDLE_VALUES
 
@@ -174,7 +174,7 @@ def run_and_select(
 ) -> tuple[Any, Any]:
     """``tx.update`` on every step; its (small) new state only where ``pred`` holds."""
     out, new_state = tx.update(updates, state, params, **extra_args)
-    return out, jax.tree.map(lambda n, o: jnp.where(pred, n, o), new_state, state)
+    return out, _kit.select_groups(pred, new_state, state)
 
 
 def selecting(tx: optax.GradientTransformation) -> SkippableTransform:

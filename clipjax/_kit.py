@@ -370,7 +370,7 @@ def observation(
 
 def select_groups(mask: Array, new: Any, old: Any) -> Any:
     """Per group, ``new`` where ``mask`` holds, else ``old`` (stacked ``[groups, ...]``
-    arrays, never full tensors)."""
+    arrays, never full tensors; a scalar ``mask`` selects whole states)."""
 
     def pick(n: Array, o: Array) -> Array:
         m = mask.reshape(mask.shape + (1,) * (jnp.ndim(n) - 1))
@@ -447,6 +447,7 @@ def step_metrics(
     given.update(spike=spike, capped=capped)
     new = {**{k: v for k, v in given.items() if v is not None}, **fields}
     if finite is None:
+        assert norm is not None, "step_metrics: give norm or finite"
         finite = jnp.isfinite(norm)
     increments = {
         "count": observed,
