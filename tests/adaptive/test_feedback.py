@@ -74,28 +74,6 @@ def _want(config, norms, feedback=None):
     return restated(norms, **kw, **rkw, feedback=DEFAULT[algo] if feedback is None else feedback)
 
 
-def _run_many(txs, seq, trees):
-    """Every ``txs[i]`` on ``trees[i](row)`` of one ``[steps, k]`` sequence in one jitted
-    scan: per transform its metrics, output and input leaf norms, "output identical"."""
-    seq = jnp.asarray(np.asarray(seq, np.float64), jnp.float32)
-    ones = jnp.ones(seq.shape[1], jnp.float32)
-    params = [t(ones) for t in trees]
-    state0 = tuple(tx.init(p) for tx, p in zip(txs, params))
-
-    def step(states, row):
-        new, rec = [], []
-        for tx, st, tree, p in zip(txs, states, trees, params):
-            grads = tree(row)
-            out, st = tx.update(grads, st, p)
-            same = jax.tree.map(lambda a, b: jnp.array_equal(a, b, equal_nan=True), out, grads)
-            new.append(st)
-            rec.append((clipjax.metrics(st), S.group_norms(out), S.group_norms(grads), same))
-        return tuple(new), rec
-
-    recs = jax.jit(lambda q: jax.lax.scan(step, state0, q)[1])(seq)
-    return jax.tree.map(np.asarray, recs)
-
-
 def _check_rec(rec, want, prefix, what=""):
     """Metrics, applied scale (every leaf) and pass-through of non-finite steps."""
     got, outs, ins, same = rec
@@ -126,7 +104,7 @@ def test_feedback_matches_restatement(config):
     algo = CONFIGS[config][0]
     fbs = ACCEPTED[config]
     txs = [_make(config, fb) for fb in fbs] + [_make(config)]
-    recs = _run_many(txs, NORMS[:, None], [S.flat_tree] * len(txs))
+    recs = S.run_trees(txs, NORMS[:, None], [S.flat_tree] * len(txs))
     for fb, rec in zip((*fbs, None), recs):
         _check_rec(rec, _want(config, NORMS, fb), f"{algo}/global/", f"{config} feedback={fb}")
         if fb == "skip":  # every spike fires and is not counted
@@ -191,7 +169,7 @@ def test_scopes_match_per_group_restatement(cases, scope):
     names = ["g0", "g1", "g2"] if scope == "per_param" else ["l0", "l1", "l2"]
     cases = SCOPE_CASES[cases]
     txs = [_make(c, fb, scope=scope) for c, fb in cases]
-    recs = _run_many(txs, STREAMS3, [make_tree] * len(txs))
+    recs = S.run_trees(txs, STREAMS3, [make_tree] * len(txs))
     for (config, fb), (got, outs, ins, same) in zip(cases, recs):
         for i, name in enumerate(names):
             sub = (got, {"x": outs[name]}, {"x": ins[name]}, {"x": same[name]})
@@ -265,12 +243,12 @@ def test_spike_moves_threshold_no_more_than_its_clip_value(config):
     extra = {} if algo == "zclip" else {"max_grad_norm": None}
     make = lambda fb: _make(config, fb, **extra)
     t, norms, key, level = SPIKES[2], R.spikes(N, 0)[0], f"{algo}/global/", LEVEL[algo]
-    a = _run_many([make("clipped"), make("skip"), make("raw")], norms[:, None], [S.flat_tree] * 3)
+    a = S.run_trees([make("clipped"), make("skip"), make("raw")], norms[:, None], [S.flat_tree] * 3)
     clipped, skipped, raw = (r[0] for r in a)
     assert clipped[key + "clipped"][t] and skipped[key + "clipped"][t]
     replaced = norms.copy()
     replaced[t] = clipped[key + "threshold"][t]
-    ((ref_c, *_),) = _run_many([make("clipped")], replaced[:, None], [S.flat_tree])
+    ((ref_c, *_),) = S.run_trees([make("clipped")], replaced[:, None], [S.flat_tree])
     np.testing.assert_allclose(level(clipped, key)[t], level(ref_c, key)[t], rtol=1e-4)
     # skip: the spike does not move the statistics at all (observing its clip value
     # may move them a little either way: zclip's variance shrinks when it observes

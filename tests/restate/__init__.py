@@ -19,12 +19,21 @@ from tests.restate.adagc import adagc
 from tests.restate.autoclip import P2Median, autoclip, zscore_clip
 from tests.restate.hist_clip import hist_clip
 from tests.restate.p2 import P2, p2_restated
-from tests.restate.run import UNIT, check_run, compare, flat_tree, group_norms, layer_tree, run_tree
+from tests.restate.run import (
+    UNIT,
+    check_run,
+    compare,
+    flat_tree,
+    group_norms,
+    layer_tree,
+    run_tree,
+    run_trees,
+)
 from tests.restate.skip_on_spike import skip_on_spike
 from tests.restate.zclip import zclip
 
 __all__ = [
     "COMMON", "INF", "NAN", "P2", "RTOL", "UNIT", "Z_ATOL", "P2Median", "adagc", "autoclip",
     "check_run", "compare", "flat_tree", "group_norms", "hist_clip", "layer_tree",
-    "p2_restated", "run_tree", "skip_on_spike", "zclip", "zscore_clip",
+    "p2_restated", "run_tree", "run_trees", "skip_on_spike", "zclip", "zscore_clip",
 ]  # fmt: skip

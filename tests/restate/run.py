@@ -40,28 +40,32 @@ def group_norms(tree: Any) -> Any:
     return jax.tree.map(lambda a: jnp.linalg.norm(a.astype(jnp.float32)), tree)
 
 
-def run_tree(
-    tx: Any, norms: np.ndarray, make_tree: Callable[[jax.Array], Any] = flat_tree
-) -> tuple[dict[str, np.ndarray], Any, Any]:
-    """Runs ``tx`` (any optax transform) over ``[steps, k]`` norms in one jitted scan.
-
-    Returns ``(metrics, outputs, inputs)``: ``clipjax.metrics`` per step (arrays
-    ``[steps]``) and the per-leaf norms of the transform's output and input
-    (trees of ``[steps]`` arrays), plus per-leaf "output identical to input".
-    """
+def run_trees(txs: Sequence[Any], norms: Any, trees: Sequence[Callable]) -> list:
+    """Every ``txs[i]`` (any optax transform) on ``trees[i](row)`` of one ``[steps, k]``
+    sequence of norms, in one jitted scan; per transform ``(metrics, outputs, inputs,
+    same)``: ``clipjax.metrics`` per step, the per-leaf norms of the output and the input,
+    and per leaf "output identical to input" (numpy ``[steps]`` arrays)."""
     seq = jnp.asarray(np.asarray(norms, np.float64), jnp.float32)
-    params = make_tree(jnp.ones(seq.shape[1], jnp.float32))
-    state0 = tx.init(params)
+    params = [t(jnp.ones(seq.shape[1], jnp.float32)) for t in trees]
+    state0 = tuple(tx.init(p) for tx, p in zip(txs, params))
 
-    def step(state: Any, row: jax.Array) -> Any:
-        grads = make_tree(row)
-        out, state = tx.update(grads, state, params)
-        same = jax.tree.map(lambda a, b: jnp.array_equal(a, b, equal_nan=True), out, grads)
-        return state, (clipjax.metrics(state), group_norms(out), group_norms(grads), same)
+    def step(states: Any, row: jax.Array) -> Any:
+        new, rec = [], []
+        for tx, st, tree, p in zip(txs, states, trees, params):
+            grads = tree(row)
+            out, st = tx.update(grads, st, p)
+            same = jax.tree.map(lambda a, b: jnp.array_equal(a, b, equal_nan=True), out, grads)
+            new.append(st)
+            rec.append((clipjax.metrics(st), group_norms(out), group_norms(grads), same))
+        return tuple(new), rec
 
-    metrics, outs, ins, same = jax.jit(lambda s: jax.lax.scan(step, state0, s)[1])(seq)
-    m = {k: np.asarray(v) for k, v in metrics.items()}
-    return m, (jax.tree.map(np.asarray, outs), jax.tree.map(np.asarray, ins)), same
+    return jax.tree.map(np.asarray, jax.jit(lambda q: jax.lax.scan(step, state0, q)[1])(seq))
+
+
+def run_tree(tx: Any, norms: Any, make_tree: Callable = flat_tree) -> tuple:
+    """:func:`run_trees` of one transform: ``(metrics, (outputs, inputs), same)``."""
+    metrics, outs, ins, same = run_trees([tx], norms, [make_tree])[0]
+    return metrics, (outs, ins), same
 
 
 def check_run(
