@@ -27,7 +27,6 @@ def test_the_example_shows_qk_clip_bounding_the_logits(tmp_path: Path) -> None:
     alone, forward, updated = (runs[name] for name in example.SETTINGS)
     assert alone.after.max() > 2 * tau  # grows past tau without QK-Clip
     assert alone.clipped_heads.sum() == 0
-    # The target: with QK-Clip, the max logit after every step is at most tau (1 + 1e-3).
     assert np.all(updated.after <= tau * (1 + 1e-3))
     assert updated.after.max() >= tau * (1 - 1e-3)  # and it was reached
     # The K2 rule on the forward pass's logits: pulled back every step, above tau by one
