@@ -1,15 +1,6 @@
-"""Issue 12: clipjax behaves like optax wherever optax has an answer.
-
-* ``optax.tree_utils.tree_map_params`` works on chains holding clipjax states
-  (and derives an opt_state sharding on 8 fake devices);
-* every leaf kind optax accepts (Python scalars, None, masked nodes, zero-size,
-  complex) is accepted, with optax's numbers where optax has some; integer
-  gradients are refused with a clear error;
-* an update/init tree mismatch names the first differing leaf and both shapes.
-
-(zclip's report of a non-finite step, hist_clip's nested warm-up metrics and
-``agc(axis=...)`` against optax are in their clippers' folders.)
-"""
+"""Issue 12: clipjax behaves like optax wherever optax has an answer: tree_map_params on its
+chains (an opt_state sharding on 8 fake devices too), every leaf kind optax accepts, with
+optax's numbers; integer gradients refused; an init/update mismatch names leaf and shapes."""
 
 from __future__ import annotations
 
@@ -28,8 +19,6 @@ from tests import scripts
 from tests.model import mlp_params
 from tests.registry import CASES, CLIPPER_IDS, TRANSFORM_IDS
 
-# --- optax.tree_utils.tree_map_params ---------------------------------------------------
-
 
 @pytest.mark.parametrize("case", TRANSFORM_IDS)
 def test_tree_map_params_on_chain(case: str) -> None:
@@ -39,20 +28,16 @@ def test_tree_map_params_on_chain(case: str) -> None:
     mapped = optax.tree_utils.tree_map_params(
         tx, lambda p: ("P", p.shape), state, transform_non_params=lambda _: "N"
     )
-    # The mapped tree is a prefix of the state (what jit's in/out_shardings
-    # take): a multi-group clipper's tuple of per-leaf group indices comes back
-    # as one entry, since init on optax's leafless placeholder cannot know how
-    # many leaves the real tree has.
+    # The mapped tree is a prefix of the state (what jit's in/out_shardings take): a
+    # multi-group clipper's per-leaf group indices come back as one entry (init on optax's
+    # leafless placeholder cannot know how many leaves the real tree has).
     is_mapped = lambda x: isinstance(x, str) or (isinstance(x, tuple) and x[:1] == ("P",))
     paired = jax.tree.map(lambda m, s: m, mapped, state, is_leaf=is_mapped)
     assert jax.tree.leaves(paired, is_leaf=is_mapped)
-    # The clipjax state holds no copy of the params: all its leaves are non-params.
-    clip_leaves = jax.tree.leaves(mapped[0])
+    clip_leaves = jax.tree.leaves(mapped[0])  # no copy of the params: all non-params
     assert clip_leaves and all(x == "N" for x in clip_leaves)
-    # adam's moments are params-shaped.
-    adam = mapped[1][0]
     shapes = jax.tree.map(lambda p: ("P", p.shape), params)
-    assert adam.mu == shapes and adam.nu == shapes
+    assert mapped[1][0].mu == shapes and mapped[1][0].nu == shapes  # adam's moments
 
 
 _SHARDING_SCRIPT = textwrap.dedent(
@@ -65,11 +50,9 @@ _SHARDING_SCRIPT = textwrap.dedent(
 
     assert jax.device_count() == 8, jax.device_count()
     mesh = Mesh(jax.devices(), ("x",))
-    replicated = NamedSharding(mesh, P())
+    whole = NamedSharding(mesh, P())  # replicated
 
-    def spec(p):
-        return NamedSharding(mesh, P("x") if p.shape[0] % 8 == 0 else P())
-
+    spec = lambda p: NamedSharding(mesh, P("x") if p.shape[0] % 8 == 0 else P())
     params = mlp_params()
     param_sharding = jax.tree.map(spec, params)
     params = jax.device_put(params, param_sharding)
@@ -82,11 +65,7 @@ _SHARDING_SCRIPT = textwrap.dedent(
             # leaf (clipjax's [groups] arrays, adam's count) is replicated.
             abstract = jax.eval_shape(tx.init, params)
             sharding = optax.tree_utils.tree_map_params(
-                tx,
-                lambda _, s: s,
-                abstract,
-                param_sharding,
-                transform_non_params=lambda _: replicated,
+                tx, lambda _, s: s, abstract, param_sharding, transform_non_params=lambda _: whole
             )
             state = jax.jit(tx.init, out_shardings=sharding)(params)
 
@@ -100,13 +79,10 @@ _SHARDING_SCRIPT = textwrap.dedent(
             new_params, state = step(new_params, state, batch)
             for leaf in jax.tree.leaves(state[0]):
                 assert leaf.sharding.is_fully_replicated, (case, leaf.shape, leaf.sharding)
-            mu = state[1][0].mu
-            for m, s in zip(jax.tree.leaves(mu), jax.tree.leaves(param_sharding)):
+            for m, s in zip(jax.tree.leaves(state[1][0].mu), jax.tree.leaves(param_sharding)):
                 assert m.sharding.is_equivalent_to(s, m.ndim), (case, m.sharding, s)
             values = clipjax.metrics(state)
-            assert values and all(
-                bool(jnp.all(~jnp.isnan(v))) for v in values.values()
-            ), case
+            assert values and all(bool(jnp.all(~jnp.isnan(v))) for v in values.values()), case
         except Exception as e:  # report every case, not only the first
             failures.append(f"{case}: {type(e).__name__}: {str(e)[:400]}")
     print("\\n".join(failures) or "OK")
@@ -117,13 +93,9 @@ _SHARDING_SCRIPT = textwrap.dedent(
 
 def test_tree_map_params_derives_sharding_on_8_devices() -> None:
     proc = scripts.python("-c", _SHARDING_SCRIPT, timeout=600, devices=8)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, (
-        f"opt_state sharding from tree_map_params failed:\n{output[-6000:]}"
-    )
+    output = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, f"opt_state sharding from tree_map_params failed:\n{output}"
 
-
-# --- leaf kinds optax accepts -------------------------------------------------------------
 
 _W = jnp.arange(30.0, dtype=jnp.float32).reshape(6, 5) / 10  # max |w| = 2.9
 
@@ -219,8 +191,7 @@ def test_inside_optax_masked_equals_optax(pair: str) -> None:
     out = {}
     for label, make in (("clipjax", mine), ("optax", theirs)):
         tx = optax.masked(make(), mask)
-        state = tx.init(params)
-        out[label], state = jax.jit(tx.update)(grads, state, params)
+        out[label], _ = jax.jit(tx.update)(grads, tx.init(params), params)
     chex.assert_trees_all_close(out["clipjax"], out["optax"], rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(out["clipjax"]["params"]["b"], grads["params"]["b"])
 
@@ -258,9 +229,6 @@ def test_integer_gradients_refused_by_norm_clippers(case: str) -> None:
         state = tx.init(tree)
         tx.update(tree, state, tree)
     assert "params/w" in str(info.value)
-
-
-# --- update/init tree mismatch -----------------------------------------------------------
 
 
 @pytest.mark.parametrize("case", TRANSFORM_IDS)

@@ -1,15 +1,7 @@
-"""Overflow-safe norms (SPEC 9.8): finite elements give a finite norm.
-
-A finite gradient with one element of 3e19 has a float32 sum of squares of
-inf. Every clipjax norm is finite there (recomputed from the leaves scaled by
-a power of two on such a step only), so the step is a spike like any other:
-each clipper reports its norm (about 3e19), clips it to its bound in its own
-direction, and adam after it keeps a finite second moment and moves on. The
-wrappers count it as non-finite and skip it (SPEC 9.2), reporting the norm.
-The group norms equal a float64 NumPy restatement; a genuinely non-finite
-element still gives a non-finite norm; an ordinary step compiles to the same
-copies and bytes accessed it did before, less the recompute's branch.
-"""
+"""Overflow-safe norms (SPEC 9.8): a finite gradient with one element of 3e19 (a float32 sum
+of squares of inf) has a finite norm, so it is a spike like any other: every clipper reports
+and clips it, adam after it moves on, the wrappers skip it as non-finite (SPEC 9.2); the group
+norms equal a float64 restatement, and an ordinary step compiles without full-size copies."""
 
 from __future__ import annotations
 
@@ -48,39 +40,15 @@ def spiked() -> dict[str, Any]:
     return g
 
 
-def clippers() -> dict[str, Any]:
-    out = {
-        n: CASES[n].make
-        for n in (
-            "clip_by_global_norm",
-            "zclip",
-            "zclip_per_layer",
-            "zclip_per_param",
-            "hist_clip",
-            "hist_clip_ema_per_layer",
-            "autoclip",
-            "autoclip_window",
-            "autoclip_ema",
-            "zscore_clip",
-            "adagc",
-            "agc",
-            "agc_per_layer",
-            "clip_by_historical_norm",
-            "clip_norm_growth",
-            "clip_norm_growth_per_layer",
-            "clip_norm_by_ema",
-            "clip_by_value",
-            "clip_by_percentile",
-            "normalize_per_param",
-        )
-    }
-    out["zclip_clipped"] = lambda: clipjax.zclip(warmup_steps=3, feedback="clipped")
-    out["zclip_raw"] = lambda: clipjax.zclip(warmup_steps=3, feedback="raw")
-    out["clip_by_global_norm_p3"] = lambda: clipjax.clip_by_global_norm(1.0, norm_type=3)
-    return out
-
-
-CLIPPERS = clippers()
+REGISTERED = """clip_by_global_norm zclip zclip_per_layer zclip_per_param hist_clip
+    hist_clip_ema_per_layer autoclip autoclip_window autoclip_ema zscore_clip adagc agc
+    agc_per_layer clip_by_historical_norm clip_norm_growth clip_norm_growth_per_layer
+    clip_norm_by_ema clip_by_value clip_by_percentile normalize_per_param"""
+CLIPPERS = {n: CASES[n].make for n in REGISTERED.split()} | {
+    "zclip_clipped": lambda: clipjax.zclip(warmup_steps=3, feedback="clipped"),
+    "zclip_raw": lambda: clipjax.zclip(warmup_steps=3, feedback="raw"),
+    "clip_by_global_norm_p3": lambda: clipjax.clip_by_global_norm(1.0, norm_type=3),
+}
 # The clippers whose bound is a norm of the whole update.
 GLOBAL = {"clip_by_global_norm", "zclip", "zclip_clipped", "zclip_raw", "hist_clip"}
 GLOBAL |= {"autoclip", "autoclip_window", "autoclip_ema", "zscore_clip", "clip_by_historical_norm"}
@@ -112,49 +80,41 @@ def test_a_finite_spike_has_a_finite_norm_and_is_clipped(case: str) -> None:
     # Clipped to something ordinary (the bound of each rule is of the order of the
     # norms seen, or of the weights for AGC), not passed.
     assert float(optax.tree.norm(out)) < 10.0
-    if case in GLOBAL:
-        # In its own direction: the huge element carries the whole update.
-        w = out["dense"]["w"]
-        assert float(w[0, 0]) == pytest.approx(float(optax.tree.norm(out)), rel=1e-4)
+    if case in GLOBAL:  # in its own direction: the huge element carries the whole update
+        w00 = float(out["dense"]["w"][0, 0])
+        assert w00 == pytest.approx(float(optax.tree.norm(out)), rel=1e-4)
 
 
 @pytest.mark.parametrize("case", sorted(GLOBAL))
 def test_a_global_clip_bounds_the_spike_by_its_threshold(case: str) -> None:
     out, state = run(CLIPPERS[case]())
-    metrics = clipjax.metrics(state)
-    [threshold] = [
-        float(v)
-        for k, v in metrics.items()
-        if k.count("/") == 2 and k.endswith("/global/threshold")
-    ]
-    assert float(optax.tree.norm(out)) <= threshold * (1 + 1e-5)
+    m = clipjax.metrics(state)
+    [threshold] = [m[k] for k in m if k.count("/") == 2 and k.endswith("/global/threshold")]
+    assert float(optax.tree.norm(out)) <= float(threshold) * (1 + 1e-5)
+
+
+AROUND_ADAM = {
+    "skip_on_spike": lambda: clipjax.skip_on_spike(
+        clipjax.adam(1e-2), window_size=4, min_history=2
+    ),
+    # before min_history: skipped all the same
+    "skip_on_spike_early": lambda: clipjax.skip_on_spike(clipjax.adam(1e-2), window_size=16),
+    "skip_and_clip": lambda: clipjax.skip_and_clip_by_global_norm(optax.adam(1e-2), max_norm=1.0),
+    "skip_and_clip_drop": lambda: clipjax.skip_and_clip_by_global_norm(
+        clipjax.adamw(1e-2), drop_norm=100.0
+    ),
+    "folded_adamw": lambda: clipjax.chain(clipjax.zclip(warmup_steps=3), clipjax.adamw(1e-2)),
+    "folded_adam_clip_by_global_norm": lambda: clipjax.chain(
+        clipjax.clip_by_global_norm(1.0), clipjax.adam(1e-2)
+    ),
+}
+ADAM_CASES = [*sorted(CLIPPERS), *AROUND_ADAM]
 
 
 def adam_after(case: str) -> optax.GradientTransformation:
-    if case == "skip_on_spike":
-        return clipjax.skip_on_spike(clipjax.adam(1e-2), window_size=4, min_history=2)
-    if case == "skip_on_spike_early":  # before min_history: skipped all the same
-        return clipjax.skip_on_spike(clipjax.adam(1e-2), window_size=16)
-    if case == "skip_and_clip":
-        return clipjax.skip_and_clip_by_global_norm(optax.adam(1e-2), max_norm=1.0)
-    if case == "skip_and_clip_drop":
-        return clipjax.skip_and_clip_by_global_norm(clipjax.adamw(1e-2), drop_norm=100.0)
-    if case == "folded_adamw":
-        return clipjax.chain(clipjax.zclip(warmup_steps=3), clipjax.adamw(1e-2))
-    if case == "folded_adam_clip_by_global_norm":
-        return clipjax.chain(clipjax.clip_by_global_norm(1.0), clipjax.adam(1e-2))
+    if case in AROUND_ADAM:
+        return AROUND_ADAM[case]()
     return optax.chain(CLIPPERS[case](), optax.adam(1e-2))
-
-
-ADAM_CASES = [
-    *sorted(CLIPPERS),
-    "skip_on_spike",
-    "skip_on_spike_early",
-    "skip_and_clip",
-    "skip_and_clip_drop",
-    "folded_adamw",
-    "folded_adam_clip_by_global_norm",
-]
 
 
 def moments_finite(state: Any) -> bool:
@@ -218,9 +178,6 @@ def test_skip_and_clip_with_max_norm_only_skips_it_too() -> None:
     metrics = clipjax.metrics(state)
     assert bool(metrics["skip_and_clip_by_global_norm/global/skipped"])
     assert all(not bool(jnp.any(x)) for x in jax.tree.leaves(out))
-
-
-# --------------------------------------------------------------------- the norms
 
 
 def restated(leaves: list[np.ndarray], labels: list[int], groups: int, p: float) -> np.ndarray:
