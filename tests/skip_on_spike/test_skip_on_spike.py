@@ -50,9 +50,7 @@ CASES = [("clean", True, None), ("loss_spike", True, None), ("norm_spike", True,
     CASES,
     ids=[f"{c}-{'value' if v else 'novalue'}-{k}" for c, v, k in CASES],
 )
-def test_decisions_match_the_float64_restatement(
-    case: str, with_value: bool, max_skips: int | None, feedback: str
-) -> None:
+def test_decisions_match_the_float64_restatement(case, with_value, max_skips, feedback) -> None:
     grads, losses = make_stream(case)
     values = losses if with_value else None
     ref = S.skip_on_spike(
@@ -60,10 +58,7 @@ def test_decisions_match_the_float64_restatement(
     )
     assert min(r["margin"] for r in ref) > 1e-4, "a step too close to its threshold"
     tx = clipjax.skip_on_spike(
-        optax.sgd(1.0),
-        **RULE,
-        max_consecutive_skips=max_skips,
-        feedback=feedback,
+        optax.sgd(1.0), **RULE, max_consecutive_skips=max_skips, feedback=feedback
     )
     skips = []
     for t, ((updates, state), r) in enumerate(zip(run(tx, grads, values), ref)):
@@ -148,18 +143,11 @@ def spike_run(
     return run(tx, grads, [1.0] * len(grads), params)
 
 
-@pytest.mark.parametrize(
-    "inner",
-    [
-        optax.adam(1e-3),
-        optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
-        optax.chain(clipjax.zclip(warmup_steps=3), optax.adamw(1e-3)),
-    ],
-    ids=["adam", "inject_hyperparams_adam", "chain_zclip_adamw"],
-)
-def test_a_skipped_step_leaves_the_inner_state_bit_identical(
-    inner: optax.GradientTransformation,
-) -> None:
+@pytest.mark.parametrize("inner", [
+    optax.adam(1e-3), optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
+    optax.chain(clipjax.zclip(warmup_steps=3), optax.adamw(1e-3)),
+], ids=["adam", "inject_hyperparams_adam", "chain_zclip_adamw"])  # fmt: skip
+def test_a_skipped_step_leaves_the_inner_state_bit_identical(inner: Any) -> None:
     params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
     steps = spike_run(inner, params)
     before, at, after = (steps[t][1] for t in (11, 12, 13))
@@ -247,9 +235,7 @@ def test_metrics_reports_its_fields_and_the_inner_clippers() -> None:
 
 
 @pytest.mark.parametrize(("factor", "most_skips"), [(10.0, 40), (50.0, 60)])
-def test_a_lasting_shift_is_learnt_within_the_steps_the_restatement_predicts(
-    factor: float, most_skips: int
-) -> None:
+def test_a_lasting_shift_is_learnt_within_the_steps_the_restatement_predicts(factor, most_skips):
     """Window 128, sigma 6, lognormal noise: "clipped" learns a x10 / x50 shift."""
     norms = np.exp(0.1 * np.random.default_rng(0).standard_normal(400))
     norms[200:] *= factor
