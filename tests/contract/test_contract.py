@@ -1,11 +1,6 @@
-"""One contract, every public transform: the checks optax users rely on.
-
-For each transform: state structure, shapes and dtypes identical after
-updates, with and without ``jit`` (``chex.variants``); works as a ``lax.scan``
-carry; traced once across steps; no host transfer inside ``update``; each
-leaf's dtype preserved; ``metrics()`` finds the state inside every optax
-wrapper; ``inject_hyperparams`` works.
-"""
+"""One contract, every public transform: a stable state (structure, shapes, dtypes) with and
+without jit, a scan carry traced once, no host transfer, leaf dtypes kept, donation, and
+``metrics()`` found inside every optax wrapper."""
 
 from __future__ import annotations
 
@@ -19,8 +14,8 @@ import pytest
 from absl.testing import parameterized
 
 import clipjax
-from tests.model import contract_params, grads_at
-from tests.registry import ALL_IDS, CASES, NORMLESS, Case, Factory
+from tests.model import OUT, contract_params, grads_at, mlp_params
+from tests.registry import ALL_IDS, CASES, CLIPPER_IDS, NORMLESS, TRANSFORM_IDS, Case, Factory
 
 
 @pytest.fixture(params=ALL_IDS)
@@ -113,8 +108,7 @@ def test_scan_carry_and_single_trace(case: Case) -> None:
 
 
 def test_state_can_be_donated(case: Case) -> None:
-    tx = case.make()
-    params = contract_params()
+    tx, params = case.make(), contract_params()
     update = jax.jit(tx.update, donate_argnums=(1,))
     state = tx.init(params)
     for i in range(3):
@@ -135,9 +129,7 @@ def test_no_host_transfer_inside_update(case: Case) -> None:
 
 
 def _wrappers(make: Factory) -> dict[str, optax.GradientTransformation]:
-    def mask_fn(params: Any) -> Any:
-        return jax.tree.map(lambda _: True, params)
-
+    mask_fn = lambda params: jax.tree.map(lambda _: True, params)
     labels = lambda params: jax.tree.map(lambda _: "a", params)
     return {
         "chain": optax.chain(make(), optax.sgd(0.1)),
@@ -168,10 +160,25 @@ def test_metrics_found_in_every_wrapper(case: Case) -> None:
         assert set(inside) == set(found)
 
 
-def test_update_with_another_tree_fails_clearly(case: Case) -> None:
-    tx = case.make()
-    params = contract_params()
-    state = tx.init(params)
-    other = {"w": jnp.ones((2, 2))}
-    with pytest.raises(ValueError, match="does not match"):
-        tx.update(other, state, other)
+@pytest.mark.parametrize("name", sorted({*ALL_IDS, *CLIPPER_IDS}))
+def test_update_on_another_tree_fails_clearly(name: str) -> None:
+    """Other leaves, or a layer more: 'does not match'; a leaf of another shape: the leaf and
+    both shapes, init's first (the registry's clippers; its optimizers for other leaves)."""
+    tx = CASES[name].make()
+    if name in ALL_IDS:
+        other = {"w": jnp.ones((2, 2))}
+        with pytest.raises(ValueError, match="does not match"):
+            tx.update(other, tx.init(contract_params()), other)
+    if name in CLIPPER_IDS:
+        big = mlp_params()
+        big["params"]["Dense_2"] = {"kernel": jnp.ones((OUT, OUT)), "bias": jnp.zeros((OUT,))}
+        with pytest.raises(ValueError, match="does not match"):
+            tx.update(big, tx.init(mlp_params()), big)
+    if name in TRANSFORM_IDS:
+        seen = {"params": {"bias": jnp.ones((2,)), "kernel": jnp.ones((3,))}}
+        other = {"params": {"bias": jnp.ones((2,)), "kernel": jnp.ones((4,))}}
+        with pytest.raises(ValueError) as info:
+            tx.update(other, tx.init(seen), other)
+        msg = str(info.value)
+        assert "params/kernel" in msg and "(3,)" in msg and "(4,)" in msg, msg
+        assert msg.index("(3,)") < msg.index("(4,)"), f"init's shape first: {msg}"

@@ -1,12 +1,5 @@
-"""Per-leaf diagnostics: ``leaf_norms=True`` and ``metrics(flat=False)``.
-
-* every clipper with a scope records each leaf's pre-clip L2 norm as
-  ``{prefix}/leaf/{leaf path}/grad_norm``, equal to NumPy's float64 norm; a NaN
-  in one leaf shows in that leaf's norm only;
-* recording them costs no second pass over the gradients: "bytes accessed" of one
-  ``chain(clipper, adam)`` update grows by at most a few bytes per leaf;
-* ``metrics(opt_state, flat=False)`` is the flat view, nested.
-"""
+"""``leaf_norms=True`` records each leaf's pre-clip L2 norm (``{prefix}/leaf/{path}/grad_norm``)
+at no second pass over the gradients; ``metrics(flat=False)`` is the flat view, nested."""
 
 from __future__ import annotations
 
@@ -28,37 +21,27 @@ LEAF_IDS = sorted([*CLIPPER_IDS, "adagc"])
 
 
 def _leaf_norms64(tree: Any) -> dict[str, float]:
-    """``{leaf path: float64 NumPy L2 norm}``."""
-    with_path = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {
-        clipjax.path_name(path): float(np.linalg.norm(np.asarray(x, np.float64).ravel()))
-        for path, x in with_path
-    }
+    norm = lambda x: float(np.linalg.norm(np.asarray(x, np.float64).ravel()))
+    return {clipjax.path_name(p): norm(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _leaf_metrics(values: dict[str, jax.Array], prefix: str) -> dict[str, float]:
     head, tail = f"{prefix}/leaf/", "/grad_norm"
-    return {
-        k[len(head) : -len(tail)]: float(v)
-        for k, v in values.items()
-        if k.startswith(head) and k.endswith(tail)
-    }
+    keys = [k for k in values if k.startswith(head) and k.endswith(tail)]
+    return {k[len(head) : -len(tail)]: float(values[k]) for k in keys}
 
 
 @pytest.mark.parametrize("case", LEAF_IDS)
 def test_leaf_norms_are_the_pre_clip_leaf_norms(case: str, make_grad_stream: Any) -> None:
     spec = CASES[case]
     params = mlp_params()
-    plain = spec.make()
-    assert not _leaf_metrics(clipjax.metrics(plain.init(params)), spec.algo)
-
+    assert not _leaf_metrics(clipjax.metrics(spec.make().init(params)), spec.algo)
     tx = spec.make(leaf_norms=True)
     state = tx.init(params)
     update = jax.jit(tx.update)
     # Large gradients (every clipper clips some of them) and a spike at step 3.
-    stream = make_grad_stream(params, 5, seed=4, spikes={3: 50.0})
     clipped = False
-    for grads in stream:
+    for grads in make_grad_stream(params, 5, seed=4, spikes={3: 50.0}):
         grads = jax.tree.map(lambda g: 5.0 * g, grads)
         out, state = update(grads, state, params)
         changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), out, grads)
@@ -98,14 +81,11 @@ def _wide_params(layers: int = 4, width: int = 64) -> Any:
     }
 
 
-def _bytes_accessed(tx: optax.GradientTransformation, params: Any) -> float:
+def _bytes_accessed(clipper: optax.GradientTransformation, params: Any) -> float:
+    """Bytes accessed by one ``chain(clipper, adam)`` update."""
+    tx = optax.chain(clipper, optax.adam(1e-3))
     grads = jax.tree.map(lambda p: 0.01 * p, params)
-    state = tx.init(params)
-
-    def step(grads: Any, state: Any, params: Any) -> Any:
-        return tx.update(grads, state, params)
-
-    cost = jax.jit(step).lower(grads, state, params).compile().cost_analysis()
+    cost = jax.jit(tx.update).lower(grads, tx.init(params), params).compile().cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0]
     return float(cost["bytes accessed"])
@@ -115,14 +95,11 @@ def _bytes_accessed(tx: optax.GradientTransformation, params: Any) -> float:
 def test_leaf_norms_cost_no_second_pass(case: str) -> None:
     spec = CASES[case]
     params = _wide_params()
-    num_leaves = len(jax.tree.leaves(params))
     with ordinary_path():  # the overflow recompute's branch is not a pass an ordinary step runs
-        base = _bytes_accessed(optax.chain(spec.make(), optax.adam(1e-3)), params)
-        with_norms = _bytes_accessed(
-            optax.chain(spec.make(leaf_norms=True), optax.adam(1e-3)), params
-        )
+        base = _bytes_accessed(spec.make(), params)
+        with_norms = _bytes_accessed(spec.make(leaf_norms=True), params)
     grads_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    allowed = 64 * num_leaves + 0.01 * base
+    allowed = 64 * len(jax.tree.leaves(params)) + 0.01 * base
     assert allowed < grads_bytes / 4, "the bound must catch one more read of the gradients"
     assert with_norms - base <= allowed, (
         f"leaf_norms=True adds {with_norms - base:.0f} bytes accessed to {base:.0f} "

@@ -1,14 +1,7 @@
-"""Every clipjax state round-trips through flax.serialization and orbax.
-
-clipjax registers its static names (``GroupInfo``) with ``flax.serialization``
-at its own import (importing it when flax is installed), with no import hook:
-a state made before the program imports flax serialises too. Each public
-transform (the contract list) and ``skip_on_spike`` on its three routes
-(``clipjax.adamw`` folds the skip in, a clipjax clipper has its state
-selected, ``optax.adamw`` runs under ``lax.cond``) is stepped a few times,
-saved, restored into a fresh ``init`` of other params, and compared leaf by
-leaf; the restored state then takes one more step like the original.
-"""
+"""Every clipjax state (each public transform, and skip_on_spike on its fold, select, cond and
+chain routes) round-trips through flax.serialization and orbax into a fresh ``init`` of other
+params and then steps like the original; clipjax registers its static ``GroupInfo`` with flax
+at its own import, with no import hook."""
 
 from __future__ import annotations
 
@@ -31,7 +24,9 @@ from tests import registry, scripts
 from tests.model import contract_params, grads_at
 from tests.trees import assert_trees_equal
 
-SKIP_ROUTES: dict[str, Callable[[], optax.GradientTransformation]] = {
+CASES: dict[str, Callable[[], optax.GradientTransformation]] = {
+    name: registry.CASES[name].make for name in registry.TRANSFORM_IDS
+} | {
     "skip_on_spike_fold": lambda: clipjax.skip_on_spike(clipjax.adamw(1e-3), window_size=4),
     "skip_on_spike_select": lambda: clipjax.skip_on_spike(clipjax.zclip(), window_size=4),
     "skip_on_spike_cond": lambda: clipjax.skip_on_spike(optax.adamw(1e-3), window_size=4),
@@ -39,20 +34,13 @@ SKIP_ROUTES: dict[str, Callable[[], optax.GradientTransformation]] = {
         clipjax.chain(clipjax.zclip(warmup_steps=2), clipjax.adamw(1e-3)), window_size=4
     ),
 }
-CASES: dict[str, Callable[[], optax.GradientTransformation]] = {
-    **{name: registry.CASES[name].make for name in registry.TRANSFORM_IDS},
-    **SKIP_ROUTES,
-}
 STEPS = 3
 
 
 @functools.cache
 def stepped(name: str) -> tuple[Any, Any, Any]:
-    """``(tx, params, state)`` after ``STEPS`` updates; ``tx.update`` jitted.
-
-    (Through a plain transform: ``_replace`` would drop a fold optimizer's
-    ``update_if``, and skip_on_spike reads it when it is built.)
-    """
+    """``(tx, params, state)`` after ``STEPS`` updates; ``tx.update`` jitted (not through
+    ``_replace``: it would drop a fold optimizer's ``update_if``)."""
     tx = CASES[name]()
     tx = optax.GradientTransformationExtraArgs(tx.init, jax.jit(tx.update))
     params = contract_params()
@@ -90,8 +78,7 @@ def test_flax_bytes_round_trip(name: str) -> None:
 def test_flax_state_dict_round_trip(name: str) -> None:
     tx, params, state = stepped(name)
     state_dict = serialization.to_state_dict(state)
-    # Only arrays (and containers) in the state dict: the names stay static.
-    for leaf in jax.tree.leaves(state_dict):
+    for leaf in jax.tree.leaves(state_dict):  # only arrays: the names stay static
         assert isinstance(leaf, jax.Array), type(leaf)
     restored = serialization.from_state_dict(fresh_target(tx, params), state_dict)
     assert_trees_equal(restored, state)
@@ -117,8 +104,7 @@ def test_orbax_round_trip(name: str, tmp_path: Path) -> None:
 
 def test_group_info_is_registered_at_import() -> None:
     """Registered before any ``init`` (skip_on_spike's init never registered it)."""
-    registry = serialization._STATE_DICT_REGISTRY
-    assert clipjax.GroupInfo in registry
+    assert clipjax.GroupInfo in serialization._STATE_DICT_REGISTRY
     info = clipjax.GroupInfo("zclip", None, ("global",), ("w",), ((3,),))
     assert serialization.to_state_dict(info) == {}
     assert serialization.from_state_dict(info, {}) is info
