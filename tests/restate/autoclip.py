@@ -18,13 +18,13 @@ def P2Median(p: float = 0.5) -> P2:
 
 
 class _Stats:
-    """``raw_threshold``: the quantile, or ``center + k * std``."""
+    """``raw_threshold``: the quantile, or ``center + z * std``."""
 
-    center, k = "median", 3.0
+    center, z = "median", 3.0
 
     def raw_threshold(self) -> float:
         r = self.report()
-        return r["quantile"] if "quantile" in r else r[self.center] + self.k * r["std"]
+        return r["quantile"] if "quantile" in r else r[self.center] + self.z * r["std"]
 
 
 class _AutoStats(_Stats):
@@ -98,7 +98,7 @@ class _ZScoreStats(_Stats):
     center = "mean"
 
     def __init__(self, zmax: float, decay: float) -> None:
-        self.k, self.d, self.m, self.s = zmax, decay, NAN, 0.0
+        self.z, self.d, self.m, self.s = zmax, decay, NAN, 0.0
 
     def observe(self, x: float) -> None:
         if math.isnan(self.m):
