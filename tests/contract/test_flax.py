@@ -1,8 +1,5 @@
-"""flax: every clipper trains a small model through ``nnx.Optimizer`` and linen's ``TrainState``.
-
-Metrics are read from the flax optimizer state with ``clipjax.metrics``, inside
-and outside ``jit``, and group names are flax's module paths.
-"""
+"""flax: every clipper trains a small model through ``nnx.Optimizer`` and linen's ``TrainState``;
+its metrics read the same inside and outside ``jit``, its groups named by flax's module paths."""
 
 from __future__ import annotations
 
@@ -16,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 from flax import nnx, traverse_util
 from flax.training import train_state
 
@@ -30,11 +26,8 @@ EVAL = next(batches(1, seed=1))  # a held-out batch: the loss on it must go down
 
 def top_level(metrics: dict[str, Any]) -> dict[str, Any]:
     """The clipper's own metrics (hist_clip also nests its warm-up clip's)."""
-    return {k: v for k, v in metrics.items() if k.count("/") >= 2 and not _nested(k)}
-
-
-def _nested(key: str) -> bool:
-    return key.split("/")[1] == "clip_by_global_norm" and key.startswith("hist_clip/")
+    nested = lambda k: k.startswith("hist_clip/") and k.split("/")[1] == "clip_by_global_norm"
+    return {k: v for k, v in metrics.items() if k.count("/") >= 2 and not nested(k)}
 
 
 def expected_groups(name: str, param_paths: list[tuple[Any, ...]]) -> set[str]:
@@ -48,8 +41,9 @@ def expected_groups(name: str, param_paths: list[tuple[Any, ...]]) -> set[str]:
 
 
 def groups_of(metrics: dict[str, Any], algo: str) -> set[str]:
-    prefix = algo + "/"
-    return {k[len(prefix) : k.rindex("/")] for k in top_level(metrics) if k.startswith(prefix)}
+    return {
+        k[len(algo) + 1 : k.rindex("/")] for k in top_level(metrics) if k.startswith(algo + "/")
+    }
 
 
 def check_metrics(name: str, metrics: dict[str, Any], param_paths: list[tuple[Any, ...]]) -> None:
@@ -60,9 +54,6 @@ def check_metrics(name: str, metrics: dict[str, Any], param_paths: list[tuple[An
     # (hist_clip's threshold is +inf on steps its criterion does not fire.)
     for field in ("grad_norm", "scale"):
         assert all(np.isfinite(v) for k, v in metrics.items() if k.endswith("/" + field))
-
-
-# --- nnx ------------------------------------------------------------------
 
 
 class NnxMLP(nnx.Module):
@@ -113,17 +104,8 @@ def test_nnx_group_names_are_module_paths() -> None:
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
     nnx_step(model, opt, next(batches(1)))
     names = groups_of(clipjax.metrics(opt.opt_state), "zclip")
-    assert names == {
-        "layers/0/kernel",
-        "layers/0/bias",
-        "layers/1/kernel",
-        "layers/1/bias",
-        "norm/scale",
-        "norm/bias",
-    }
-
-
-# --- linen ----------------------------------------------------------------
+    layers = {f"layers/{i}/{leaf}" for i in (0, 1) for leaf in ("kernel", "bias")}
+    assert names == layers | {"norm/scale", "norm/bias"}
 
 
 class LinenMLP(nn.Module):

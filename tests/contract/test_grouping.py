@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,13 +33,8 @@ def as_jax(t: dict, dtype=jnp.float32) -> dict:
 def test_names_per_scope() -> None:
     t = as_jax(tree())
     per_param = _grouping.make_grouping(t, "per_param")
-    assert per_param.names == (
-        "params/Dense_0/bias",
-        "params/Dense_0/kernel",
-        "params/layers/0/w",
-        "params/layers/1/w",
-        "top",
-    )
+    dense, layers = ("params/Dense_0/bias", "params/Dense_0/kernel"), "params/layers"
+    assert per_param.names == (*dense, f"{layers}/0/w", f"{layers}/1/w", "top")
     per_layer = _grouping.make_grouping(t, "per_layer")
     assert per_layer.names == ("params/Dense_0", "params/layers/0", "params/layers/1", "root")
     assert _grouping.make_grouping(t, "global").names == ("global",)
@@ -47,12 +44,7 @@ def test_names_per_scope() -> None:
 
 def test_callable_scope_gets_key_path_and_leaf() -> None:
     seen = []
-
-    def scope(path, leaf):
-        seen.append((path, jnp.shape(leaf)))
-        return "all"
-
-    _grouping.make_grouping(as_jax(tree()), scope)
+    _grouping.make_grouping(as_jax(tree()), lambda path, leaf: seen.append((path, leaf)) or "all")
     assert all(isinstance(p, tuple) for p, _ in seen)
     assert seen[0][0][0] == jax.tree_util.DictKey("params")
 
@@ -118,8 +110,6 @@ def test_none_and_masked_leaves_are_skipped() -> None:
 
 def full_size_ops(hlo: str, shape: str) -> set[str]:
     """Opcodes of the instructions of ``shape`` inside the fusions that produce ``shape``."""
-    import re
-
     bodies = dict(re.findall(r"^%(\S+) .*?\{\n(.*?)\n\}", hlo, flags=re.S | re.M))
     ops: set[str] = set()
     for line in hlo.splitlines():
@@ -151,8 +141,6 @@ def test_name_must_be_a_string() -> None:
 
 def distinct_fusions(tx, params) -> int:
     """Distinct fused computations after compilation: what XLA generates code for."""
-    import re
-
     tx = optax.chain(tx, optax.adam(1e-3))
     state = tx.init(params)
     step = jax.jit(lambda g, s, p: optax.apply_updates(p, tx.update(g, s, p)[0]))
@@ -164,9 +152,7 @@ def distinct_fusions(tx, params) -> int:
 
 @pytest.mark.parametrize("scope", ["per_param", "per_layer"])
 def test_many_groups_compile_like_one(scope: str) -> None:
-    """Compile time does not grow with the number of groups: per-leaf
-    scales are indexed with runtime offsets, so a grouping adds no distinct fused
-    computations."""
+    """Per-leaf scales are indexed with runtime offsets: a grouping adds no distinct fusions."""
     params = {f"layer{i}": {"w": jnp.ones((8, 8)), "b": jnp.ones(8)} for i in range(60)}
     grouped = distinct_fusions(clipjax.zclip(scope=scope), params)
     single = distinct_fusions(clipjax.zclip(), params)

@@ -1,17 +1,7 @@
-"""Update clipping: a clipjax clipper placed after the optimizer clips the update.
-
-``optax.chain(optax.adamw(...), clipper)`` judges and scales what will be
-applied (Levanter's z-score clip of the update norm, Adafactor-style update
-RMS clipping). For every clipper (every scope and kind in
-``tests.registry.CLIPPER_IDS``):
-
-* the chain's output and the clipper's metrics equal the clipper run on
-  adamw's updates by itself (the composition is exact, nothing leaks between
-  the members), with ``params`` passed through to the clippers that need them;
-* ``name="update_..."`` names the metrics after what was clipped;
-* under ``skip_on_spike``, on the fold route (``clipjax.chain(clipjax.adamw,
-  clipper)``: no conditional, no full-size copy) and around optax's chain.
-"""
+"""A clipper after the optimizer clips the update: ``chain(adamw, clipper)`` equals the clipper
+run on adamw's updates by itself (outputs and metrics), for every clipper of
+``tests.registry.CLIPPER_IDS``; ``name="update_..."`` names its metrics; it works under
+``skip_on_spike`` on the fold route (no conditional, no full-size copy) as around optax's."""
 
 from __future__ import annotations
 
@@ -54,38 +44,23 @@ def test_after_the_optimizer_it_clips_the_update(case: str) -> None:
         expected, alone_state = alone.update(adam_updates, alone_state, params)
         chex.assert_trees_all_close(out, expected, rtol=1e-5, atol=1e-9)
         ours, theirs = clipjax.metrics(state), clipjax.metrics(alone_state)
-        algo = CASES[case].algo
-        assert {k.replace(f"update_{case}/", f"{algo}/", 1) for k in ours} == set(theirs)
+        renamed = lambda key: key.replace(f"update_{case}/", f"{CASES[case].algo}/", 1)
+        assert {renamed(k) for k in ours} == set(theirs)
         for key, value in ours.items():
-            np.testing.assert_allclose(
-                np.asarray(value),
-                np.asarray(theirs[key.replace(f"update_{case}/", f"{algo}/", 1)]),
-                rtol=1e-4,
-                atol=1e-7,
-                err_msg=key,
-            )
-    # The norm it judged is the update's (adamw's), not the gradient's.
+            want = np.asarray(theirs[renamed(key)])
+            np.testing.assert_allclose(np.asarray(value), want, rtol=1e-4, atol=1e-7, err_msg=key)
     norm = [k for k in ours if k.endswith("/grad_norm") and "/leaf/" not in k]
-    if CASES[case].scope == "global" and norm:
-        np.testing.assert_allclose(
-            float(ours[norm[0]]), float(optax.tree.norm(adam_updates)), rtol=1e-5
-        )
+    if CASES[case].scope == "global" and norm:  # it judged the update's norm, not the gradient's
+        np.testing.assert_allclose(float(ours[norm[0]]), optax.tree.norm(adam_updates), rtol=1e-5)
 
 
 def test_levanter_style_update_norm_clip_stops_an_update_spike() -> None:
-    """A z-score clip of the update norm after AdamW, as Levanter's ``clip_update_norm``.
-
-    Adam normalises the gradient, so a 10,000x gradient spike reaches the
-    update as a jump of its norm of about 1.5x, a jump far outside the narrow
-    spread of the update norms: the update clip cuts it back to its threshold.
-    """
+    """A z-score clip of the update norm after AdamW (Levanter's ``clip_update_norm``): adam
+    turns a 10,000x gradient spike into a jump of the update norm of about 1.5x, far outside
+    their narrow spread, and the update clip cuts it back to its threshold."""
     params = mlp_params()
-    tx = optax.chain(
-        optax.adamw(LR),
-        clipjax.zclip(
-            alpha=0.9, z_thresh=2.5, max_grad_norm=None, warmup_steps=5, name="update_zclip"
-        ),
-    )
+    clip = clipjax.zclip(0.9, 2.5, max_grad_norm=None, warmup_steps=5, name="update_zclip")
+    tx = optax.chain(optax.adamw(LR), clip)
     state = tx.init(params)
     norms, scales = [], []
     rng = np.random.default_rng(0)
@@ -129,9 +104,7 @@ def test_under_skip_on_spike_on_the_fold_route(clipper: Any) -> None:
         m, em = clipjax.metrics(s), clipjax.metrics(e)
         assert set(m) == set(em)
         for key in m:
-            np.testing.assert_allclose(
-                np.asarray(m[key]), np.asarray(em[key]), rtol=1e-4, atol=1e-7, err_msg=key
-            )
+            np.testing.assert_allclose(m[key], em[key], rtol=1e-4, atol=1e-7, err_msg=key)
     assert bool(clipjax.metrics(s)["skip_on_spike/global/skipped_count"] >= 1)
     assert any(k.startswith("update_") for k in clipjax.metrics(s))
     compiled, _ = compiled_train_step(
