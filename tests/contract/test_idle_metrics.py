@@ -1,11 +1,6 @@
-"""The metrics of a step a transform did not run.
-
-hist_clip's warm-up clip on a step past its warm-up reports the per-step
-fields of a step that changed nothing (``grad_norm`` 0, ``scale`` 1,
-``clipped`` False). A clipper inside a skipped ``skip_on_spike`` step reads as
-skipped: ``grad_norm`` NaN (it saw no gradient), ``skipped`` True, ``scale`` 1,
-``clipped`` False. Both keep thresholds, statistics and counters as they stand.
-"""
+"""The metrics of a step a transform did not run: hist_clip's warm-up clip past its warm-up
+reads idle (grad_norm 0, scale 1, not clipped); a clipper in a skipped ``skip_on_spike`` step
+reads skipped (grad_norm NaN); both keep thresholds, statistics and counters."""
 
 from __future__ import annotations
 
@@ -31,11 +26,8 @@ def test_idle_metrics_keeps_thresholds_statistics_and_counters() -> None:
     }
     idle = idle_metrics(metrics)
     assert {k: v.dtype for k, v in idle.items()} == {k: v.dtype for k, v in metrics.items()}
-    np.testing.assert_array_equal(idle["grad_norm"], [0.0, 0.0])
-    np.testing.assert_array_equal(idle["scale"], [1.0, 1.0])
-    np.testing.assert_array_equal(idle["clipped"], [False, False])
-    np.testing.assert_array_equal(idle["capped"], [False, False])
-    np.testing.assert_array_equal(idle["z"], [0.0, 0.0])
+    for field, value in dict(grad_norm=0.0, scale=1.0, clipped=False, capped=False, z=0.0).items():
+        np.testing.assert_array_equal(idle[field], [value, value], err_msg=field)
     for kept in ("threshold", "mean", "step", "clipped_count"):
         np.testing.assert_array_equal(idle[kept], metrics[kept], err_msg=kept)
 

@@ -1,12 +1,6 @@
-"""No tracer outlives its trace: every public factory under ``optax.inject_hyperparams``.
-
-``inject_hyperparams`` calls the factory inside each ``update``'s trace, with
-its numbers as tracers; a module-level cache keyed by anything the factory
-built (0.4's ``_kit._layout``, an ``lru_cache`` keyed by the state's
-``arrays`` closure) keeps those tracers alive. ``jax.checking_leaks()`` fails
-the trace that leaks one. Every transform of the registry, and the wrappers
-and optimizers it builds only inside others, runs two jitted updates under it.
-"""
+"""No tracer outlives its trace: every public factory under ``optax.inject_hyperparams`` runs
+two jitted updates under ``jax.checking_leaks()`` (0.4 cached tracers in module-level caches
+keyed by what the factory built)."""
 
 from __future__ import annotations
 
@@ -19,14 +13,9 @@ import optax
 import pytest
 
 import clipjax
-from tests.contract.test_inject import static_arguments
+from tests.contract.test_inject import PARAMS, static_arguments
 from tests.model import grads_at
 from tests.registry import CASES
-
-PARAMS = {
-    "w": jax.numpy.linspace(-1.0, 1.0, 12, dtype=jax.numpy.float32).reshape(4, 3),
-    "b": jax.numpy.full((3,), 0.5, jax.numpy.float32),
-}
 
 # The public factories the registry builds only inside others (or not at all).
 MORE: dict[str, Callable[..., Any]] = {
@@ -41,9 +30,7 @@ FACTORIES: dict[str, Callable[..., Any]] = {
 
 
 def static_args(factory: Any) -> tuple[str, ...]:
-    """What inject_hyperparams must leave as it is: the numbers given that the
-    docstring lists as static (they fix shapes), and callables (it would take one
-    for a schedule)."""
+    """The numbers given that the docstring lists as static, and callables (schedules else)."""
     if not isinstance(factory, functools.partial):
         return ()
     static = static_arguments(factory.func)

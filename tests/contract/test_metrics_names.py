@@ -1,9 +1,5 @@
-"""One metrics prefix per transform: ``clipjax.metrics`` never lets two overwrite each other.
-
-Two transforms given the same ``name=`` raise a ``ValueError`` naming the
-prefix and the fix; the generated names (``algo``, ``algo_1``, ...) skip every
-name given with ``name=``, so a default name never collides with a chosen one.
-"""
+"""One metrics prefix per transform: two given the same ``name=`` raise, naming the prefix and
+the fix; generated names (``algo``, ``algo_1``, ...) skip every name given with ``name=``."""
 
 from __future__ import annotations
 
