@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from clipjax import _checks, _grouping, _kit
+from clipjax import _checks, _grouping, _kit, _xla
 from clipjax._grouping import Scope
 from clipjax._metrics import GroupInfo
 
@@ -73,7 +73,7 @@ def _max_and_square(x: Array, dtype: Any) -> tuple[Array, Array]:
 
 def _max_and_squares(leaves: list[Array], dtype: Any) -> tuple[list[Array], list[Array]]:
     """Each leaf's largest ``|x|`` and its sum of squares, in one reduce per leaf."""
-    one = _grouping.per_leaf(_max_and_square, dtype)
+    one = _xla.per_leaf(_max_and_square, dtype)
     pairs = [one(x) for x in leaves]
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
@@ -86,7 +86,7 @@ def _finite_square_and_count(
     ok = jnp.isfinite(squared)
     terms = (jnp.where(ok, squared, jnp.zeros((), dtype)), jnp.where(ok, 0.0, 1.0).astype(dtype))
     if keep_axis is None:
-        return _grouping.fused_sums(*terms)
+        return _xla.fused_sums(*terms)
     axes = tuple(a for a in range(jnp.ndim(x)) if a != keep_axis)
     return tuple(jnp.sum(t, axis=axes) for t in terms)
 
@@ -108,7 +108,7 @@ def _adaclip_leaf(
     # lone sum has XLA:CPU write its input out. The squares are taken here (not
     # in the max's reduce) and used, so that XLA keeps this reduce variadic.
     ones = jnp.where(hit, 1.0, 0.0).astype(dtype)
-    hit_count, square = _grouping.fused_sums(ones, _grouping.abs_squared(x, dtype))
+    hit_count, square = _xla.fused_sums(ones, _grouping.abs_squared(x, dtype))
     return new, hit_count, square
 
 
@@ -191,7 +191,7 @@ def adaclip(
         limit = jnp.where(clips, bound, jnp.inf)
         limits = _grouping.leaf_scales(grouping, limit, state.leaf_index)
         ratios = _grouping.leaf_scales(grouping, ratio, state.leaf_index)
-        one = _grouping.per_leaf(_adaclip_leaf, dtype, count_clipped)
+        one = _xla.per_leaf(_adaclip_leaf, dtype, count_clipped)
         new_leaves, hits = [], []
         for i, (x, b, r) in enumerate(zip(leaves, limits, ratios)):
             new, hit_count, square = one(x, b, r)
@@ -287,7 +287,7 @@ def ada_norm(
         grads = _kit.grads_of(setup, updates, state, AdaNormState, init_fn)
         leaves, grouping = grads.leaves, grads.grouping
         dtype = state.norm_ema.dtype
-        one = _grouping.per_leaf(_finite_square_and_count, dtype)
+        one = _xla.per_leaf(_finite_square_and_count, dtype)
         stacks = grouping.leaf_stacks or (None,) * len(leaves)
         sums = [
             one(x) if st is None else _finite_square_and_count(x, dtype, st[0])

@@ -10,7 +10,6 @@ element-wise gradient clip (``clip_grad_adapt=k``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import jax
@@ -64,37 +63,6 @@ def adam_arithmetic(
     return out, new_state
 
 
-def _adam_state_dtypes(update: Callable[..., Any], updates: Any, state: Any, params: Any) -> Any:
-    """The state ``update`` returns, as ``jax.ShapeDtypeStruct`` leaves (traced on scalars)."""
-    u, m, v = (jax.tree.leaves(t) for t in (updates, state.mu, state.nu))
-    p = None if params is None else jax.tree.leaves(params)
-    if not len(u) == len(m) == len(v) or (p is not None and len(p) != len(u)):
-        return jax.eval_shape(update, updates, state, params)[1]
-
-    def sig(x: Any) -> tuple[Any, bool]:
-        # jax.typeof is newer than the oldest jax clipjax supports (0.4.36).
-        aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)  # pyright: ignore
-        return aval.dtype, bool(getattr(aval, "weak_type", False))
-
-    keys = [tuple(sig(x) for x in row) for row in zip(u, m, v, *([p] if p is not None else []))]
-    unique = list(dict.fromkeys(keys))
-    small = lambda i: [jax.ShapeDtypeStruct((), k[i][0], weak_type=k[i][1]) for k in unique]
-    out = jax.eval_shape(
-        update, small(0), state._replace(mu=small(1), nu=small(2)), small(3) if p else None
-    )[1]
-    at = {k: i for i, k in enumerate(unique)}
-
-    def like(tree: Any, leaves: list[Any], new: list[Any]) -> Any:
-        typed = [jax.ShapeDtypeStruct(jnp.shape(x), new[at[k]].dtype) for x, k in zip(leaves, keys)]
-        return jax.tree.unflatten(jax.tree.structure(tree), typed)
-
-    return state._replace(
-        count=out.count,
-        mu=like(state.mu, m, jax.tree.leaves(out.mu)),
-        nu=like(state.nu, v, jax.tree.leaves(out.nu)),
-    )
-
-
 def _scale_by_adam(
     b1: Any, b2: Any, eps: Any, eps_root: Any, mu_dtype: Any, nesterov: bool
 ) -> SkippableTransform:
@@ -117,7 +85,7 @@ def _scale_by_adam(
         pred = jnp.asarray(pred, bool)
         # The state's dtypes after optax's own update (optax >= 0.2.6 casts nu
         # back to its dtype; 0.2.5 does not).
-        out_state = _adam_state_dtypes(base.update, updates, state, params)
+        out_state = _xla.adam_state_dtypes(base.update, updates, state, params)
         grads = _conditional.zero_unless(pred, updates)
         out, new_state = adam_arithmetic(
             pred,
@@ -293,9 +261,7 @@ def _clip_leaf(g: Array, v: Array, bound: Array, on: Array) -> tuple[Array, Arra
     threshold = jnp.sqrt(jnp.real(v).astype(dtype) * bound[0]) * bound[1]
     threshold = jnp.maximum(threshold, bound[2])
     over = on & (jnp.abs(g).astype(dtype) > threshold)
-    squares, clipped = _grouping.fused_sums(
-        _grouping.abs_squared(g, dtype), over.astype(jnp.float32)
-    )
+    squares, clipped = _xla.fused_sums(_grouping.abs_squared(g, dtype), over.astype(jnp.float32))
     out = jnp.where(on, _elementwise.clamp_leaf(g, threshold), g)
     return out, squares, clipped
 
@@ -349,7 +315,7 @@ def _scale_by_adam_clip(
         bound = jnp.stack(
             [correction, jnp.asarray(clip_grad_adapt, dtype), jnp.asarray(clip_grad_min, dtype)]
         )
-        clip_leaf = _grouping.per_leaf(_clip_leaf, bound, on)
+        clip_leaf = _xla.per_leaf(_clip_leaf, bound, on)
         nus = jax.tree.leaves(adam.nu)
         clipped_leaves, squares, counts, ordered = [], [], [], []
         for g, v in zip(leaves, nus):
@@ -366,7 +332,7 @@ def _scale_by_adam_clip(
             pred,
             grads,
             adam,
-            _adam_state_dtypes(base.update, updates, state[0], params),
+            _xla.adam_state_dtypes(base.update, updates, state[0], params),
             b1,
             b2,
             eps,

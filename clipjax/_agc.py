@@ -68,8 +68,8 @@ def _unit_norms(leaves: list[jax.Array], dtype: Any, axis: Axis) -> list[jax.Arr
     """Each leaf's unit norms, finite where the unit's elements are (overflow rescaled)."""
     e = _grouping.overflow_exponent(2.0, dtype)
     assert e is not None  # an L2 norm's sum of squares can overflow
-    unit_norm = _grouping.per_leaf(_unit_norm, dtype, axis)
-    scaled_norm = _grouping.per_leaf(_unit_norm, dtype, axis, e)
+    unit_norm = _xla.per_leaf(_unit_norm, dtype, axis)
+    scaled_norm = _xla.per_leaf(_unit_norm, dtype, axis, e)
     return _grouping.rescued(
         [unit_norm(x) for x in leaves], lambda: [scaled_norm(x) * 2.0**e for x in leaves]
     )
@@ -342,7 +342,7 @@ def _unitwise(
         # small ones per leaf. (Scaling a leaf by a row of a stack puts a constant row
         # offset in its fusion: every leaf's fusion is then distinct and compiled anew.)
         excluded = [exclude_bias_bn and jnp.ndim(x) <= 1 for x in leaves]
-        scaled = _grouping.per_leaf(_scaled, clipping, eps)
+        scaled = _xla.per_leaf(_scaled, clipping, eps)
         out = [
             x if skip else scaled(x, g, w)
             for x, g, w, skip in zip(leaves, g_units, w_units, excluded)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clipjax import _checks, _grouping, _kit, _percentile
+from clipjax import _checks, _grouping, _kit, _percentile, _xla
 from clipjax._grouping import Grouping, Scope
 from clipjax._kit import ClipTransform
 from clipjax._metrics import GroupInfo
@@ -75,7 +75,7 @@ def _group_sizes(grouping: Grouping) -> np.ndarray:
 def _square_and_count(x: Array, b: Array, dtype: Any) -> tuple[Array, Array]:
     """A leaf's sum of squares and its number of elements with ``|x| > b``, in one read."""
     b = b.astype(jnp.abs(x).dtype)
-    square, count = _grouping.fused_sums(
+    square, count = _xla.fused_sums(
         _grouping.abs_squared(x, dtype), (jnp.abs(x) > b).astype(jnp.int32)
     )
     return square, count
@@ -85,7 +85,7 @@ def _norms_and_clipped(
     leaves: list[Array], grouping: Grouping, bound: Array, dtype: Any, index: Any = ()
 ) -> tuple[Array, Array, Array]:
     """Per group the L2 norm and the number of elements with ``|x| > b``; per leaf the norm."""
-    one = _grouping.per_leaf(_square_and_count, dtype)
+    one = _xla.per_leaf(_square_and_count, dtype)
     squares, over = [], []
     for x, b in zip(leaves, _grouping.leaf_scales(grouping, bound, index)):
         square, count = one(x, b)
@@ -118,7 +118,7 @@ def clamp_leaf(x: Array, b: Array) -> Array:
 
 def _clamp(leaves: list[Array], grouping: Grouping, bound: Array, index: Any = ()) -> list[Array]:
     """``clip(x, -b, b)`` per leaf, ``b`` its group's bound in the leaf's dtype."""
-    one = _grouping.per_leaf(clamp_leaf)
+    one = _xla.per_leaf(clamp_leaf)
     return [one(x, b) for x, b in zip(leaves, _grouping.leaf_scales(grouping, bound, index))]
 
 
@@ -284,7 +284,7 @@ def clip_by_percentile(
         grads = _kit.grads_of(setup, updates, state, ClipByPercentileState, init_fn)
         leaves, grouping, index = grads.leaves, grads.grouping, state.leaf_index
         dtype = _grouping.norm_dtype(leaves)
-        select = _grouping.per_leaf(_percentile.select, percentile, method)
+        select = _xla.per_leaf(_percentile.select, percentile, method)
         bounds = [select([leaves[i] for i in members])[0] for members in grouping.members]
         bound = jnp.stack(bounds).astype(dtype) if bounds else jnp.zeros((0,), dtype)
         norm, counts, leaf_norm = _norms_and_clipped(leaves, grouping, bound, dtype, index)

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from clipjax import _checks, _grouping, _kit
+from clipjax import _checks, _grouping, _kit, _xla
 from clipjax._grouping import Scope
 from clipjax._kit import ClipTransform
 from clipjax._metrics import GroupInfo
@@ -224,7 +224,7 @@ def _standardise(x: Array, dtype: Any, eps: Any) -> tuple[Array, Array]:
     # Complex leaves are standardised in complex arithmetic: the deviations
     # keep their phase, the std is that of |deviation|.
     xs = x.astype(jnp.result_type(dtype, x.dtype) if jnp.iscomplexobj(x) else dtype)
-    total, squares = _grouping.fused_sums(xs, _grouping.abs_squared(xs, dtype))
+    total, squares = _xla.fused_sums(xs, _grouping.abs_squared(xs, dtype))
     norm = jnp.sqrt(squares)
     ok = jnp.isfinite(norm)
     # Corrected two-pass (Chan, Golub & LeVeque 1983): the second pass sums
@@ -233,7 +233,7 @@ def _standardise(x: Array, dtype: Any, eps: Any) -> tuple[Array, Array]:
     # does not lose its deviations to the rounding of the mean.
     rough = total / size
     deviation = xs - rough
-    deviation_sum, deviation_squares = _grouping.fused_sums(
+    deviation_sum, deviation_squares = _xla.fused_sums(
         deviation, _grouping.abs_squared(deviation, dtype)
     )
     residual = deviation_sum / size
@@ -314,7 +314,7 @@ def _normalizer(
             scale = jnp.where(finite, 1 / (norm + jnp.asarray(eps, dtype)), jnp.ones_like(norm))
             out = _grouping.apply_scales(leaves, grouping, scale, state.leaf_index)
         else:
-            one = _grouping.per_leaf(_standardise, dtype, eps)
+            one = _xla.per_leaf(_standardise, dtype, eps)
             norms, out = [], []
             for x in leaves:
                 norm, standardised = one(x)

@@ -17,7 +17,6 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import Tracer
 
 KeyPath = tuple[Any, ...]
 ScopeFn = Callable[[KeyPath, Any], str]
@@ -581,41 +580,6 @@ def leaf_scales(
         scale[g] if st is None else _along(scale[np.asarray(st[1])], st[0], len(shape))
         for g, st, shape in zip(grouping.leaf_groups, stacks, grouping.leaf_shapes)
     ]
-
-
-def per_leaf(fn: Callable[..., Any], *shared: Any) -> Callable[..., Any]:
-    """``fn(*leaf_args, *shared)``, traced once for all the leaves of one signature.
-
-    Under an outer trace ``fn`` runs under ``jax.jit``, so leaves of the same
-    shapes and dtypes share one trace; the arrays among ``shared`` become
-    arguments, the rest stays constant. Called eagerly, ``fn`` runs as it is.
-    """
-    flat, tree = jax.tree.flatten(shared)
-    is_array = [isinstance(x, (jax.Array, Tracer)) for x in flat]
-    arrays = [x for x, a in zip(flat, is_array) if a]
-
-    def with_arrays(leaf_args: tuple[Any, ...], values: list[Any]) -> Any:
-        given = iter(values)
-        rebuilt = [next(given) if a else x for x, a in zip(flat, is_array)]
-        return fn(*leaf_args, *jax.tree.unflatten(tree, rebuilt))
-
-    # Profiles and HLO metadata name the per-leaf call after fn.
-    with_arrays.__name__ = with_arrays.__qualname__ = getattr(fn, "__name__", "per_leaf")
-    jitted = jax.jit(with_arrays)
-
-    def call(*leaf_args: Any) -> Any:
-        if any(isinstance(x, Tracer) for x in jax.tree.leaves(leaf_args)):
-            return jitted(leaf_args, arrays)
-        return fn(*leaf_args, *shared)
-
-    return call
-
-
-def fused_sums(*terms: jax.Array) -> tuple[jax.Array, ...]:
-    """The sums of several same-shape element-wise terms, in one read (a variadic reduce)."""
-    flat = tuple(t.reshape(-1) for t in terms)
-    zeros = tuple(jnp.zeros((), t.dtype) for t in flat)
-    return tuple(jax.lax.reduce(flat, zeros, lambda a, b: tuple(x + y for x, y in zip(a, b)), (0,)))
 
 
 def stacked(

@@ -112,7 +112,7 @@ def _leaf_step(
         # two reads of the gradient's size. The first moment's loop waits
         # for it, so that v is not copied.
         _, _, spike = _clip(gx, finite, vx, a)
-        sums = _grouping.fused_sums(spike.astype(jnp.float32), (~finite).astype(jnp.float32))
+        sums = _xla.fused_sums(spike.astype(jnp.float32), (~finite).astype(jnp.float32))
         vx = _xla.after(vx, sums[0])
     v0, limit, spike = _clip(gx, finite, vx, a)
     m0 = jnp.where(a.reset, jnp.zeros((), dtype), mx)
@@ -204,7 +204,7 @@ def scale_by_spam(
         step_args = _StepArgs(
             pred, reset, clip_on, threshold, b1, b2, eps, bc1, bc2, warm, eps_inside_correction
         )
-        leaf_step = _grouping.per_leaf(_leaf_step, step_args, count_clipped)
+        leaf_step = _xla.per_leaf(_leaf_step, step_args, count_clipped)
         for g, m, v in zip(leaves, mus, nus):
             m1, v1, out, sums = leaf_step(g, m, v)
             new_mus.append(m1)
@@ -230,7 +230,7 @@ def scale_by_spam(
         if count_clipped:
             metrics["clipped_fraction"] = one(fraction, jnp.float32)
             metrics["nonfinite_count"] = old["nonfinite_count"] + taken * one(bad > 0, jnp.int32)
-        metrics = {k: jnp.where(pred, v, old[k]) for k, v in metrics.items()}
+        metrics = _kit.select_groups(pred, metrics, old)
         new_adam = optax.ScaleByAdamState(
             count=jnp.where(pred, t, count).astype(count.dtype),
             mu=jax.tree_util.tree_unflatten(jax.tree.structure(adam.mu), new_mus),
