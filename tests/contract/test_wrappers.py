@@ -24,8 +24,10 @@ def gradients(step: int, spike: int | None = 5) -> Any:
     return random_grads(PARAMS, seed=1000 + step, scale=40.0 if step == spike else 1.0)
 
 
-def is_kernel(path: tuple[Any, ...], _: Any) -> bool:
-    return path[-1].key == "kernel"
+def labels(kernel: Any, other: Any) -> Any:
+    """``kernel`` at the kernels of ``PARAMS``, ``other`` at the other leaves."""
+    label = lambda path, _: kernel if path[-1].key == "kernel" else other
+    return jax.tree_util.tree_map_with_path(label, PARAMS)
 
 
 # case -> (factory, static_args, fixed kwargs, {hyperparameter: (first value, second value)}).
@@ -215,10 +217,9 @@ def test_multi_steps_clips_the_accumulated_gradient_once_per_real_step() -> None
         mean = jax.tree.map(lambda *g: sum(g) / K, *[mini_grads(real, mini) for mini in range(K)])
         _, ref_state = ref_update(mean, ref_state, PARAMS)
         # Mid-steps leave the clipper states as they were; the K-th updates them.
-        before = states[real * K - 1].inner_opt_state if real else None
-        for mini in range(K - 1):
-            if before is not None:
-                assert_trees_equal(states[real * K + mini].inner_opt_state, before)
+        for mini in range(K - 1 if real else 0):
+            before = states[real * K - 1].inner_opt_state
+            assert_trees_equal(states[real * K + mini].inner_opt_state, before)
         emitted = states[real * K + K - 1]
         assert_trees_close(emitted.inner_opt_state[0], ref_state[0], 1e-5, f"real step {real} ")
     m = clipjax.metrics(states[-1])
@@ -235,8 +236,7 @@ MASKED = ["zclip_per_layer", "hist_clip", "agc", "clip_by_percentile"]
 
 
 def test_masked_clips_only_the_selected_leaves() -> None:
-    mask = jax.tree_util.tree_map_with_path(is_kernel, PARAMS)
-    tx = optax.masked(all_clippers(MASKED), mask)
+    tx = optax.masked(all_clippers(MASKED), labels(True, False))
     state = tx.init(PARAMS)
     update = jax.jit(tx.update)
     kernels = lambda t: {"params": {k: {"kernel": v["kernel"]} for k, v in t["params"].items()}}
@@ -248,12 +248,9 @@ def test_masked_clips_only_the_selected_leaves() -> None:
         out, state = update(grads, state, PARAMS)
         expected, direct_state = direct_update(kernels(grads), direct_state, kernels(PARAMS))
         for layer in ("Dense_0", "Dense_1"):
-            np.testing.assert_array_equal(
-                out["params"][layer]["bias"], grads["params"][layer]["bias"]
-            )
-            np.testing.assert_allclose(
-                out["params"][layer]["kernel"], expected["params"][layer]["kernel"], rtol=1e-6
-            )
+            got, g, e = out["params"][layer], grads["params"][layer], expected["params"][layer]
+            np.testing.assert_array_equal(got["bias"], g["bias"])
+            np.testing.assert_allclose(got["kernel"], e["kernel"], rtol=1e-6)
     m = clipjax.metrics(state)
     assert m.keys() == clipjax.metrics(direct_state).keys()
     assert not any("bias" in k for k in m)
@@ -261,54 +258,33 @@ def test_masked_clips_only_the_selected_leaves() -> None:
 
 
 def test_partition_runs_a_clipper_per_group_of_parameters() -> None:
-    labels = jax.tree_util.tree_map_with_path(
-        lambda path, x: "kernels" if is_kernel(path, x) else "biases", PARAMS
-    )
-    tx = optax.partition(
-        {
-            "kernels": clipjax.zclip(warmup_steps=2, scope="per_layer"),
-            "biases": clipjax.clip_by_global_norm(0.5),
-        },
-        labels,
-    )
+    kernels = clipjax.zclip(warmup_steps=2, scope="per_layer")
+    tx = {"kernels": kernels, "biases": clipjax.clip_by_global_norm(0.5)}
+    tx = optax.partition(tx, labels("kernels", "biases"))
     state = tx.init(PARAMS)
     update = jax.jit(tx.update)
     for t in range(6):
         grads = gradients(t)
         out, state = update(grads, state, PARAMS)
     m = clipjax.metrics(state)
-    assert {k.rsplit("/", 1)[0] for k in m} == {
-        "zclip/params/Dense_0",
-        "zclip/params/Dense_1",
-        "clip_by_global_norm/global",
-    }
-    biases = [grads["params"][k]["bias"] for k in ("Dense_0", "Dense_1")]
-    np.testing.assert_allclose(
-        float(m["clip_by_global_norm/global/grad_norm"]), float(optax.tree.norm(biases)), 1e-6
-    )
-    np.testing.assert_allclose(
-        float(m["zclip/params/Dense_1/grad_norm"]),
-        float(jnp.linalg.norm(grads["params"]["Dense_1"]["kernel"])),
-        1e-6,
-    )
-    assert (
-        float(optax.tree.norm([out["params"][k]["bias"] for k in ("Dense_0", "Dense_1")]))
-        <= 0.5 + 1e-6
-    )
+    groups = {"zclip/params/Dense_0", "zclip/params/Dense_1", "clip_by_global_norm/global"}
+    assert {k.rsplit("/", 1)[0] for k in m} == groups
+    biases = lambda t: [t["params"][k]["bias"] for k in ("Dense_0", "Dense_1")]
+    bias_norm = float(optax.tree.norm(biases(grads)))
+    np.testing.assert_allclose(float(m["clip_by_global_norm/global/grad_norm"]), bias_norm, 1e-6)
+    kernel_norm = float(jnp.linalg.norm(grads["params"]["Dense_1"]["kernel"]))
+    np.testing.assert_allclose(float(m["zclip/params/Dense_1/grad_norm"]), kernel_norm, 1e-6)
+    assert float(optax.tree.norm(biases(out))) <= 0.5 + 1e-6
 
 
 def test_partition_with_two_clippers_of_one_kind_names_them_apart() -> None:
-    labels = jax.tree_util.tree_map_with_path(
-        lambda path, x: "a_kernels" if is_kernel(path, x) else "b_biases", PARAMS
-    )
-    tx = optax.partition({"a_kernels": clipjax.zclip(), "b_biases": clipjax.zclip()}, labels)
+    two = labels("a_kernels", "b_biases")
+    tx = optax.partition({"a_kernels": clipjax.zclip(), "b_biases": clipjax.zclip()}, two)
     _, state = tx.update(gradients(0), tx.init(PARAMS), PARAMS)
     m = clipjax.metrics(state)
     assert {k.split("/")[0] for k in m} == {"zclip", "zclip_1"}  # in tree order: a, then b
-    named = optax.partition(
-        {"a_kernels": clipjax.zclip(name="kernels"), "b_biases": clipjax.zclip(name="biases")},
-        labels,
-    )
+    named = {"a_kernels": clipjax.zclip(name="kernels"), "b_biases": clipjax.zclip(name="biases")}
+    named = optax.partition(named, two)
     _, state = named.update(gradients(0), named.init(PARAMS), PARAMS)
     assert {k.split("/")[0] for k in clipjax.metrics(state)} == {"kernels", "biases"}
 
