@@ -95,9 +95,19 @@ def gate_defaults(feedback: str, warmup_steps: Any, min_history: Any) -> tuple[i
 # --------------------------------------------------------------------------- the plumbing
 
 
+def _placeholder_type() -> type:
+    """The class of what ``optax.tree_utils.tree_map_params`` gives ``init``, asked of optax."""
+    given = []
+    optax.tree_utils.tree_map_params(lambda p: given.append(p) or {}, lambda x: x, {})
+    return type(given[0])
+
+
+_PLACEHOLDER = _placeholder_type()
+
+
 def is_placeholder(params: Any) -> bool:
     """``init`` was given optax's leafless params placeholder (``tree_map_params``)."""
-    return type(params).__name__ == "_ParamsPlaceholder"
+    return isinstance(params, _PLACEHOLDER)
 
 
 def group_info(
