@@ -223,6 +223,7 @@ def ada_norm(
     eps: Any = 1e-8,
     *,
     scope: Scope = "per_param",
+    axis_name: str | None = None,
     name: str | None = None,
 ) -> _kit.ClipTransform:
     """Stable-SPAM's AdaGN: gives the gradient an adaptive norm from EMAs of its norm.
@@ -249,6 +250,7 @@ def ada_norm(
       gamma2: the squared norm EMA's decay rate, in (0, 1).
       eps: added to ``sqrt(mean_square)``.
       scope: the groups (:class:`~clipjax.ClipTransform`); ``"per_param"``: the reference's.
+      axis_name: average the group norms over this mapped axis first.
       name: metrics prefix (default ``ada_norm``).
 
     Returns:
@@ -270,7 +272,7 @@ def ada_norm(
     _checks.open_unit("gamma1", gamma1)
     _checks.open_unit("gamma2", gamma2)
     _checks.non_negative("eps", eps)
-    setup = _kit.setup("ada_norm", scope=scope, name=name)
+    setup = _kit.setup("ada_norm", scope=scope, name=name, axis_name=axis_name)
     fields = ("grad_norm", "mean", "mean_square", "target_norm", "scale")
     counters = ("count", "step", "nonfinite_count")
 
@@ -295,6 +297,8 @@ def ada_norm(
         ]
         norm = _grouping.group_norms(leaves, grouping, 2.0, [s[0] for s in sums])
         bad = _grouping.group_norms(leaves, grouping, 1.0, [s[1] for s in sums])
+        if axis_name is not None:
+            norm, bad = jax.lax.pmean((norm, bad), axis_name)
         finite = bad == 0
         active = norm > 0
         g1, g2 = jnp.asarray(gamma1, dtype), jnp.asarray(gamma2, dtype)
