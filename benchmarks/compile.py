@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import optax
 
 import clipjax
-from clipjax._grouping import fused_sums
 from clipjax._percentile import AUTO_EXACT_MAX_SIZE
+from clipjax._xla import fused_sums
 
 LR = 1e-3
 WARM = common.WARM
