@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
@@ -91,14 +92,12 @@ def test_scope_callables_of_two_arguments_are_accepted(case: str) -> None:
         assert state.info.groups == ("params/Dense_0", "params/Dense_1")
 
 
+CHAIN = optax.chain(clipjax.zclip(), optax.adam(1e-3))
+
+
 @pytest.mark.parametrize(
     "thing",
-    [
-        clipjax.autoclip(),
-        optax.chain(clipjax.zclip(), optax.adam(1e-3)),
-        optax.adam(1e-3),
-        clipjax.autoclip,
-    ],
+    [clipjax.autoclip(), CHAIN, optax.adam(1e-3), clipjax.autoclip],
     ids=["transform", "chain", "optax_transform", "factory"],
 )
 def test_metrics_of_a_transform_is_a_type_error(thing: Any) -> None:
@@ -135,12 +134,10 @@ def test_metrics_with_a_clipjax_state_does_not_warn() -> None:
 
 
 ELEMENTWISE: dict[str, Callable[[], Any]] = {
-    "clip_by_value": lambda: clipjax.clip_by_value(1.5),
-    "clip_by_value_int_bound": lambda: clipjax.clip_by_value(2),
-    "clip_by_percentile": lambda: clipjax.clip_by_percentile(50.0),
-    "normalize_per_param": lambda: clipjax.normalize_per_param(),
-    "zscore_normalize": lambda: clipjax.zscore_normalize(),
-}
+    "clip_by_value": partial(clipjax.clip_by_value, 1.5),
+    "clip_by_value_int_bound": partial(clipjax.clip_by_value, 2),
+    "clip_by_percentile": partial(clipjax.clip_by_percentile, 50.0),
+} | {name: getattr(clipjax, name) for name in ("normalize_per_param", "zscore_normalize")}
 
 
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.int8, jnp.bool_])
