@@ -65,6 +65,14 @@ def check_resumed(restored: tuple[Any, Any]) -> None:
     assert int(m["zclip/global/step"]) == TOTAL
 
 
+def orbax_round_trip(path: Path, state: Any, target: Any) -> Any:
+    """``state`` saved with orbax's StandardCheckpointer, restored as ``target``'s shapes."""
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, state)
+        checkpointer.wait_until_finished()
+        return checkpointer.restore(path, jax.tree.map(ocp.utils.to_shape_dtype_struct, target))
+
+
 def test_flax_serialization_resumes_bit_identically() -> None:
     data = serialization.to_bytes(training()["middle"])
     check_resumed(serialization.from_bytes(target(), data))
@@ -78,12 +86,7 @@ def test_flax_state_dict_holds_no_group_info() -> None:
 
 
 def test_orbax_standard_checkpointer_resumes_bit_identically(tmp_path: Path) -> None:
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(tmp_path / "ckpt", training()["middle"])
-        checkpointer.wait_until_finished()
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target())
-        restored = checkpointer.restore(tmp_path / "ckpt", abstract)
-    check_resumed(restored)
+    check_resumed(orbax_round_trip(tmp_path / "ckpt", training()["middle"], target()))
 
 
 def test_orbax_pytree_checkpointer_resumes_bit_identically(tmp_path: Path) -> None:
@@ -131,12 +134,11 @@ def test_nnx_optimizer_orbax_resumes_bit_identically(tmp_path: Path) -> None:
     model, opt = nnx_pair(0)
     for batch in data[:SPLIT]:
         nnx_step(model, opt, batch)
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(tmp_path / "nnx", nnx.state((model, opt)))
-        checkpointer.wait_until_finished()
-        new_model, new_opt = nnx_pair(1)  # other weights, same structure
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.state((new_model, new_opt)))
-        nnx.update((new_model, new_opt), checkpointer.restore(tmp_path / "nnx", abstract))
+    new_model, new_opt = nnx_pair(1)  # other weights, same structure
+    restored = orbax_round_trip(
+        tmp_path / "nnx", nnx.state((model, opt)), nnx.state((new_model, new_opt))
+    )
+    nnx.update((new_model, new_opt), restored)
     for batch in data[SPLIT:]:
         nnx_step(new_model, new_opt, batch)
     assert_trees_equal(nnx.state((new_model, new_opt)), expected, "resumed nnx run")
@@ -153,12 +155,8 @@ def test_orbax_restore_of_a_placed_state_does_not_recompile_the_step(tmp_path: P
     params, opt_state = jax.device_put((mlp_params(), tx.init(mlp_params())), device)
     for batch in data[:SPLIT]:
         params, opt_state, _ = step(params, opt_state, batch)
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(tmp_path / "ckpt", (params, opt_state))
-        checkpointer.wait_until_finished()
-        target_state = (params, tx.init(params))
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target_state)
-        params, opt_state = checkpointer.restore(tmp_path / "ckpt", abstract)
+    state = (params, opt_state)
+    params, opt_state = orbax_round_trip(tmp_path / "ckpt", state, (params, tx.init(params)))
     for batch in data[SPLIT : SPLIT + 5]:
         params, opt_state, _ = step(params, opt_state, batch)
     assert step._cache_size() == 1
@@ -175,11 +173,8 @@ def test_unplaced_state_recompiles_after_an_orbax_restore(tmp_path: Path) -> Non
     for batch in data[:SPLIT]:
         params, opt_state, _ = step(params, opt_state, batch)
     assert not any(leaf.committed for leaf in jax.tree.leaves(opt_state))
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(tmp_path / "ckpt", (params, opt_state))
-        checkpointer.wait_until_finished()
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, (params, opt_state))
-        params, opt_state = checkpointer.restore(tmp_path / "ckpt", abstract)
+    state = (params, opt_state)
+    params, opt_state = orbax_round_trip(tmp_path / "ckpt", state, state)
     assert all(leaf.committed for leaf in jax.tree.leaves(opt_state))
     for batch in data[SPLIT:]:
         params, opt_state, _ = step(params, opt_state, batch)
