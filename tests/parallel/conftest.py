@@ -1,15 +1,9 @@
 """8 fake CPU devices for the data-parallel tests, in a process of their own.
 
-XLA reads ``--xla_force_host_platform_device_count`` once, when JAX starts its
-backend. In the main test process another test may start it first (and the
-rest of the suite should not run on 8 devices), so the 8-device modules here
-run in a subprocess: ``test_on_8_devices.py`` starts
-``python -m pytest tests/parallel`` with ``CLIPJAX_TEST_DEVICES=8``, and this
-conftest then sets ``XLA_FLAGS`` before anything starts the backend (the
-parent ``tests/conftest.py`` imports jax, which does not start it).
-
-Without that variable only the launcher is collected. To run the 8-device
-tests directly::
+XLA reads ``--xla_force_host_platform_device_count`` once, when JAX starts its backend,
+so ``test_on_8_devices.py`` starts ``python -m pytest tests/parallel`` with
+``CLIPJAX_TEST_DEVICES=8``, and this conftest sets ``XLA_FLAGS`` before anything starts
+the backend. Without that variable only the launcher is collected. Directly::
 
     CLIPJAX_TEST_DEVICES=8 python -m pytest tests/parallel
 """

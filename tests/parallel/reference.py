@@ -1,15 +1,6 @@
-"""What the 8-device tests compare with, and the pieces they build their runs from.
-
-* :func:`single_device_run`: every training clipper (``registry.all_clippers``)
-  trained on one device on the full batch, the reference of every data-parallel
-  mode that averages the gradients;
-* :func:`unaveraged_stream`, :func:`per_device` and :func:`averaged_norm_reference`:
-  per-device gradients ``c_d * u_t`` (not averaged) and one device fed
-  ``mean(|c|) * u_t``, the reference of the clippers given ``axis_name=``;
-* :func:`mesh`, :func:`replicate`, :func:`replica` and :func:`pmean_updates`;
-* :func:`per_replica_batches` and :func:`sharded_or_single`: one replica's spike
-  and NaN, and one train step jitted over a sharded batch or on one device.
-"""
+"""What the 8-device tests compare with: every training clipper on one device on the full
+batch (:func:`single_device_run`), one device fed ``mean(|c|) * u_t`` for per-device
+gradients ``c_d * u_t`` (:func:`averaged_norm_reference`), and the pieces of their runs."""
 
 from __future__ import annotations
 
@@ -24,7 +15,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tests.model import BATCH, IN, OUT, batches, mlp_params, train_step
+from tests.model import BATCH, IN, OUT, batches, loss_fn, mlp_params
+from tests.model import train_step as model_train_step
 from tests.registry import AXIS_IDS, all_clippers, optimizer
 
 STEPS = 8
@@ -37,11 +29,8 @@ def mesh(axis: str = "i") -> Mesh:
 
 
 def replicate(tree: Any) -> Any:
-    """``tree`` on every device, placed as ``pmap(axis_name="batch")`` places its outputs.
-
-    (Inputs placed differently, e.g. by ``jnp.broadcast_to``, make the second
-    step compile again.)
-    """
+    """``tree`` on every device, placed as ``pmap`` places its outputs (inputs placed
+    otherwise, e.g. by ``jnp.broadcast_to``, make the second step compile again)."""
     return jax.pmap(lambda _: tree, axis_name="batch")(np.arange(DEVICES))
 
 
@@ -57,14 +46,11 @@ def pmean_updates(axis_name: str) -> optax.GradientTransformation:
 
 @functools.cache
 def single_device_run(steps: int = STEPS) -> list[tuple[Any, Any, Any]]:
-    """``[(params, opt_state, updates)]`` after each step of :func:`all_clippers` on one device.
-
-    The reference for every data-parallel mode: the full batch, one device.
-    """
+    """``[(params, opt_state, updates)]`` after each step of :func:`all_clippers` on one device."""
     tx = optimizer(all_clippers())
     params = mlp_params()
     state = tx.init(params)
-    step = jax.jit(train_step(tx))
+    step = jax.jit(model_train_step(tx))
     out = []
     for batch in batches(steps):
         params, state, updates = step(params, state, batch)
@@ -119,15 +105,29 @@ def averaged_norm_reference() -> list[tuple[Any, Any]]:
     return out
 
 
+def state_sharding(
+    tx: optax.GradientTransformation, params: Any, param_sharding: Any, replicated: Any
+) -> Any:
+    """Shardings for ``tx.init(params)``: parameter-shaped parts (momentum) like the
+    parameters, the rest (counters, clipjax states) replicated. Without them, ``jit(tx.init)``
+    leaves what does not depend on the parameters on one device and the first step compiles
+    twice (``optax.tree_utils.tree_map_params`` builds the same; ``test_compat`` checks it)."""
+    params_def = jax.tree.structure(params)
+
+    def is_param_shaped(x: Any) -> bool:
+        return jax.tree.structure(x) == params_def
+
+    def sharding(x: Any) -> Any:
+        return param_sharding if is_param_shaped(x) else replicated
+
+    return jax.tree.map(sharding, jax.eval_shape(tx.init, params), is_leaf=is_param_shaped)
+
+
 def per_replica_batches(
     steps: int, spike: tuple[int, int, float], nan: tuple[int, int]
 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Batches split per replica, ``[8, BATCH // 8, ...]``, without :data:`model.SPIKES`.
-
-    ``spike = (step, replica, factor)`` multiplies that replica's targets at that
-    step; ``nan = (step, replica)`` makes one of its targets NaN (its loss and
-    gradients too).
-    """
+    """Batches ``[8, BATCH // 8, ...]`` without :data:`model.SPIKES`; ``spike = (step, replica,
+    factor)`` multiplies its targets, ``nan = (step, replica)`` makes one of them NaN."""
     (spike_step, spike_replica, factor), (nan_step, nan_replica) = spike, nan
     out = []
     for t, (x, y) in enumerate(batches(steps, spikes=None)):
@@ -141,18 +141,22 @@ def per_replica_batches(
     return out
 
 
-def sharded_or_single(
-    tx: optax.GradientTransformation,
-    step: Callable[[Any, Any, Any], tuple[Any, Any]],
-    data: list[tuple[np.ndarray, np.ndarray]],
-    sharded: bool,
-) -> list[tuple[Any, Any]]:
-    """``[(params, state)]`` after each ``step(params, state, batch)`` under ``jit``.
+def train_step(tx: optax.GradientTransformation, value: bool) -> Callable[..., tuple[Any, Any]]:
+    """``(params, state, batch) -> (params, state)``; ``value``: the loss goes to ``tx``."""
 
-    ``data`` (per-replica batches) joined into full batches. ``sharded``: the
-    batch split over a mesh axis, parameters and state replicated (the state
-    must stay so); otherwise everything on one device. The step compiles once.
-    """
+    def step(params: Any, state: Any, batch: Any) -> tuple[Any, Any]:
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, state = tx.update(grads, state, params, **({"value": loss} if value else {}))
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def sharded_or_single(
+    tx: optax.GradientTransformation, data: list[Any], sharded: bool, value: bool = False
+) -> list[tuple[Any, Any]]:
+    """``[(params, state)]`` after each ``step(params, state, batch)`` under ``jit`` on the
+    joined batches: split over a mesh axis (state replicated, and stays so) or on one device."""
     params = mlp_params()
     full = [(x.reshape(BATCH, IN), y.reshape(BATCH, OUT)) for x, y in data]
     if sharded:
@@ -161,13 +165,13 @@ def sharded_or_single(
         params = jax.device_put(params, replicated)
         state = jax.jit(tx.init, out_shardings=replicated)(params)
         full = [jax.device_put(b, NamedSharding(m, P("data"))) for b in full]
-        jitted = jax.jit(step, out_shardings=replicated)
+        jitted = jax.jit(train_step(tx, value), out_shardings=replicated)
     else:
         device = jax.devices()[0]
         params = jax.device_put(params, device)
         state = jax.device_put(tx.init(params), device)  # committed, as the step's outputs
         full = [jax.device_put(b, device) for b in full]
-        jitted = jax.jit(step)
+        jitted = jax.jit(train_step(tx, value))
     out = []
     for batch in full:
         params, state = jitted(params, state, batch)

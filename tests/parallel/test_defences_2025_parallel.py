@@ -1,16 +1,7 @@
-"""``skip_and_clip_by_global_norm`` and ``clip_norm_by_ema`` on 8 devices.
-
-* ``jax.pmap`` with ``axis_name`` and per-replica gradients (one replica
-  spikes, one goes NaN): the global norm is averaged over the axis before the
-  decision, so every replica drops the same steps and the replicas' states
-  stay bit-identical; ``clip_norm_by_ema`` averages its norms, so every replica
-  applies the same scale. Without ``axis_name`` the replicas disagree (the
-  control).
-* ``jax.jit`` with the batch sharded over a mesh equals one device.
-
-(``clip_norm_growth`` and ``clip_by_historical_norm`` are cases of
-``tests/registry.py``, run by the other modules here.)
-"""
+"""``skip_and_clip_by_global_norm`` and ``clip_norm_by_ema`` on 8 devices: under
+``jax.pmap`` with ``axis_name`` (one replica spikes, one goes NaN) every replica drops the
+same steps, applies the same scale and stays bit-identical (without ``axis_name`` they
+disagree); sharded ``jit`` equals one device."""
 
 from __future__ import annotations
 
@@ -92,19 +83,8 @@ def test_pmap_without_axis_name_replicas_disagree() -> None:
     assert skipped[SPIKE_REPLICA] and skipped.sum() == 1
 
 
-def single_or_sharded_run(sharded: bool) -> list[Any]:
-    tx = make(None)
-
-    def step(params: Any, state: Any, batch: Any) -> Any:
-        grads = jax.grad(loss_fn)(params, batch)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    return reference.sharded_or_single(tx, step, data(), sharded)
-
-
 def test_sharded_jit_equals_one_device() -> None:
-    sharded, single = single_or_sharded_run(True), single_or_sharded_run(False)
+    sharded, single = (reference.sharded_or_single(make(None), data(), s) for s in (True, False))
     for t, ((params, state), (want_params, want)) in enumerate(zip(sharded, single)):
         assert_trees_close(params, want_params, rtol=1e-5, what=f"step {t}: ")
         assert_trees_close(state.inner_state, want.inner_state, rtol=1e-5, what=f"step {t}: ")

@@ -1,10 +1,6 @@
-"""The data-parallel and flax examples of the documentation run, on 8 devices.
-
-Runs every ```python block of ``docs/data_parallel.md``, ``docs/flax.md`` and
-``README.md`` that imports clipjax and uses ``jax.pmap``, sharded ``jit``,
-``nnx.Optimizer`` or linen's ``TrainState`` (blocks without ``import clipjax``
-are fragments).
-"""
+"""The ```python blocks of docs/data_parallel.md, docs/flax.md and README.md that import
+clipjax and use ``jax.pmap``, sharded ``jit``, ``nnx.Optimizer`` or ``TrainState`` run on
+8 devices."""
 
 from __future__ import annotations
 

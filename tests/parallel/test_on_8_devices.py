@@ -1,11 +1,5 @@
-"""Runs the data-parallel tests of this package on 8 fake CPU devices.
-
-XLA fixes the number of host devices when JAX starts its backend, so the
-8-device tests cannot share the main test process: this launcher starts
-``python -m pytest tests/parallel`` in a subprocess with
-``CLIPJAX_TEST_DEVICES=8`` (see ``conftest.py``), where every test asserts
-``jax.device_count() == 8``.
-"""
+"""Runs this package's data-parallel tests in a subprocess with 8 fake CPU devices
+(``CLIPJAX_TEST_DEVICES=8``, see ``conftest.py``)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
-"""``jax.jit`` over sharded arrays on 8 devices.
-
-The same train step as on one device, called with
-
-* data parallel: parameters replicated, the batch split over the mesh axis;
-* FSDP-style: every parameter, and its gradient (a sharding constraint),
-  split over the mesh axis along its first dimension, the batch too.
-
-Updates, parameters, metrics and clipjax states equal the single-device run
-within ``trees.RTOL`` (1e-6 relative; second moments and z-scores
-``trees.SECOND_MOMENT_RTOL``). The clipjax state stays replicated with the
-same sharding at every step, and the step compiles once.
-"""
+"""``jax.jit`` over sharded arrays on 8 devices, data parallel (parameters replicated) and
+FSDP-style (every parameter and its gradient split along its first dimension): updates,
+parameters, metrics and clipjax states equal one device within ``trees.RTOL``; the clipjax
+state stays replicated with one sharding and the step compiles once."""
 
 from __future__ import annotations
 
@@ -18,39 +9,17 @@ import functools
 from typing import Any
 
 import jax
-import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import clipjax
 from tests.model import batches, mlp_params, train_step
-from tests.parallel.reference import STEPS, mesh, single_device_run
+from tests.parallel.reference import STEPS, mesh, single_device_run, state_sharding
 from tests.registry import CLIPPER_IDS, all_clippers, optimizer
 from tests.trees import assert_trees_close
 
 MODES = ("data_parallel", "fsdp")
-
-
-def state_sharding(
-    tx: optax.GradientTransformation, params: Any, param_sharding: Any, replicated: Any
-) -> Any:
-    """Shardings for ``tx.init(params)``: parameter-shaped parts (momentum) like the
-    parameters, everything else (counters, clipjax states) replicated.
-
-    Without ``out_shardings`` the leaves of ``jit(tx.init)`` that do not depend on
-    the parameters come back on one device and the first step compiles twice.
-    (``optax.tree_utils.tree_map_params`` builds the same; ``test_compat`` checks it.)
-    """
-    params_def = jax.tree.structure(params)
-
-    def is_param_shaped(x: Any) -> bool:
-        return jax.tree.structure(x) == params_def
-
-    def sharding(x: Any) -> Any:
-        return param_sharding if is_param_shaped(x) else replicated
-
-    return jax.tree.map(sharding, jax.eval_shape(tx.init, params), is_leaf=is_param_shaped)
 
 
 @functools.cache

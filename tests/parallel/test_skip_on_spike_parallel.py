@@ -1,13 +1,7 @@
-"""``skip_on_spike`` on 8 devices (data parallel).
-
-* ``jax.pmap`` with ``axis_name``: every replica has its own gradients and
-  loss (a spike, or a NaN loss, on one replica only); the norm and the loss are
-  averaged over the axis before the decision, so the replicas never disagree
-  about a skip and their states stay bit-identical. The decisions are those of
-  the rule applied to the averaged norm and loss. Without ``axis_name`` the
-  replicas disagree (the control).
-* ``jax.jit`` with the batch sharded over a mesh axis equals one device.
-"""
+"""``skip_on_spike`` on 8 devices: under ``jax.pmap`` with ``axis_name`` (a spike or a NaN
+loss on one replica) the averaged norm and loss decide, as the float64 rule says, and the
+replicas stay bit-identical (without ``axis_name`` they disagree); sharded ``jit`` equals
+one device."""
 
 from __future__ import annotations
 
@@ -33,7 +27,6 @@ NAN_STEP, NAN_REPLICA = 17, 5  # that replica's loss is NaN (its gradients too)
 
 
 def data() -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per-replica batches ``[8, BATCH // 8, ...]`` with one replica's spike and NaN."""
     return reference.per_replica_batches(
         STEPS, (SPIKE_STEP, SPIKE_REPLICA, 100.0), (NAN_STEP, NAN_REPLICA)
     )
@@ -115,21 +108,13 @@ def test_pmap_without_axis_name_replicas_disagree() -> None:
     assert skipped[SPIKE_REPLICA] and skipped.sum() == 1
 
 
-def single_or_sharded_run(sharded: bool) -> list[Any]:
+def test_sharded_jit_equals_one_device() -> None:
     tx = clipjax.skip_on_spike(
         optax.sgd(0.05, momentum=0.9), window_size=WINDOW, min_history=MIN_HISTORY, sigma=SIGMA
     )
-
-    def step(params: Any, state: Any, batch: Any) -> Any:
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, state = tx.update(grads, state, params, value=loss)
-        return optax.apply_updates(params, updates), state
-
-    return reference.sharded_or_single(tx, step, data(), sharded)
-
-
-def test_sharded_jit_equals_one_device() -> None:
-    sharded, single = single_or_sharded_run(True), single_or_sharded_run(False)
+    sharded, single = (
+        reference.sharded_or_single(tx, data(), s, value=True) for s in (True, False)
+    )
     for t, (a, b) in enumerate(zip(sharded, single)):
         assert_trees_close(a, b, what=f"step {t}: ")
     skips = [bool(s.metrics["skipped"][0]) for _, s in single]

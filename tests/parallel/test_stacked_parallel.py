@@ -1,11 +1,6 @@
-"""``clipjax.stacked`` on 8 devices: sharded stacked leaves under ``jit``, and ``shard_map``.
-
-* ``jit`` over stacked leaves sharded along their layer axis (each device holds
-  one layer, as FSDP over a scanned stack does) or along another axis: the
-  per-layer groups, scales, metrics and updates equal the single-device run.
-* ``shard_map`` with per-device gradients and ``axis_name=``: every device keeps
-  the same per-layer statistics, equal to one device fed the averaged norms.
-"""
+"""``clipjax.stacked`` on 8 devices: ``jit`` over stacked leaves sharded along their layer
+axis or another equals one device; ``shard_map`` with ``axis_name=`` keeps the same
+per-layer statistics on every device, those of one device fed the averaged norms."""
 
 from __future__ import annotations
 
