@@ -1,16 +1,8 @@
-"""Starts a worker in several JAX processes on this machine and collects their output.
-
-Each process is ``python -m tests.multiprocess.worker`` with its own
-``XLA_FLAGS=--xla_force_host_platform_device_count=N``; with more than one
-process they join through ``jax.distributed.initialize`` on a loopback port
-and run their collectives over gloo. Every process writes
-``process{i}.pkl`` into the output folder, and its stdout and stderr to
-``process{i}.log``.
-
-The launcher never waits forever: when a process exits with an error, the
-others get ``grace`` seconds to finish, then are killed, and
-:class:`LaunchError` names the process that failed first; past ``timeout``
-seconds every process is killed.
+"""Starts ``python -m tests.multiprocess.worker`` in several JAX processes (each with its own
+``XLA_FLAGS`` device count, joined over a loopback port with gloo) and collects each
+``process{i}.pkl`` (logs in ``process{i}.log``). It never waits forever: after a failure the
+others get ``grace`` seconds, past ``timeout`` every process is killed, and
+:class:`LaunchError` names the process that failed first.
 """
 
 from __future__ import annotations
@@ -34,12 +26,8 @@ class LaunchError(RuntimeError):
 
 
 def free_loopback_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now.
-
-    Raises:
-      LaunchError: no loopback port can be bound (no loopback interface, or a
-        sandbox that forbids it): the multi-process tests cannot run.
-    """
+    """A TCP port on 127.0.0.1 that nothing listens on now; :class:`LaunchError` where none
+    can be bound (no loopback interface, or a sandbox that forbids it)."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", 0))
@@ -86,25 +74,16 @@ def launch(
     kill: tuple[int, str] | None = None,
     env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Runs the worker's ``scenarios`` in ``processes`` processes of ``devices`` devices each.
-
-    Args:
-      scenarios: names of the worker's scenarios, run in this order.
-      out: an empty folder for the outputs and logs.
-      processes: how many processes (1: no ``jax.distributed``).
-      devices: CPU devices per process.
-      timeout: wall-clock seconds for the whole run.
-      grace: seconds the others get after a process fails.
-      kill: ``(i, marker)``: kill process ``i`` with SIGKILL once the worker
-        has written ``out/marker``; a fault injected mid-run.
-      env: extra environment variables for every process.
-
-    Returns:
-      Each process's output (its ``process{i}.pkl``), in process order.
+    """Runs the worker's ``scenarios`` (in order) in ``processes`` processes (1: no
+    ``jax.distributed``) of ``devices`` CPU devices each; returns each process's
+    ``process{i}.pkl``, in process order. ``out``: an empty folder for outputs and logs;
+    ``timeout``: seconds for the whole run; ``grace``: seconds the others get after a
+    process fails; ``kill = (i, marker)``: SIGKILL process ``i`` once the worker has
+    written ``out/marker`` (a fault injected mid-run); ``env``: extra variables.
 
     Raises:
-      LaunchError: a process failed (named, with the tail of its log), or the
-        run took longer than ``timeout``.
+      LaunchError: a process failed (named, with its log's tail), or the run ran past
+        ``timeout``.
     """
     out.mkdir(parents=True, exist_ok=True)
     port = free_loopback_port() if processes > 1 else 0
@@ -123,16 +102,8 @@ def launch(
             command = [sys.executable, "-m", "tests.multiprocess.worker", str(out), str(i)]
             command += [str(processes), str(port), ",".join(scenarios)]
             with open(logs[i], "wb") as log:
-                procs.append(
-                    subprocess.Popen(
-                        command,
-                        cwd=ROOT,
-                        env=base,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
+                kw = dict(stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                procs.append(subprocess.Popen(command, cwd=ROOT, env=base, **kw))
         _supervise(procs, logs, out, timeout, grace, kill)
     finally:
         for proc in procs:
@@ -144,14 +115,8 @@ def launch(
     return results
 
 
-def _supervise(
-    procs: list[subprocess.Popen[bytes]],
-    logs: list[Path],
-    out: Path,
-    timeout: float,
-    grace: float,
-    kill: tuple[int, str] | None,
-) -> None:
+def _supervise(procs: list[subprocess.Popen[bytes]], logs: list[Path], out: Path, timeout: float,
+               grace: float, kill: tuple[int, str] | None) -> None:  # fmt: skip
     start = time.monotonic()
     first_failure: tuple[int, int, float] | None = None  # (process, returncode, when)
     while True:

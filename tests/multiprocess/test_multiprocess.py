@@ -1,24 +1,9 @@
-"""Two JAX processes of 4 CPU devices each, joined by ``jax.distributed`` over loopback.
-
-Each test starts its processes with :func:`tests.multiprocess.launch.launch` (a
-bounded run; processes are killed on failure) and compares what every
-process wrote with the same program run by one process on 8 devices, within
-``tests/parallel``'s tolerances:
-
-* ``jax.jit`` on a ``("data", "model")`` mesh, one layer and its optimizer
-  moments split over ``model``: autoclip (``feedback="clipped"``), zclip per
-  layer (with ``leaf_norms``), agc and adagc, and ``skip_on_spike(chain(zclip,
-  adamw))`` fed the loss, whose spike step is skipped by both processes;
-  ``clipjax.metrics`` gives replicated scalars that ``float()`` reads on each
-  process; an orbax checkpoint written by both processes restores
-  bit-identically and training resumes as if uninterrupted.
-* ``jax.shard_map`` with per-process data and ``axis_name``: the norms are
-  averaged over the devices of both processes (checked against a float64
-  restatement from each device's gradient).
-* A process killed mid-run: the launcher gives up within a bounded time and
-  names it. Clippers of another scope on one process: JAX runs on and the
-  processes' parameters silently diverge; the documented structure check
-  raises on both.
+"""Two JAX processes of 4 CPU devices each, joined by ``jax.distributed`` over loopback,
+against one process on 8 devices (``tests/parallel``'s tolerances): ``jax.jit`` on a
+``("data", "model")`` mesh (autoclip, zclip per layer, agc, adagc, and ``skip_on_spike``
+fed the loss), replicated metrics, an orbax checkpoint restored bit-identically;
+``jax.shard_map`` with per-process data and ``axis_name``; a killed process named; a
+mismatched clipper scope caught by the documented structure check.
 """
 
 from __future__ import annotations
@@ -76,20 +61,16 @@ def assert_equals_one_process(mine: dict[str, Any], ref: dict[str, Any], scenari
             assert_trees_close(a["state"], b["state"], what=what + "state ")
             assert a["metrics"].keys() == b["metrics"].keys(), what
             keys = sorted(b["metrics"])
+            mine_m, ref_m = ([x["metrics"][k] for k in keys] for x in (a, b))
             np.testing.assert_allclose(
-                [a["metrics"][k] for k in keys],
-                [b["metrics"][k] for k in keys],
-                rtol=1e-5,
-                atol=1e-5,
-                err_msg=what + "metrics",
+                mine_m, ref_m, rtol=1e-5, atol=1e-5, err_msg=what + "metrics"
             )
             assert a["skipped"] == b["skipped"], what
 
 
 def assert_metrics_are_replicated_scalars(results: list[dict[str, Any]], scenario: str) -> None:
-    """``clipjax.metrics`` outside jit: global arrays (not fully addressable on
-    either process) that are replicated scalars, read by ``float()`` on each
-    process, equal to the metrics the step returned."""
+    """``clipjax.metrics`` outside jit: replicated scalars (not fully addressable on either
+    process) that ``float()`` reads on each, equal to the metrics the step returned."""
     for i, result in enumerate(results):
         for case, record in result[scenario].items():
             assert record["not_replicated"] == [], f"process {i} {case}"
@@ -173,12 +154,8 @@ def test_shard_map_with_per_process_data_on_two_processes(tmp_path: Path) -> Non
                 _norm(jax.tree.map(lambda g, d=d: g[d], step["grads"]["params"][layer[7:]]))
                 for d in range(8)
             ]
-            np.testing.assert_allclose(
-                step["metrics"][f"zclip_per_layer/{layer}/grad_norm"],
-                np.mean(per_device),
-                rtol=1e-5,
-                err_msg=f"step {t} {layer}",
-            )
+            got = step["metrics"][f"zclip_per_layer/{layer}/grad_norm"]
+            np.testing.assert_allclose(got, np.mean(per_device), rtol=1e-5, err_msg=f"{t} {layer}")
 
 
 def test_mismatched_clipper_scope_across_processes_raises(tmp_path: Path) -> None:

@@ -1,33 +1,17 @@
-"""One JAX process of a multi-process run:
-``python -m tests.multiprocess.worker OUT I N PORT SCENARIOS``.
+"""One JAX process of a multi-process run: ``python -m tests.multiprocess.worker OUT I N PORT
+SCENARIOS``, started by :func:`tests.multiprocess.launch.launch`. With ``N > 1`` it joins the
+others through ``jax.distributed`` on ``127.0.0.1:PORT`` (gloo); with ``N == 1`` it runs alone
+on all its devices (the reference). It writes ``OUT/process{I}.pkl``: ``{scenario: result}``.
 
-Started by :func:`tests.multiprocess.launch.launch` (which sets ``XLA_FLAGS`` for the
-device count). With ``N > 1`` the process joins the others through
-``jax.distributed.initialize`` on ``127.0.0.1:PORT`` with gloo collectives;
-with ``N == 1`` it runs alone on all its devices (the reference). Every
-process runs the same program on a global mesh over all processes' devices,
-and writes ``OUT/process{I}.pkl``: ``{scenario: result}``, parameters and
-optimizer states gathered to full NumPy arrays on every process.
-
-Scenarios:
-
-* ``jit``: a flax linen MLP trained under ``jax.jit`` on a
-  ``("data", "model")`` mesh by each case of :data:`CASES` (autoclip, zclip
-  per layer, agc and adagc side by side; ``skip_on_spike`` fed the loss): the
-  batch split over ``data``, the first layer's kernel and bias, the second
-  layer's kernel (and their optimizer moments) split over ``model``, clipjax
-  states replicated. ``jit_checkpoint`` also saves parameters and optimizer
-  state with orbax from every process after ``SPLIT`` steps, restores them
-  after the run into a fresh target on every process, and trains 3 more
-  steps from there.
-* ``shard_map``: per-process data, ``jax.shard_map`` over all 8 devices,
-  clippers with ``axis_name``: every device's gradient is its own, the norms
-  are averaged over all devices of all processes before the decision.
-* ``mismatch``: process 0 builds ``zclip(scope="global")``, the others
-  ``zclip(scope="per_layer")``; the check of ``docs/multi_host.md``, run
-  as written there (a digest of the optimizer state's tree structure compared
-  across processes with ``multihost_utils.assert_equal``), must raise.
-  ``mismatch_run`` trains them without the check (the control).
+* ``jit``: a flax MLP trained under ``jax.jit`` on a ``("data", "model")`` mesh by each case
+  of :data:`CASES`, the batch split over ``data``, the first layer and the second layer's
+  kernel (and their moments) over ``model``, clipjax states replicated;
+  ``jit_checkpoint`` also saves with orbax after ``SPLIT`` steps, restores into a fresh
+  target after the run and trains ``RESUMED`` more steps.
+* ``shard_map``: per-process data, clippers with ``axis_name`` over all 8 devices.
+* ``mismatch``: process 0 builds ``zclip(scope="global")``, the others ``"per_layer"``; the
+  check of ``docs/multi_host.md``, run as written there, must raise. ``mismatch_run``
+  trains them without it (the control).
 """
 
 from __future__ import annotations
@@ -68,7 +52,7 @@ from jax.sharding import PartitionSpec as P
 import clipjax
 from tests.model import BATCH, HIDDEN, batches, mlp_params
 from tests.model import OUT as OUT_FEATURES
-from tests.parallel.reference import STEPS, pmean_updates
+from tests.parallel.reference import STEPS, pmean_updates, state_sharding
 from tests.registry import fan_out
 
 DEVICES = 8
@@ -114,12 +98,9 @@ CLIPPERS = ("autoclip", "zclip_per_layer", "agc", "adagc")
 
 
 def make(case: str, axis_name: str | None = None) -> optax.GradientTransformation:
-    """The optimizer of ``case``; with ``axis_name``, for per-device gradients.
-
-    ``"clippers"``: every clipper of :data:`CLIPPERS` on the same gradients
-    (``registry.fan_out``: one compiled program for all), then momentum SGD.
-    ``"skip_on_spike"``: ``skip_on_spike(chain(zclip(), adamw))``.
-    """
+    """``"clippers"``: every clipper of :data:`CLIPPERS` (``registry.fan_out``), then momentum
+    SGD; ``"skip_on_spike"``: ``skip_on_spike(chain(zclip(), adamw))``. With ``axis_name``,
+    for per-device gradients."""
     kw = {} if axis_name is None else {"axis_name": axis_name}
     average = [] if axis_name is None else [pmean_updates(axis_name)]
     if case == "clippers":
@@ -195,28 +176,12 @@ def skipped(state: Any) -> bool | None:
 
 
 def documented_check() -> str:
-    """The structure check of the "Multiple hosts" guide: its python block that
-    defines ``structure_digest`` and calls ``multihost_utils.assert_equal``."""
+    """The structure check of docs/multi_host.md (its ``structure_digest`` block)."""
     guide = (ROOT / "docs" / "multi_host.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", guide, re.DOTALL)
     found = [b for b in blocks if "def structure_digest" in b and "assert_equal" in b]
     assert len(found) == 1, "docs/multi_host.md: no single structure_digest block"
     return found[0]
-
-
-def state_shardings(tx: Any, params: Any, param_sharding: Any, replicated: Any) -> Any:
-    """Parameter-shaped parts of ``tx.init(params)`` sharded like the parameters, the rest
-    (counters, clipjax states) replicated."""
-    params_def = jax.tree.structure(params)
-
-    def is_param_shaped(x: Any) -> bool:
-        return jax.tree.structure(x) == params_def
-
-    return jax.tree.map(
-        lambda x: param_sharding if is_param_shaped(x) else replicated,
-        jax.eval_shape(tx.init, params),
-        is_leaf=is_param_shaped,
-    )
 
 
 def jit_scenario(checkpoint: bool, names: tuple[str, ...] = CASES) -> dict[str, Any]:
@@ -252,7 +217,7 @@ def jit_scenario(checkpoint: bool, names: tuple[str, ...] = CASES) -> dict[str, 
             return params, state, (params, state, loss, clipjax.metrics(state))
 
         params = put(init, param_sharding)
-        shardings = state_shardings(tx, params, param_sharding, replicated)
+        shardings = state_sharding(tx, params, param_sharding, replicated)
         state = jax.jit(tx.init, out_shardings=shardings)(params)
         jitted = jax.jit(step, out_shardings=(param_sharding, shardings, replicated))
         record: dict[str, Any] = {"steps": []}
@@ -378,8 +343,7 @@ def mismatch_scenario() -> dict[str, Any]:
 
 
 def mismatch_run() -> dict[str, Any]:
-    """The control: the mismatched optimizers of :func:`mismatch_scenario` trained
-    without the check, data parallel with replicated parameters."""
+    """The control: :func:`mismatch_scenario`'s optimizers trained without the check."""
     tx = optax.chain(clipjax.zclip(scope=mismatched_scope(), warmup_steps=2), optax.sgd(0.1))
     mesh = Mesh(np.array(jax.devices()), ("data",))
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
