@@ -79,8 +79,7 @@ def test_updates_and_state_keep_the_inner_optimizers_dtypes(
 
 
 @pytest.mark.parametrize(
-    ("params_dtype", "mu"),
-    [("bf16", "mu_none"), ("bf16", "mu_f32"), ("f32", "mu_none")],
+    ("params_dtype", "mu"), [("bf16", "mu_none"), ("bf16", "mu_f32"), ("f32", "mu_none")]
 )
 def test_the_conditional_route_copies_no_full_size_buffer(params_dtype: str, mu: str) -> None:
     """The pass-through branch casts only where the inner update changes a dtype."""

@@ -162,8 +162,7 @@ def test_pytorch_optimizer_coupled_decay_is_decay_chained_before_adam() -> None:
     grads = stream("spikes", 40)
     theirs = torch_trace(pto_stable(weight_decay=0.1, weight_decouple=False), grads, 0.1)
     tx = optax.chain(
-        optax.add_decayed_weights(0.1),
-        clipjax.adam(LR, b2=0.99, eps=1e-8, update_clipping=True),
+        optax.add_decayed_weights(0.1), clipjax.adam(LR, b2=0.99, eps=1e-8, update_clipping=True)
     )
     assert_traces_equal(clipjax_trace(tx, grads), theirs)
 
