@@ -13,7 +13,7 @@ whether it takes ``axis_name=``. Two selections read the same entries:
   small MLP of ``tests/model.py`` (warm-ups of 3 steps, thresholds it
   crosses), for the tests that train: flax, checkpoints, optax's wrappers, the
   update clip and the data-parallel runs. :data:`AXIS_IDS` are those of them
-  that take ``axis_name=``.
+  that take ``axis_name=``, and ``ada_norm``.
 
 An entry in both selections is one configuration: the contract checks the
 clipper the training tests train with. The training tests build their optimizers
@@ -201,7 +201,9 @@ ALL_IDS = sorted(TRANSFORM_IDS + OPTIMIZER_IDS)
 NORMLESS = {"spam"}
 
 CLIPPER_IDS = sorted([*_BOTH, *_TRAINING])
-AXIS_IDS = sorted(n for n in CLIPPER_IDS if CASES[n].axis_name)
+# ada_norm rescales every group to a norm of its own statistics: the norm clipper
+# whose per-device gradients drift furthest apart without axis_name.
+AXIS_IDS = sorted([*(n for n in CLIPPER_IDS if CASES[n].axis_name), "ada_norm_per_layer"])
 
 
 def fan_out(transforms: dict[str, optax.GradientTransformation]) -> optax.GradientTransformation:
