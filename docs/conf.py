@@ -208,6 +208,7 @@ API_PAGES = {
         "Reading the metrics, and the functions the clippers are built from.",
         [
             ("Metrics", ["metrics", "GroupInfo"]),
+            ("A stability score (OLMo-core's spike score)", ["stability_monitor"]),
             ("Norms, group names and scopes", ["global_norm", "path_name", "stacked"]),
             ("Percentiles", ["exact_percentile", "approx_percentile", "approx_relative_error"]),
         ],

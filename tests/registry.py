@@ -5,7 +5,7 @@ Each entry of :data:`CASES` is a :class:`Case`: a factory taking ``**kwargs``
 metrics prefix, a field every state of it records, how it names its groups and
 whether it takes ``axis_name=``. Two selections read the same entries:
 
-* :data:`TRANSFORM_IDS` and :data:`OPTIMIZER_IDS` (together :data:`ALL_IDS`): the
+* :data:`TRANSFORM_IDS`, :data:`OPTIMIZER_IDS` and the monitors (together :data:`ALL_IDS`): the
   contract, every public transform once per layout of its state
   (``tests/contract/test_contract.py``, ``test_compat.py``,
   ``test_serialization.py``, ``test_bad_input.py``);
@@ -192,11 +192,23 @@ _OPTIMIZERS = {
     ),
 }
 
-CASES: dict[str, Case] = {**_BOTH, **_TRAINING, **_CONTRACT, **_OPTIMIZERS}
+# Neither clipper nor optimizer: the contract's, but not test_compat.py's (clippers
+# only); its scores read NaN until its windows fill.
+_MONITORS = {
+    "stability_monitor": _case(
+        clipjax.stability_monitor,
+        field="spike_score",
+        groups="global",
+        window_size=3,
+        rolling_window=5,
+    ),
+}
+
+CASES: dict[str, Case] = {**_BOTH, **_TRAINING, **_CONTRACT, **_OPTIMIZERS, **_MONITORS}
 
 TRANSFORM_IDS = sorted([*_BOTH, *_CONTRACT])
 OPTIMIZER_IDS = sorted(_OPTIMIZERS)
-ALL_IDS = sorted(TRANSFORM_IDS + OPTIMIZER_IDS)
+ALL_IDS = sorted(TRANSFORM_IDS + OPTIMIZER_IDS + sorted(_MONITORS))
 # Transforms whose metrics hold no gradient norm (spam reports its clip per element).
 NORMLESS = {"spam"}
 
