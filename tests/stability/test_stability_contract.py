@@ -206,3 +206,17 @@ def test_bad_updates_are_refused() -> None:
         tx.update(ints, tx.init(ints), ints)
     with pytest.raises(TypeError, match="StabilityMonitorState"):
         tx.update(grads(0), clipjax.zclip().init(PARAMS), PARAMS)
+
+
+def test_in_front_of_skip_on_spike_it_sees_the_skipped_steps() -> None:
+    """Inside a wrapper that skips, a skipped step leaves its state as it was (docs: put it
+    in front); in front, it counts the spike the wrapper skips."""
+    monitor = lambda: clipjax.stability_monitor(window_size=8, rolling_window=10)
+    skip = lambda inner: clipjax.skip_on_spike(inner, window_size=8, min_history=8)
+    front = optax.chain(monitor(), skip(clipjax.adamw(1e-3)))
+    inside = skip(clipjax.chain(monitor(), clipjax.adamw(1e-3)))
+    got = {k: clipjax.metrics(run(tx, range(15))) for k, tx in (("front", front), ("in", inside))}
+    assert bool(got["front"]["skip_on_spike/global/skipped"][()]) is False
+    assert int(got["front"]["skip_on_spike/global/skipped_count"]) == 1  # step 12
+    assert int(got["front"][P + "spike_count"]) == 1 and int(got["front"][P + "step"]) == 15
+    assert int(got["in"][P + "spike_count"]) == 0 and int(got["in"][P + "step"]) == 14
