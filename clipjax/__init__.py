@@ -63,6 +63,7 @@ from clipjax._skip_on_spike import (
     skip_on_spike,
 )
 from clipjax._spam import SpamState, spam, stable_spam
+from clipjax._spectra import SpectraState, spectra
 from clipjax._stability import StabilityMonitorState, stability_monitor
 from clipjax._zclip import ZClipState, zclip
 from clipjax._zscore_clip import ZScoreClipState, zscore_clip
@@ -98,6 +99,7 @@ __all__ = [
     "SkipOnSpikeTransform",
     "SkippableTransform",
     "SpamState",
+    "SpectraState",
     "StabilityMonitorState",
     "UpdateClippingState",
     "ZClipState",
@@ -136,6 +138,7 @@ __all__ = [
     "skip_and_clip_by_global_norm",
     "skip_on_spike",
     "spam",
+    "spectra",
     "stability_monitor",
     "stable_spam",
     "stacked",

@@ -162,6 +162,7 @@ API_PAGES = {
                 "QK-Clip: attention weights after the optimizer",
                 ["qk_clip", "QKHeads", "max_attention_logits"],
             ),
+            ("SPECTRA: spectral clipping of the update", ["spectra"]),
             (
                 "hist_clip criteria and clip functions",
                 [

@@ -128,6 +128,8 @@ _TRAINING = {
 }
 # The contract's only: the other clippers, norm types, scopes and histories.
 _CONTRACT = {
+    # SPECTRA clips the MLP's 2-D kernels by their singular values, its biases by norm.
+    "spectra": _case(clipjax.spectra, 0.05, field="sigma_bound", groups="global", apply_to="all"),
     "clip_by_global_norm_inf": _case(
         clipjax.clip_by_global_norm, 1.0, field="grad_norm", groups="global", norm_type=float("inf")
     ),

@@ -27,6 +27,7 @@ BUILD = {
         optax.identity(), max_norm=1.0
     ),
     "spam": lambda: clipjax.spam(1e-3),
+    "spectra": lambda: clipjax.spectra(1.0),
     "stable_spam": lambda: clipjax.stable_spam(1e-3),
     "adamw(clip_grad_adapt=k)": lambda: clipjax.adamw(1e-3, clip_grad_adapt=3.0),
 }
