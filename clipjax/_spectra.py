@@ -72,13 +72,12 @@ def inverse_sqrt_newton_schulz(a_hat: Array, iterations: int) -> Array:
     three = jnp.asarray(3.0, a_hat.dtype)
     half = jnp.asarray(0.5, a_hat.dtype)
 
-    def body(_: Any, yz: tuple[Array, Array]) -> tuple[Array, Array]:
-        y, z = yz
+    # Unrolled, as torch.compile unrolls the paper's loop: XLA's cost analysis then
+    # counts every step (it counts a loop's body once).
+    y, z = a_hat, jnp.broadcast_to(eye, a_hat.shape)
+    for _ in range(iterations):
         t = half * (three * eye - z @ y)
-        return y @ t, t @ z
-
-    z0 = jnp.broadcast_to(eye, a_hat.shape)
-    _, z = jax.lax.fori_loop(0, iterations, body, (a_hat, z0))
+        y, z = y @ t, t @ z
     return z
 
 

@@ -187,9 +187,9 @@ def defences_block(index: int) -> str:
 
 def test_the_defences_page_has_a_block_for_each_defence() -> None:
     names = ["skip_and_clip_by_global_norm", "clip_norm_growth", "clip_grad_adapt",
-             "clip_by_historical_norm", "stability_monitor"]  # fmt: skip
+             "clip_by_historical_norm", "stability_monitor", "spectra"]  # fmt: skip
     found = python_blocks(ROOT / "docs" / "defences_2025.md")
-    assert len(found) == 5
+    assert len(found) == 6
     assert all(any(n in b for b in found) for n in names)
 
 
@@ -202,3 +202,5 @@ def test_the_defences_blocks_print_what_the_page_implies() -> None:
     assert defences_block(3) == "inf"  # the Levanter chain has no threshold before 64 norms
     # The stability score: the one spike (step 250), 1 of the last 100 steps.
     assert defences_block(4).split() == ["1", "0.01"]
+    # SPECTRA: c after the warm-up, Adam's direction clipped; 4, 1, 0.5 at c = 1.
+    assert defences_block(5).splitlines() == ["1.0 True", "[0.97  0.707 0.447]"]
