@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import serialization
 
 import clipjax
 
@@ -66,6 +65,7 @@ def test_injected_c_equals_the_plain_factory() -> None:
 
 
 def test_checkpoint_round_trip() -> None:
+    serialization = pytest.importorskip("flax.serialization", reason="needs flax")
     tx = clipjax.spectra(1.0, apply_to="all", **F32)
     _, state = steps(tx)
     restored = serialization.from_bytes(tx.init(TREE), serialization.to_bytes(state))

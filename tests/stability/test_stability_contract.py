@@ -76,6 +76,10 @@ def test_the_compiled_step_holds_no_copy_of_the_updates() -> None:
         assert full_size_copies(_step(tx)[0].as_text(), leaf_shapes) == 0
 
 
+@pytest.mark.skipif(
+    tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 5),
+    reason="bytes-accessed bounds are calibrated on jaxlib >= 0.5's cost analysis",
+)
 def test_bytes_accessed_are_the_norm_and_the_windows() -> None:
     """XLA's bytes accessed (repeatable), over the same step without the monitor: its global
     norm and its windows, nothing else. The norm reads the gradients once; XLA:CPU's
