@@ -23,10 +23,9 @@ Writes ``benchmarks/STABILITY.md``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import common
 import jax
@@ -37,7 +36,7 @@ import train_step
 from train_step import SIZES
 
 import clipjax
-from clipjax import _grouping
+from tests.compiled_step import ordinary_path
 
 DATA = os.path.join(common.ROOT, "tests", "data", "lm_spikes_gpu_norms.npz")
 ROWS = ("none", "zclip_fb_cap1", "recommended", "static_2")
@@ -71,17 +70,6 @@ def scores(rolling_window: int) -> str:
         rows.append([row, *(" / ".join(cells[k]) for k in ("spikes", "score", "total"))])
     head = ["row", "spikes (seeds 0 / 1 / 2)", f"spike_score (last {rolling_window})"]
     return common.table([*head, "spike_score_total"], rows)
-
-
-@contextlib.contextmanager
-def ordinary_path() -> Iterator[None]:
-    """The overflow-safe norm's recompute left out (tests/compiled_step.py's)."""
-    original = _grouping.rescued
-    _grouping.rescued = lambda norms, recompute: norms
-    try:
-        yield
-    finally:
-        _grouping.rescued = original
 
 
 def bytes_of(compile_step: Callable[[Callable], common.Compiled]) -> list[tuple[int, int]]:
