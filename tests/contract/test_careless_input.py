@@ -80,7 +80,7 @@ def test_a_type_mistake_reads_as_one_sentence() -> None:
         clipjax.clip_by_global_norm("1")
     assert str(error.value).startswith("max_norm must be a nonzero number (0 would zero")
     required = dict(learning_rate=1e-3, inner=optax.identity(), max_norm=1.0, max_abs=1.0)
-    required["percentile"] = 90.0
+    required.update(percentile=90.0, c=1.0)
     messages = []
     empty = inspect.Parameter.empty
     for factory in FACTORIES.values():
