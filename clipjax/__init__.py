@@ -6,6 +6,14 @@ jit-compatible pytree carrying its per-step metrics; read them with
 """
 
 from clipjax import _serialization
+from clipjax._activation import (
+    ActivationStats,
+    activation_metrics,
+    activation_stats_init,
+    clip_activation_gradient,
+    linen_activation_clip,
+    nnx_activation_clip,
+)
 from clipjax._adaclip import AdaClipState, AdaNormState, ada_norm, adaclip
 from clipjax._adagc import AdaGCState, adagc
 from clipjax._adam import AdamWClipState, UpdateClippingState, adam, adamw
@@ -75,6 +83,7 @@ __version__ = "0.4.0"
 
 __all__ = [
     "AGCState",
+    "ActivationStats",
     "AdaClipState",
     "AdaGCState",
     "AdaNormState",
@@ -105,6 +114,8 @@ __all__ = [
     "ZClipState",
     "ZScoreClipState",
     "ZScoreNormalizeState",
+    "activation_metrics",
+    "activation_stats_init",
     "ada_norm",
     "adaclip",
     "adagc",
@@ -115,6 +126,7 @@ __all__ = [
     "approx_relative_error",
     "autoclip",
     "chain",
+    "clip_activation_gradient",
     "clip_by_global_norm",
     "clip_by_historical_norm",
     "clip_by_percentile",
@@ -127,10 +139,12 @@ __all__ = [
     "exact_percentile",
     "global_norm",
     "hist_clip",
+    "linen_activation_clip",
     "max_attention_logits",
     "max_clipping",
     "mean_clipping",
     "metrics",
+    "nnx_activation_clip",
     "normalize_per_param",
     "path_name",
     "qk_clip",

@@ -97,7 +97,7 @@ def unwrap(x: Any) -> Any:
     return x
 
 
-def _host(values: Any) -> Any:
+def host(values: Any) -> Any:
     """``values`` as one NumPy array when it can be read here (no compile), else as it is."""
     values = unwrap(values)
     if isinstance(values, Tracer):
@@ -110,7 +110,7 @@ def _host(values: Any) -> Any:
 def _split(values: Any, n: int) -> list[Any]:
     # The group axis is the last one: a state stacked by pmap (replicas), vmap
     # or a scan over steps has [..., groups] metrics, read as [...] per group.
-    values = _host(values)
+    values = host(values)
     if isinstance(values, (np.ndarray, Tracer)) or n == 1:
         return [values[..., i] for i in range(n)]
     # One unstack instead of one slice per group.
@@ -145,7 +145,7 @@ SKIPPED_VALUES = {
 def _idle_view(values: Any, field: str, idle: Any) -> Any:
     if idle is None or field not in SKIPPED_VALUES:
         return values
-    values, idle = _host(values), _host(idle)
+    values, idle = host(values), host(idle)
     if isinstance(values, np.ndarray) and isinstance(idle, np.ndarray):
         return np.where(idle, np.asarray(SKIPPED_VALUES[field], values.dtype), values)
     return jnp.where(idle, jnp.asarray(SKIPPED_VALUES[field], values.dtype), values)
@@ -156,11 +156,11 @@ def _skipped_view(fields: dict[str, Any], idle: Any) -> dict[str, Any]:
     this step (or, for a wrapper inside another, either skipped it)."""
     if idle is None or not fields:
         return fields
-    shape = np.shape(_host(next(iter(fields.values()))))
-    idle = _host(idle)
+    shape = np.shape(host(next(iter(fields.values()))))
+    idle = host(idle)
     own = fields.get("skipped")
-    if isinstance(idle, np.ndarray) and (own is None or isinstance(_host(own), np.ndarray)):
-        skipped = np.broadcast_to(idle if own is None else idle | _host(own), shape)
+    if isinstance(idle, np.ndarray) and (own is None or isinstance(host(own), np.ndarray)):
+        skipped = np.broadcast_to(idle if own is None else idle | host(own), shape)
     else:
         skipped = jnp.broadcast_to(idle if own is None else idle | own, shape)
     return {**fields, "skipped": skipped}
@@ -169,7 +169,7 @@ def _skipped_view(fields: dict[str, Any], idle: Any) -> dict[str, Any]:
 def sqrt(x: Any) -> Any:
     """``sqrt`` for a statistic a state reports: NumPy's on a value that can be read
     here (no program to compile for a concrete state), jax's inside ``jit``."""
-    x = _host(x)
+    x = host(x)
     return np.sqrt(x) if isinstance(x, np.ndarray) else jnp.sqrt(x)
 
 
@@ -200,7 +200,7 @@ def _skipped(node: Any, idle: Any) -> Any:
     if skipped is None:
         return idle
     # [..., 1]: broadcasts against the [..., groups] metrics inside.
-    skipped = _host(skipped)
+    skipped = host(skipped)
     return skipped if idle is None else idle | skipped
 
 
@@ -307,6 +307,8 @@ def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
     (traced arrays) or outside it (NumPy arrays, nothing compiled). Each
     transform reports under its ``name=`` or its kind (``algo``, then
     ``algo_1``, ... in tree order); a nested one under its owner's prefix.
+    The gradients of :func:`clipjax.clip_activation_gradient`'s carriers, in
+    any tree it is given, report as :func:`clipjax.activation_metrics` does.
 
     Args:
       opt_state: an optimizer state, or any pytree containing one: with flax
@@ -357,6 +359,11 @@ def metrics(opt_state: Any, flat: bool = True) -> dict[str, Any]:
     opt_state = _merge_nnx_split(opt_state)
     out: dict[str, Any] = {}
     found = _walk(opt_state, "", out)
+    # The carriers of clip_activation_gradient's statistics (their gradients), where the
+    # tree holds some; imported here, as _activation imports this module.
+    from clipjax import _activation
+
+    found = _activation.report(opt_state, out) or found
     if not found:
         warnings.warn(
             "clipjax.metrics found no clipjax state in the optimizer state "

@@ -1,8 +1,9 @@
 """clipjax's states and ``flax.serialization``: registered when clipjax is imported.
 
-:class:`GroupInfo` and ``PlaceholderInfo`` serialise to an empty dict and are
-restored from the target state; msgpack could not write them otherwise
-(:doc:`/checkpointing`). Without flax installed nothing is registered.
+:class:`GroupInfo`, ``PlaceholderInfo`` and the layout of an activation-statistics
+carrier serialise to an empty dict and are restored from the target state;
+msgpack could not write them otherwise (:doc:`/checkpointing`). Without flax
+installed nothing is registered.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from clipjax._activation import StatsLayout
 from clipjax._metrics import GroupInfo, PlaceholderInfo, is_clipjax_state
 
 FLAX_MODULE = "flax.serialization"
@@ -124,7 +126,7 @@ def _checked_restore(restore: Any, current_path: Any) -> Any:
 
 def register_with(serialization: Any) -> None:
     """Registers the static names with one loaded ``flax.serialization`` module."""
-    for info_class in (GroupInfo, PlaceholderInfo):
+    for info_class in (GroupInfo, PlaceholderInfo, StatsLayout):
         serialization.register_serialization_state(
             info_class, lambda info: {}, lambda target, state: target, override=True
         )

@@ -162,6 +162,17 @@ API_PAGES = {
                 "QK-Clip: attention weights after the optimizer",
                 ["qk_clip", "QKHeads", "max_attention_logits"],
             ),
+            (
+                "Activation-gradient clipping: a function the model applies (AXLearn)",
+                [
+                    "clip_activation_gradient",
+                    "activation_stats_init",
+                    "activation_metrics",
+                    "ActivationStats",
+                    "linen_activation_clip",
+                    "nnx_activation_clip",
+                ],
+            ),
             ("SPECTRA: spectral clipping of the update", ["spectra"]),
             (
                 "hist_clip criteria and clip functions",

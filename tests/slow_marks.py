@@ -751,6 +751,28 @@ SLOW_PATTERNS.update(
     for pattern in _all_but(test, keep, reason).items()
 )
 
+# Activation-gradient clipping: the jitted exactness cases, the linen and NNX training
+# steps and the AXLearn comparisons stay in the fast suite.
+SLOW_TESTS.update(
+    {
+        (
+            "activation/test_exactness.py::"
+            "test_gradients_are_the_model_with_the_tokens_clipped_by_hand[eager-"
+        ): "the jitted cases check the same",
+        "activation/test_flax.py::test_the_linen_module_is_the_function": (
+            "a flax model compiled three ways"
+        ),
+        "activation/test_flax.py::test_linen_nn_scan_stacks_the_carriers": "a flax nn.scan model",
+        "activation/test_flax.py::test_nnx_module_is_the_function_and_scans_into_layers": (
+            "flax NNX models, one of them an nnx.scan stack"
+        ),
+        (
+            "activation/test_edges.py::"
+            "test_clipjax_imports_without_flax_and_the_flax_factories_say_so"
+        ): "subprocess; make test-min runs the whole fast suite without flax",
+    }
+)
+
 _TESTS_DIR = Path(__file__).parent
 
 

@@ -98,6 +98,8 @@ def test_every_transform_with_metrics_has_a_row() -> None:
                          "exact_percentile", "max_clipping", "mean_clipping",
                          "reciprocal_clipping", "zstat_criterion", "ema_criterion",
                          "drop_norm_by_grad_norm_ema", "drop_norm_by_grad_norm_stddev",
-                         "max_attention_logits", "qk_clip"}
+                         "max_attention_logits", "qk_clip", "clip_activation_gradient",
+                         "activation_stats_init", "activation_metrics", "linen_activation_clip",
+                         "nnx_activation_clip"}
     }  # fmt: skip
     assert factories <= listed, sorted(factories - listed)
