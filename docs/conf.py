@@ -118,6 +118,8 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(int|float|str|bool|dict|list|tuple|object|None|type|callable|function)"),
     (r"py:.*", r"(Array|ArrayLike|PyTree|Params|Updates|OptState|DTypeLike|KeyPath)"),
     (r"py:.*", r"optional"),
+    # ActivationStats.layout's class: static, internal (its fields are documented there).
+    (r"py:class", r"StatsLayout"),
 ]
 
 # -- HTML ---------------------------------------------------------------------
