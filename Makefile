@@ -29,7 +29,7 @@ DOCS_OUT ?= build/docs
 help:
 	@echo "make demo       train a small model with injected gradient spikes (examples/demo.py)"
 	@echo "make notebooks  run notebooks/*.ipynb top to bottom; executed copies in build/notebooks/"
-	@echo "make test       ruff check, then pytest -m 'not slow' (tests/ and doctests; ~4 min on 2 cores, install included)"
+	@echo "make test       ruff check, then pytest -m 'not slow' (tests/ and doctests; ~5 min on 2 cores, install included)"
 	@echo "make test-all   ruff check, then every test: also notebooks, docs site, reference traces"
 	@echo "                (installs torch's CPU build and the references), 8-device and multi-process"
 	@echo "                runs, long scans and sweeps, examples, wheel (what CI runs)"
