@@ -33,7 +33,15 @@ SpikeFeedback = Literal["raw", "clipped", "skip"]
 TargetFeedback = Literal["raw", "clipped", "clip_target", "skip"]
 
 COUNTERS = ("count", "step", "clipped_count", "nonfinite_count")
-FLAGS = ("clipped", "spike", "capped", "held", "skipped")  # boolean metrics
+FLAGS = (
+    "clipped",
+    "spike",
+    "capped",
+    "held",
+    "skipped",
+    "grad_norm_spike",
+    "value_spike",
+)  # boolean metrics
 # The ceiling of the spike-defence setting (feedback="clipped") where the
 # reference has none: the field's standard clip, ZClip's default.
 DEFAULT_CEILING = 1.0

@@ -228,8 +228,7 @@ def stability_monitor(
 
 
 def _initial_metrics() -> dict[str, jax.Array]:
-    fields = ("grad_norm", "value", "spike", "spike_score", "spike_score_total")
+    fields = ("grad_norm", "value", "grad_norm_spike", "value_spike", "spike", "spike_score")
     counters = ("spike_count", "step", "nonfinite_count")
     nan = dict(grad_norm=jnp.nan, value=jnp.nan, spike_score=jnp.nan, spike_score_total=jnp.nan)
-    flags = {f: jnp.zeros((1,), bool) for f in ("grad_norm_spike", "value_spike")}
-    return {**_kit.new_metrics(1, jnp.float32, fields, counters, **nan), **flags}
+    return _kit.new_metrics(1, jnp.float32, (*fields, "spike_score_total"), counters, **nan)
