@@ -332,7 +332,7 @@ def rows() -> dict[str, Row]:
             needs="a norm a tensor, the EMAs of it and of its square and the metrics of the "
             "`[groups]` arrays; each leaf scaled by its own scalar",
         ),
-        # docs/defences_2025.md: AXLearn, torchzero, AdamWClip, Levanter.
+        # docs/defences.md: AXLearn, torchzero, AdamWClip, Levanter.
         "skip_and_clip": Row(
             "clipjax.skip_and_clip_by_global_norm(clipjax.adamw(1e-3), "
             "drop_norm=clipjax.drop_norm_by_grad_norm_stddev(), max_norm=1.0, "

@@ -11,7 +11,7 @@ to log into, so the statistics leave it as the "gradient" of a carrier the
 forward pass received: ``jax.grad`` with respect to the carrier hands them
 back with the parameter gradients (no callback; jit- and ``lax.scan``-safe).
 
-docs/defences_2025.md ("Activation-gradient clipping") says what it assumes and
+docs/defences.md ("Activation-gradient clipping") says what it assumes and
 lists the differences from AXLearn.
 """
 
@@ -465,7 +465,7 @@ def linen_activation_clip(
     Returns:
       A linen ``nn.Module`` (flax imported now, not with clipjax), called as
       ``y = module(y)``; in a compact block,
-      ``y = clipjax.linen_activation_clip(k=4)(y)``. docs/defences_2025.md has
+      ``y = clipjax.linen_activation_clip(k=4)(y)``. docs/defences.md has
       a whole training step.
 
     Raises:
@@ -529,7 +529,7 @@ def nnx_activation_clip(
     Returns:
       An ``nnx.Module`` (flax imported now, not with clipjax): in a block's
       ``__init__``, ``self.clip = clipjax.nnx_activation_clip(k=4)``; in its
-      ``__call__``, ``y = self.clip(y)``. docs/defences_2025.md has a whole
+      ``__call__``, ``y = self.clip(y)``. docs/defences.md has a whole
       training step.
 
     Raises:

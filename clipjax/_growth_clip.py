@@ -62,7 +62,7 @@ def clip_norm_growth(
 
     ``p`` learns the clipped norm (``feedback="clipped"``, torchzero's), ``g``
     (``"raw"``) or nothing on a clipped step (``"skip"``). A non-finite norm
-    passes unchanged. Differences from torchzero: :doc:`/defences_2025`. A
+    passes unchanged. Differences from torchzero: :doc:`/defences`. A
     callable ``scope`` goes in ``static_args``.
 
     Static arguments: none; every number may be injected.
@@ -215,7 +215,7 @@ def clip_norm_by_ema(
 
     The EMA sees each update before its own clip (torchzero's order); with
     ``init=0`` the first steps are clipped hard. A non-finite norm passes its
-    group unchanged (:doc:`/defences_2025`). A callable ``scope`` goes in ``static_args``.
+    group unchanged (:doc:`/defences`). A callable ``scope`` goes in ``static_args``.
 
     Static arguments: none; every number may be injected.
 

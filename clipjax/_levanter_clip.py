@@ -66,7 +66,7 @@ def clip_by_historical_norm(
     the window and lifts the threshold, so a second, smaller spike in that
     time passes whole; ``feedback="clipped"`` is one argument away and
     catches it. A NaN or infinite norm passes unchanged and never enters the
-    window. Why and how it differs from Levanter: :doc:`/defences_2025`.
+    window. Why and how it differs from Levanter: :doc:`/defences`.
 
     Static arguments: ``rolling_interval_length`` (it sizes the window: name it in static_args);
     every other number may be injected.

@@ -188,7 +188,7 @@ def skip_and_clip_by_global_norm(
     ``feedback`` sets ``x``: the norm of taken steps only (``"skip"``,
     AXLearn's; a lasting rise then drops every later step), ``min(g, D)``
     (``"clipped"``) or every finite ``g`` (``"raw"``). Differences from
-    AXLearn: :doc:`/defences_2025`. A rule ``drop_norm`` goes in
+    AXLearn: :doc:`/defences`. A rule ``drop_norm`` goes in
     ``static_args``; every number may be injected.
 
     Static arguments: ``drop_norm`` when it is a rule (name it in static_args); every other

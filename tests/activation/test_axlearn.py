@@ -3,7 +3,7 @@ from apple/axlearn's ``axlearn/common/gradient_monitor.py`` (AXLearn does not in
 here): ``mode="zero"`` is ``top_k_clip_fn(k, method="topk")`` (the gradient, bit for bit,
 and its top-k norms), ``k=0`` with AXLearn's percentiles is
 ``compute_grad_percentile_no_clip_fn()``; and where they differ, on non-finite norms, as
-docs/defences_2025.md says."""
+docs/defences.md says."""
 
 from __future__ import annotations
 

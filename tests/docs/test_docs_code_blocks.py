@@ -1,4 +1,4 @@
-"""Every code block of the README and the docs runs, and docs/defences_2025.md's print what
+"""Every code block of the README and the docs runs, and docs/defences.md's print what
 the page implies.
 
 A page's blocks (```` ```python ```` fences and myst-nb ``{code-cell}`` cells) run in page
@@ -177,8 +177,8 @@ def test_the_extraction_finds_every_fence() -> None:
 
 
 def defences_block(index: int) -> str:
-    """What docs/defences_2025.md's block ``index`` prints."""
-    page = ROOT / "docs" / "defences_2025.md"
+    """What docs/defences.md's block ``index`` prints."""
+    page = ROOT / "docs" / "defences.md"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(compile(python_blocks(page)[index], str(page), "exec"), {})
@@ -189,7 +189,7 @@ def test_the_defences_page_has_a_block_for_each_defence() -> None:
     names = ["skip_and_clip_by_global_norm", "clip_norm_growth", "clip_grad_adapt",
              "clip_by_historical_norm", "stability_monitor", "spectra", "clip_activation_gradient",
              "linen_activation_clip", "nnx_activation_clip"]  # fmt: skip
-    found = python_blocks(ROOT / "docs" / "defences_2025.md")
+    found = python_blocks(ROOT / "docs" / "defences.md")
     assert len(found) == 9
     assert all(any(n in b for b in found) for n in names)
 
@@ -208,7 +208,7 @@ def test_the_defences_blocks_print_what_the_page_implies() -> None:
 
 
 def test_the_activation_blocks_print_what_the_page_implies() -> None:
-    found = python_blocks(ROOT / "docs" / "defences_2025.md")
+    found = python_blocks(ROOT / "docs" / "defences.md")
     index = lambda name: next(i for i, block in enumerate(found) if name in block)
     # The 4 largest token gradients zeroed; the far-off token's norm stands out of the median.
     assert defences_block(index("clip_activation_gradient(")).split() == ["4", "True"]

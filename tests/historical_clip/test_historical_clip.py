@@ -100,7 +100,7 @@ def test_short_windows_take_levanters_default_min_history(length: int) -> None:
 def test_raw_feedback_lets_the_second_spike_through() -> None:
     """Levanter's raw window keeps a spike of norm 3000 (norms near 0.3): the threshold
     reads 816 for 128 steps and a spike of 30 ten steps later passes whole; under
-    feedback="clipped" the threshold stays near 0.4 and clips it (docs/defences_2025.md)."""
+    feedback="clipped" the threshold stays near 0.4 and clips it (docs/defences.md)."""
     norms = 0.3 * np.exp(0.1 * np.random.default_rng(0).standard_normal(300))
     norms[150], norms[160] = 3000.0, 30.0
     raw, (outs, ins), _ = run(norms)
@@ -112,7 +112,7 @@ def test_raw_feedback_lets_the_second_spike_through() -> None:
     assert clipped[prefix() + "threshold"][151:].max() < 0.41
     np.testing.assert_allclose(outs["g0"][160] / ins["g0"][160], 0.397 / 30.0, rtol=1e-2)
     # The page and the docstring say what the default costs, with these figures.
-    page = " ".join((ROOT / "docs" / "defences_2025.md").read_text().split())
+    page = " ".join((ROOT / "docs" / "defences.md").read_text().split())
     assert f"the threshold reads {threshold[151]:.0f} for the next 128 steps" in page
     assert "a second spike of norm 30 ten steps later passes whole" in page
     doc = " ".join((clipjax.clip_by_historical_norm.__doc__ or "").split())
