@@ -5,9 +5,10 @@ mapped ``sigma -> sigma / sqrt(1 + sigma**2 / c**2)``: computed, without an
 SVD, as ``(I + U U^T / c**2)^(-1/2) U`` by a coupled Newton-Schulz iteration,
 then scaled by Muon's ``sqrt(max(1, fan_out / fan_in))``. Restates
 mlolab/llm-spectral-clipping's ``src/optim/post_process.py`` (``clip_sigvals``,
-``matrix_inv_sqrt_NS``) and ``src/optim/spectra.py`` (the wrapper, its
-warm-up coupling of ``c`` to the learning rate); the deviations are listed in
-docs/defences_2025.md.
+``matrix_inv_sqrt_NS``, and ``normalize_sigvals``, the ``"normalize"``
+post-process) and ``src/optim/spectra.py`` (the wrapper; ``_get_current_clip_c``,
+its warm-up coupling of ``c`` to the learning rate and its decay schedules of
+``c``); the deviations are listed in docs/defences.md.
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ from clipjax._metrics import GroupInfo
 Array = jax.Array
 ALGO = "spectra"
 APPLY_TO = ("2d", "all")
+POST_PROCESS = ("clip", "normalize")
+# The decay schedules of c after the warm-up (the reference's clip_decay_type).
+DECAYS = ("constant", "linear", "sqrt", "cosine", "exp", "square")
+# Muon's quintic Newton-Schulz coefficients (normalize_sigvals) and its norm guard.
+MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NORMALIZE_EPS = 1e-7
 # Which axes of a leaf are a matrix's fan-in and fan-out (an axis or a tuple of axes,
 # flattened in order); the leaf's other axes are batch axes, one matrix per index.
 Axes = tuple[int | tuple[int, ...], int | tuple[int, ...]]
@@ -42,10 +49,11 @@ class SpectraState(NamedTuple):
       count: ``int32`` steps taken (the warm-up's clock).
       metrics: ``[1]``-shaped arrays (group ``global``): ``grad_norm`` (the
         global L2 norm of the updates before the clip), ``threshold`` (this
-        step's ``c``), ``sigma_bound`` (the largest upper bound on a matrix's
-        top singular value, or a vector's norm, before the clip),
-        ``clipped`` (a bound above ``c``), ``clipped_fraction`` (of the
-        matrices and vectors, those whose bound is above ``c``) and the
+        step's ``c``; 1 under ``post_process="normalize"``, the level it sets
+        singular values to), ``sigma_bound`` (the largest upper bound on a
+        matrix's top singular value, or a vector's norm, before the clip),
+        ``clipped`` (a bound above ``threshold``), ``clipped_fraction`` (of the
+        matrices and vectors, those whose bound is above ``threshold``) and the
         counters ``step``, ``clipped_count``, ``nonfinite_count``.
       info: static names, ``GroupInfo(algo="spectra", ...)``.
 
@@ -97,9 +105,7 @@ def soft_clip_matrices(x: Array, c: Any, iterations: int, dtype: Any) -> tuple[A
     if tall:
         work = jnp.swapaxes(work, -1, -2)
     gram = work @ jnp.swapaxes(work, -1, -2)
-    gershgorin = jnp.max(jnp.sum(jnp.abs(gram), axis=-1), axis=-1)
-    frobenius = jnp.sqrt(jnp.sum(jnp.square(gram.astype(jnp.float32)), axis=(-2, -1)))
-    top = jnp.minimum(gershgorin.astype(jnp.float32), frobenius)
+    top = _gram_bound(gram)
     inv_c2 = 1.0 / (c * c)
     eye = jnp.eye(gram.shape[-1], dtype=dtype)
     alpha = (1.0 + top * inv_c2).astype(dtype)[..., None, None]
@@ -118,6 +124,83 @@ def soft_clip_vector(x: Array, c: Any) -> tuple[Array, Array]:
     norm = jnp.sqrt(jnp.sum(jnp.square(jnp.abs(x).astype(jnp.float32))))
     factor = jnp.where(norm <= c, 1.0, jax.lax.rsqrt(1.0 + jnp.square(norm / c)))
     return (x * factor.astype(x.dtype)), norm
+
+
+def _gram_bound(gram: Array) -> Array:
+    """The smaller of the Gershgorin bound and the Frobenius norm of ``[..., m, m]``
+    ``gram``: an upper bound on its top eigenvalue, in float32."""
+    gershgorin = jnp.max(jnp.sum(jnp.abs(gram), axis=-1), axis=-1)
+    frobenius = jnp.sqrt(jnp.sum(jnp.square(gram.astype(jnp.float32)), axis=(-2, -1)))
+    return jnp.minimum(gershgorin.astype(jnp.float32), frobenius)
+
+
+def normalize_matrices(x: Array, iterations: int, dtype: Any) -> tuple[Array, Array]:
+    """``(normalized, bound)``: each ``[..., rows, cols]`` matrix's singular values
+    set to about 1 by Muon's quintic Newton-Schulz iteration, and the upper bound
+    on its top singular value.
+
+    ``normalize_sigvals``: in ``dtype``, on the wide side, ``X`` divided by its
+    Frobenius norm plus ``1e-7``, then ``iterations`` steps of ``A = X X^T``,
+    ``X <- a X + (b A + c A A) X`` with ``(a, b, c) = (3.4445, -4.7750,
+    2.0315)``: each singular value ``s`` of the scaled matrix goes through
+    ``p(s) = a s + b s**3 + c s**5`` that many times (into about [0.7, 1.2]),
+    the singular vectors kept. ``bound`` is :func:`soft_clip_matrices`'
+    Gershgorin/Frobenius bound, read off the first step's ``A``.
+    """
+    work = x.astype(dtype)
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:
+        work = jnp.swapaxes(work, -1, -2)
+    norm = jnp.sqrt(jnp.sum(jnp.square(work.astype(jnp.float32)), axis=(-2, -1)))
+    scale = norm + NORMALIZE_EPS
+    work = (work.astype(jnp.float32) / scale[..., None, None]).astype(dtype)
+    a, b, c = (jnp.asarray(k, dtype) for k in MUON_COEFFICIENTS)
+    bound = jnp.zeros(norm.shape, jnp.float32)
+    # Unrolled, as torch.compile unrolls the paper's loop (see inverse_sqrt_newton_schulz).
+    for step in range(iterations):
+        gram = work @ jnp.swapaxes(work, -1, -2)
+        if step == 0:
+            bound = jnp.sqrt(_gram_bound(gram)) * scale
+        work = a * work + (b * gram + c * (gram @ gram)) @ work
+    if tall:
+        work = jnp.swapaxes(work, -1, -2)
+    return work.astype(x.dtype), bound
+
+
+def normalize_vector(x: Array) -> tuple[Array, Array]:
+    """``(normalized, norm)``: ``normalize_sigvals``'s vector rule, ``x / (||x|| + 1e-7)``."""
+    norm = jnp.sqrt(jnp.sum(jnp.square(jnp.abs(x).astype(jnp.float32))))
+    return x * (1.0 / (norm + NORMALIZE_EPS)).astype(x.dtype), norm
+
+
+def decay_factor(count: Array, decay: str, fraction: float, final: float, total: int) -> Array:
+    """The factor on ``c`` at step ``count`` (after the warm-up): ``_get_current_clip_c``'s
+    decay phase.
+
+    The last ``int(fraction * total)`` steps of ``total`` (``n``, Python's
+    truncation) decay ``c``; before them the factor is 1. At step ``count`` in
+    them, with ``progress = min((count - (total - n)) / max(n, 1), 1)``, the
+    factor goes from 1 to ``final``: ``final + (1 - final) * w`` with ``w`` =
+    ``1 - progress`` (linear), ``1 - sqrt(progress)`` (sqrt), ``(1 +
+    cos(pi * progress)) / 2`` (cosine), ``1 - progress**2`` (square); ``exp`` is
+    ``final**progress`` (``1 - progress`` where ``final`` is 0).
+    """
+    anneal = int(fraction * total)
+    hold = total - anneal
+    steps = (count - hold).astype(jnp.float32)
+    progress = jnp.clip(steps / float(max(anneal, 1)), 0.0, 1.0)
+    if decay == "exp":
+        factor = jnp.power(final, progress) if final > 0 else 1.0 - progress
+    else:
+        weight = {
+            "linear": lambda: 1.0 - progress,
+            "sqrt": lambda: 1.0 - jnp.sqrt(progress),
+            "cosine": lambda: (1.0 + jnp.cos(jnp.pi * progress)) * 0.5,
+            "square": lambda: 1.0 - jnp.square(progress),
+        }[decay]()
+        factor = final + (1.0 - final) * weight
+    # Exactly 1 while held (final + (1 - final) may round off 1 in float32).
+    return jnp.where(count < hold, 1.0, factor)
 
 
 def _axes_tuple(axes: int | tuple[int, ...], ndim: int) -> tuple[int, ...]:
@@ -168,9 +251,10 @@ def matrix_plan(
 
 
 def _clip_leaf(
-    leaf: Array, plan: Any, c: Any, iterations: int, dtype: Any
+    leaf: Array, plan: Any, c: Any, iterations: int, dtype: Any, normalize: bool = False
 ) -> tuple[Array, Array, Array]:
-    """``(clipped leaf, bounds, above c)`` of one matrix leaf, by its ``plan``."""
+    """``(clipped leaf, bounds, above c)`` of one matrix leaf, by its ``plan``
+    (``normalize``: singular values set to about 1, ``c`` the level compared)."""
     batch, fan_in, fan_out = plan
     shape = leaf.shape
     rows = math.prod(shape[a] for a in fan_in)
@@ -178,7 +262,10 @@ def _clip_leaf(
     order = batch + fan_in + fan_out
     batch_shape = tuple(shape[a] for a in batch)
     x = jnp.transpose(leaf, order).reshape((*batch_shape, rows, cols))
-    out, bound = soft_clip_matrices(x, c, iterations, dtype)
+    if normalize:
+        out, bound = normalize_matrices(x, iterations, dtype)
+    else:
+        out, bound = soft_clip_matrices(x, c, iterations, dtype)
     # Muon's factor on torch's [out, in] weights: sqrt(max(1, rows / cols)) there.
     out = out * jnp.asarray(math.sqrt(max(1.0, cols / rows)), out.dtype)
     out = out.reshape(tuple(shape[a] for a in order))
@@ -188,7 +275,7 @@ def _clip_leaf(
 
 
 def spectra(
-    c: float | Array,
+    c: float | Array | None,
     *,
     iterations: int | None = None,
     dtype: Any = None,
@@ -196,6 +283,11 @@ def spectra(
     matrices: MatricesFn | None = None,
     learning_rate: Callable[[Any], Any] | None = None,
     warmup_steps: int | None = None,
+    decay: str = "constant",
+    decay_fraction: float | None = None,
+    final_scale: float | None = None,
+    total_steps: int | None = None,
+    post_process: str = "clip",
     name: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """SPECTRA: soft-clips the singular values of each weight matrix's update at ``c``.
@@ -210,18 +302,25 @@ def spectra(
     with ``"2d"`` (the paper's default) they pass unchanged. During a
     learning-rate warm-up, ``c * learning_rate`` is held at its value at the
     end of the warm-up (step ``count < warmup_steps`` clips at ``c *
-    learning_rate(warmup_steps) / learning_rate(count)``).
+    learning_rate(warmup_steps) / learning_rate(count)``). After it, ``c``
+    stays as it is (``decay="constant"``) or, in the last ``int(decay_fraction
+    * total_steps)`` steps, decays to ``c * final_scale`` by ``decay``'s
+    schedule (the warm-up takes precedence where the two meet).
+    ``post_process="normalize"`` sets each matrix's singular values to about
+    1 instead (Muon's quintic iteration, ``c`` not read), and divides a vector
+    by its norm under ``"all"``.
 
     The paper's AdamW + SPECTRA is ``optax.chain(optax.scale_by_adam(b1, b2,
     eps), clipjax.spectra(c), optax.add_decayed_weights(weight_decay),
     optax.scale_by_learning_rate(schedule))``: the weight decay is not clipped.
 
-    Static arguments: ``iterations``, ``warmup_steps`` and ``dtype`` (a loop
-    bound, a schedule's bound, the iteration's arithmetic); ``c`` may be
-    injected.
+    Static arguments: ``iterations``, ``warmup_steps``, ``decay_fraction``,
+    ``final_scale``, ``total_steps`` and ``dtype`` (a loop bound, a schedule's
+    bounds and shape, the iteration's arithmetic); ``c`` may be injected.
 
     Args:
-      c: the clip level of the singular values (> 0).
+      c: the clip level of the singular values (> 0); not read (None allowed)
+        under ``post_process="normalize"``.
       iterations: Newton-Schulz steps (``>= 1``); default 10 (the paper's).
       dtype: the iteration's dtype; default ``jnp.bfloat16`` (the paper's
         default; ``jnp.float32`` its ``use_float32=True``).
@@ -236,6 +335,29 @@ def spectra(
       learning_rate: the schedule the warm-up coupling reads (``count -> lr``);
         needed with ``warmup_steps``.
       warmup_steps: steps of the learning-rate warm-up (``>= 0``); default 0.
+      decay: the schedule of ``c`` after the warm-up (the paper's
+        ``clip_decay_type``): ``"constant"`` (the default: ``c`` throughout),
+        ``"linear"``, ``"sqrt"``, ``"cosine"``, ``"square"`` (``c * (final +
+        (1 - final) * w)`` with ``w`` = ``1 - p``, ``1 - sqrt(p)``, ``(1 +
+        cos(pi p)) / 2``, ``1 - p**2`` of the decay's progress ``p`` from 0
+        to 1) or ``"exp"`` (``c * final**p``; ``c * (1 - p)`` where ``final``
+        is 0). Needs ``total_steps``.
+      decay_fraction: the fraction of ``total_steps`` that decays, in ``[0,
+        1]``: the last ``int(decay_fraction * total_steps)`` steps (``p`` is
+        their step over their number, reaching 1 at ``total_steps``); default
+        0.1 (the paper's ``clip_decay_fract``).
+      final_scale: ``c``'s factor at the end of the decay (``>= 0``); default 0
+        (the paper's ``clip_final_scale``). At ``c = 0`` (from
+        ``total_steps`` on) the rule's limit, a zero update, is given.
+      total_steps: the training's length in steps (``>= 1``), which the decay
+        ends at; needed with ``decay``.
+      post_process: ``"clip"`` (the default: the soft clip at ``c``) or
+        ``"normalize"`` (the paper's alternative, ``normalize_sigvals``: each
+        matrix divided by its Frobenius norm, then ``iterations`` steps of
+        Muon's quintic Newton-Schulz iteration, which leave its singular
+        values in about [0.7, 1.2] and its singular vectors as they were;
+        then Muon's shape factor; under ``apply_to="all"`` a vector ``u``
+        becomes ``u / (||u|| + 1e-7)``). No warm-up or decay with it.
       name: metrics prefix (default ``spectra``).
 
     Returns:
@@ -261,10 +383,38 @@ def spectra(
     iterations = 10 if iterations is None else iterations
     warmup_steps = 0 if warmup_steps is None else warmup_steps
     dtype = jnp.bfloat16 if dtype is None else dtype
-    _checks.positive("c", c)
+    _checks.choice("post_process", post_process, POST_PROCESS)
+    normalize = post_process == "normalize"
+    if not (normalize and c is None):
+        _checks.positive("c", c)
     _checks.integer("iterations", iterations, 1)
     _checks.integer("warmup_steps", warmup_steps, 0)
     _checks.choice("apply_to", apply_to, APPLY_TO)
+    _checks.choice("decay", decay, DECAYS)
+    shaping = dict(decay_fraction=decay_fraction, final_scale=final_scale, total_steps=total_steps)
+    if decay == "constant":
+        given = [k for k, v in shaping.items() if v is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} shape a decay of c; pass decay= (one of {DECAYS[1:]}) "
+                "or leave them out"
+            )
+    else:
+        if total_steps is None:
+            raise ValueError(f"decay={decay!r} needs total_steps= (the decay ends there)")
+        _checks.integer("total_steps", total_steps, 1)
+    decay_fraction = 0.1 if decay_fraction is None else decay_fraction
+    final_scale = 0.0 if final_scale is None else final_scale
+    total_steps = 0 if total_steps is None else total_steps
+    _checks.static_number("decay_fraction", decay_fraction)
+    _checks.check("decay_fraction", decay_fraction, lambda x: 0 <= x <= 1, "in [0, 1]")
+    _checks.static_number("final_scale", final_scale)
+    _checks.check("final_scale", final_scale, lambda x: 0 <= x < math.inf, ">= 0 and finite")
+    decay_fraction, final_scale = float(decay_fraction), float(final_scale)
+    if normalize and (warmup_steps > 0 or decay != "constant"):
+        raise ValueError(
+            "post_process='normalize' has no c to schedule: leave out warmup_steps and decay"
+        )
     _checks.name(name)
     if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
         raise ValueError(f"dtype must be a floating dtype, got {dtype!r}")
@@ -320,14 +470,23 @@ def spectra(
         _checks.check_state(state, SpectraState, who)
         grouping = _grouping.make_grouping(updates, "global")
         grouping.check_matches(state.info.leaves, state.info.shapes, who)
-        threshold = jnp.asarray(c, jnp.float32)
+        threshold = jnp.asarray(1.0 if normalize else c, jnp.float32)
+        if decay != "constant":
+            threshold = threshold * decay_factor(
+                state.count, decay, decay_fraction, final_scale, total_steps
+            )
         if warmup_steps > 0:
             assert learning_rate is not None
             peak = jnp.asarray(learning_rate(warmup_steps), jnp.float32)
             now = jnp.maximum(
                 jnp.asarray(learning_rate(state.count), jnp.float32), MIN_LEARNING_RATE
             )
-            threshold = jnp.where(state.count < warmup_steps, threshold * peak / now, threshold)
+            held = jnp.asarray(c, jnp.float32) * peak / now
+            threshold = jnp.where(state.count < warmup_steps, held, threshold)
+        # A decay to final_scale=0 reaches c = 0, where the rule's limit is a zero
+        # update: the clip runs at a stand-in c and its output is replaced.
+        live = threshold > 0 if decay != "constant" else None
+        level = threshold if live is None else jnp.where(live, threshold, 1.0)
 
         leaves, _, treedef = _grouping.leaves_with_names(updates)
         new_leaves, bounds, above = [], [], []
@@ -336,10 +495,16 @@ def spectra(
                 new_leaves.append(leaf)
                 continue
             if plan == "vector":
-                out, norm = soft_clip_vector(leaf, threshold)
+                if normalize:
+                    out, norm = normalize_vector(leaf)
+                else:
+                    out, norm = soft_clip_vector(leaf, level)
                 bound, over = norm.reshape(1), (norm > threshold).reshape(1)
             else:
-                out, bound, over = _clip_leaf(leaf, plan, threshold, iterations, dtype)
+                out, bound, over = _clip_leaf(leaf, plan, level, iterations, dtype, normalize)
+                over = over if live is None else bound > threshold
+            if live is not None:
+                out = jnp.where(live, out, jnp.zeros_like(out))
             new_leaves.append(out)
             bounds.append(bound)
             above.append(over)
