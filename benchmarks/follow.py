@@ -130,6 +130,14 @@ SETTINGS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "autoclip(mode='percentile', percentile=50, window_size=100, feedback='clipped')": lambda: (
         clipjax.autoclip(mode="percentile", percentile=50, window_size=100, feedback="clipped")
     ),
+    # Spectral gradient clipping on the one-element "matrix" of the stream: its top
+    # singular value is the norm (the reference's EMA and quantile rules, and the EMA
+    # with feedback="clipped", whose factor defaults to 1.5).
+    "spectral_clip(rule='ema')": lambda: clipjax.spectral_clip(rule="ema"),
+    "spectral_clip(rule='ema', feedback='clipped')": lambda: clipjax.spectral_clip(
+        rule="ema", feedback="clipped"
+    ),
+    "spectral_clip(rule='quantile')": lambda: clipjax.spectral_clip(rule="quantile"),
     # A static clip: below the level after a rise, it clips every step.
     "clip_by_global_norm(1.0)": lambda: clipjax.clip_by_global_norm(1.0),
     # Stable-SPAM's pieces (one element: AdaClip's bound is an EMA of |g|;

@@ -72,6 +72,7 @@ from clipjax._skip_on_spike import (
 )
 from clipjax._spam import SpamState, spam, stable_spam
 from clipjax._spectra import SpectraState, spectra
+from clipjax._spectral_clip import SpectralClipState, spectral_clip
 from clipjax._stability import StabilityMonitorState, stability_monitor
 from clipjax._zclip import ZClipState, zclip
 from clipjax._zscore_clip import ZScoreClipState, zscore_clip
@@ -109,6 +110,7 @@ __all__ = [
     "SkippableTransform",
     "SpamState",
     "SpectraState",
+    "SpectralClipState",
     "StabilityMonitorState",
     "UpdateClippingState",
     "ZClipState",
@@ -153,6 +155,7 @@ __all__ = [
     "skip_on_spike",
     "spam",
     "spectra",
+    "spectral_clip",
     "stability_monitor",
     "stable_spam",
     "stacked",

@@ -65,7 +65,12 @@ def after(x: Array, first: Array) -> Array:
     Why: where one loop reads a buffer and a later loop overwrites it in place,
     XLA copies the buffer unless the later loop must wait for the first.
     Adding ``first[0] >> 31 >> 1`` (always 0, never folded) orders them
-    (``tests/spam/test_spam_pieces.py`` counts the copies).
+    (``tests/spam/test_spam_pieces.py`` counts the copies). And: jaxlib's
+    batched LAPACK kernels (``svd``, ``qr``) each wait on the intra-op thread
+    pool for their batch's tasks; run side by side, as many as the pool has
+    threads wait for each other for ever (seen on two cores, jaxlib 0.10).
+    spectral_clip orders its decompositions one after another
+    (``tests/spectral_clip/test_spectral_clip.py`` runs a tree that hung).
     """
     if first.size == 0:
         return x

@@ -217,6 +217,15 @@ def skipping(about: str, inner: Callable[[Config], Any], **kwargs: Any) -> Setti
     )
 
 
+def SPECTRAL(name: str, shape: tuple[int, ...]) -> Any:
+    """spectral_clip's matrices: each layer's slice of the stacked leaves (a matrix, or
+    a vector for the layer norms and biases); the embeddings and the head are left,
+    as the reference leaves them by name."""
+    if not name.startswith("layers/"):
+        return None
+    return ((-2,), (-1,)) if len(shape) == 3 else ((-1,), ())
+
+
 # Every row of the table but the static sweep, in the order they run (the sweep
 # goes after "none"): one (name, Setting) entry per row; add a row here.
 ROWS: list[tuple[str, Setting]] = [
@@ -287,6 +296,30 @@ ROWS: list[tuple[str, Setting]] = [
         clipper(
             'autoclip(feedback="clipped", history="window")',
             lambda: clipjax.autoclip(feedback="clipped", history="window"),
+            "clipped",
+        ),
+    ),
+    (
+        "spectral_ema",
+        clipper(
+            'spectral_clip(rule="ema", matrices=SPECTRAL) (the reference\'s defaults)',
+            lambda: clipjax.spectral_clip(rule="ema", matrices=SPECTRAL),
+            "reference",
+        ),
+    ),
+    (
+        "spectral_quantile",
+        clipper(
+            'spectral_clip(rule="quantile", matrices=SPECTRAL) (the reference\'s defaults)',
+            lambda: clipjax.spectral_clip(rule="quantile", matrices=SPECTRAL),
+            "reference",
+        ),
+    ),
+    (
+        "spectral_ema_fb",
+        clipper(
+            'spectral_clip(rule="ema", feedback="clipped", matrices=SPECTRAL)',
+            lambda: clipjax.spectral_clip(rule="ema", feedback="clipped", matrices=SPECTRAL),
             "clipped",
         ),
     ),

@@ -130,6 +130,10 @@ _TRAINING = {
 _CONTRACT = {
     # SPECTRA clips the MLP's 2-D kernels by their singular values, its biases by norm.
     "spectra": _case(clipjax.spectra, 0.05, field="sigma_bound", groups="global", apply_to="all"),
+    # Spectral gradient clipping: a group per matrix (and vector), named as the leaves.
+    "spectral_clip": _case(
+        clipjax.spectral_clip, field="sigma_max", groups="per_param", rule="ema", factor=1.05
+    ),
     "clip_by_global_norm_inf": _case(
         clipjax.clip_by_global_norm, 1.0, field="grad_norm", groups="global", norm_type=float("inf")
     ),

@@ -147,6 +147,8 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
     "skip_and_clip": (skip_and_clip_adamw, dict(drop_norm=3.0, max_norm=0.5, eps=1e-6)),
     "stability_monitor": (clipjax.stability_monitor, dict(threshold_std=1.5)),
     "spectra": (clipjax.spectra, dict(c=0.7)),
+    "spectral_clip": (clipjax.spectral_clip, dict(threshold=0.3)),
+    "spectral_clip_ema": (clipjax.spectral_clip, dict(rule="ema", ema_coef=0.8, factor=1.1)),
     "skip_and_clip_rule": (
         skip_and_clip_rule,
         dict(max_norm=0.5, grad_norm_ema_decay=0.9, eps=1e-6),
@@ -158,7 +160,7 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
 PUBLIC = """autoclip zscore_clip zclip hist_clip adagc agc clip_by_global_norm clip_by_value
     clip_by_percentile normalize_per_param zscore_normalize adaclip ada_norm spam stable_spam
     skip_on_spike adam adamw clip_norm_growth clip_norm_by_ema clip_by_historical_norm
-    skip_and_clip_by_global_norm stability_monitor spectra"""
+    skip_and_clip_by_global_norm stability_monitor spectra spectral_clip"""
 FACTORIES = {name: getattr(clipjax, name) for name in PUBLIC.split()}
 STANDS_FOR = {
     skip_on_spike_adamw: clipjax.skip_on_spike,

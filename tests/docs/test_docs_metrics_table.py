@@ -28,11 +28,13 @@ BUILD = {
     ),
     "spam": lambda: clipjax.spam(1e-3),
     "spectra": lambda: clipjax.spectra(1.0),
+    "spectral_clip": lambda: clipjax.spectral_clip(rule="ema"),
     "stable_spam": lambda: clipjax.stable_spam(1e-3),
     "adamw(clip_grad_adapt=k)": lambda: clipjax.adamw(1e-3, clip_grad_adapt=3.0),
 }
 # Rows whose fields depend on an argument: each setting's fields are in the row too.
 ALSO = {
+    "spectral_clip": [lambda: clipjax.spectral_clip(rule="quantile")],
     "zclip": [
         lambda: clipjax.zclip(feedback="clipped"),
         lambda: clipjax.zclip(feedback="clipped", start="weight"),
