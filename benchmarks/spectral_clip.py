@@ -1,0 +1,115 @@
+"""What spectral gradient clipping costs an AdamW step, against AdamW and Muon's Newton-Schulz.
+
+Jitted optimizer steps (update and apply_updates, params and state donated) on the
+benchmarks' transformer-shaped tree (``benchmarks/common.py``): ``optax.chain(X,
+optax.adamw)`` with X:
+
+* nothing (``optax.adamw``);
+* ``clipjax.spectral_clip`` with each rule (an exact SVD of every matrix and vector);
+* ``clipjax.spectral_clip(rule="ema", rank=5)`` (the reference's randomized SVD);
+
+and, for scale, adamw with Muon's orthogonalisation of its 2-D updates (optax's
+``orthogonalize_via_newton_schulz``, 5 steps; ``benchmarks/spectra.py``'s row), the
+other spectral method of the same step. Reported: CPU wall milliseconds a step
+(median and quartiles over interleaved rounds) and their ratios. XLA's cost analysis
+does not count the LAPACK SVD (a custom call), so bytes and flops are not compared.
+
+    python benchmarks/spectral_clip.py [--quick] [--out FOLDER]
+
+Writes ``benchmarks/SPECTRAL_CLIP.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import common
+import jax
+import jax.numpy as jnp
+import optax
+import spectra
+
+import clipjax
+
+MUON = "adamw + Muon Newton-Schulz (5 steps, float32)"
+CONFIGS = {
+    "adamw": lambda: optax.adamw(common.LR, weight_decay=spectra.WEIGHT_DECAY),
+    "spectral_clip(1.0), adamw": lambda: optax.chain(
+        clipjax.spectral_clip(1.0), optax.adamw(common.LR, weight_decay=spectra.WEIGHT_DECAY)
+    ),
+    'spectral_clip(rule="ema"), adamw': lambda: optax.chain(
+        clipjax.spectral_clip(rule="ema"),
+        optax.adamw(common.LR, weight_decay=spectra.WEIGHT_DECAY),
+    ),
+    'spectral_clip(rule="quantile"), adamw': lambda: optax.chain(
+        clipjax.spectral_clip(rule="quantile"),
+        optax.adamw(common.LR, weight_decay=spectra.WEIGHT_DECAY),
+    ),
+    'spectral_clip(rule="ema", rank=5), adamw': lambda: optax.chain(
+        clipjax.spectral_clip(rule="ema", rank=5),
+        optax.adamw(common.LR, weight_decay=spectra.WEIGHT_DECAY),
+    ),
+    MUON: spectra.CONFIGS[MUON],
+}
+
+
+def measure(quick: bool) -> str:
+    sizes = common.sizes(quick)
+    shapes = common.transformer_shapes(**sizes.model)
+    params, grads = common.params_and_grads(shapes)
+    runs = {}
+    for label, make in CONFIGS.items():
+        common.log(f"  compiling {label}")
+        tx = make()
+        compiled = common.compile_jit(common.train_step(tx, False), *common.step_args(tx, shapes))
+        held = {"params": jax.tree.map(jnp.copy, params), "state": tx.init(params)}
+
+        def run(steps: int, run=compiled.run, held=held) -> None:
+            p, s = held["params"], held["state"]
+            for _ in range(steps):
+                p, s = run(p, s, grads, jnp.float32(0.0))
+            jax.block_until_ready(p)
+            held["params"], held["state"] = p, s
+
+        runs[label] = run
+    steps = max(1, min(20, common.block_steps(runs, sizes.block_s)))
+    wall, _ = common.interleave(runs, sizes.rounds, steps)
+    rows = [
+        [
+            label,
+            common.ms(wall[label]),
+            f"{common.median(common.ratios(wall[label], wall['adamw'])):.2f}",
+            f"{common.median(common.ratios(wall[label], wall[MUON])):.2f}",
+        ]
+        for label in CONFIGS
+    ]
+    head = ["step", "ms a step, median [quartiles]", "time × adamw", "time × Muon NS"]
+    about = (
+        f"Optimizer step (update and apply_updates, donated) on {common.describe(shapes)} "
+        "(`benchmarks/common.py`'s transformer tree; spectral_clip decomposes every "
+        "leaf: the 2-D kernels and embedding as matrices, the 1-D leaves as `[n, 1]` "
+        f"matrices); {sizes.rounds} interleaved rounds of {steps} steps each. Time ratios "
+        "are medians of the per-round ratios."
+    )
+    return about + "\n\n" + common.table(head, rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller tree, fewer rounds")
+    parser.add_argument("--out", help="folder of the page (default benchmarks/)")
+    args = parser.parse_args(argv)
+    head = common.header(common.command("spectral_clip.py", argv))
+    text = common.page(
+        ["# What spectral gradient clipping costs an AdamW step", "", *head],
+        "## CPU step time",
+        measure(args.quick),
+    )
+    print(text)
+    common.write(common.page_path(args.out, "SPECTRAL_CLIP.md"), text)
+
+
+if __name__ == "__main__":
+    main()
