@@ -55,6 +55,7 @@ exclude_patterns = [
     "_build",
     "jupyter_execute",
     "generated/*",  # included by the guides, not pages of their own
+    "generated/**",  # and the pages of other runs (generated/spectral/), cited by the guides
     "README.md",
     "api/.gitignore",
 ]

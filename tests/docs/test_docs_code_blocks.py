@@ -187,10 +187,10 @@ def defences_block(index: int) -> str:
 
 def test_the_defences_page_has_a_block_for_each_defence() -> None:
     names = ["skip_and_clip_by_global_norm", "clip_norm_growth", "clip_grad_adapt",
-             "clip_by_historical_norm", "stability_monitor", "spectra", "clip_activation_gradient",
-             "linen_activation_clip", "nnx_activation_clip"]  # fmt: skip
+             "clip_by_historical_norm", "stability_monitor", "spectra", "spectral_clip",
+             "clip_activation_gradient", "linen_activation_clip", "nnx_activation_clip"]  # fmt: skip
     found = python_blocks(ROOT / "docs" / "defences.md")
-    assert len(found) == 9
+    assert len(found) == 10
     assert all(any(n in b for b in found) for n in names)
 
 
@@ -205,6 +205,8 @@ def test_the_defences_blocks_print_what_the_page_implies() -> None:
     assert defences_block(4).split() == ["1", "0.01"]
     # SPECTRA: c after the warm-up, Adam's direction clipped; 4, 1, 0.5 at c = 1.
     assert defences_block(5).splitlines() == ["1.0 True", "[0.97  0.707 0.447]"]
+    # spectral_clip: the spike's direction clamped at tau, the others as they were.
+    assert defences_block(6) == "True True True"
 
 
 def test_the_activation_blocks_print_what_the_page_implies() -> None:
