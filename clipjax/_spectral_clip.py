@@ -83,7 +83,8 @@ def _svd(x: Array, rank: int | None, iterations: int, key: Array) -> tuple[Array
     range finder (Halko et al.; ``torch.svd_lowrank``'s algorithm) with ``iterations``
     power iterations and ``rank + 5`` columns."""
     if rank is None:
-        return jnp.linalg.svd(x, full_matrices=False)
+        u, s, vh = jnp.linalg.svd(x, full_matrices=False)
+        return u, s, vh
     rows, cols = x.shape[-2:]
     k = min(rank, rows, cols)
     q = min(k + 5, rows, cols)
@@ -236,6 +237,7 @@ def spectral_clip(
         try:
             if vectors:
                 # (fan_in_axes, ()): a vector per index of the other axes, an [n, 1] matrix.
+                assert axes is not None
                 fan_in = _axes_tuple(axes[0], len(shape)) if axes[0] != () else ()
                 plan = matrix_plan(leaf_name, (*shape, 1), lambda *_: (fan_in, len(shape)))
             else:
