@@ -188,7 +188,8 @@ def defences_block(index: int) -> str:
 def test_the_defences_page_has_a_block_for_each_defence() -> None:
     names = ["skip_and_clip_by_global_norm", "clip_norm_growth", "clip_grad_adapt",
              "clip_by_historical_norm", "stability_monitor", "spectra", "spectral_clip",
-             "clip_activation_gradient", "linen_activation_clip", "nnx_activation_clip"]  # fmt: skip
+             "clip_activation_gradient", "linen_activation_clip",
+             "nnx_activation_clip"]  # fmt: skip
     found = python_blocks(ROOT / "docs" / "defences.md")
     assert len(found) == 10
     assert all(any(n in b for b in found) for n in names)
