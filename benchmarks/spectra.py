@@ -82,18 +82,19 @@ def cost_of(compiled: common.Compiled) -> tuple[float, float]:
     return float(cost["bytes accessed"]), float(cost.get("flops", float("nan")))
 
 
-def measure(quick: bool) -> str:
-    sizes = common.sizes(quick)
-    shapes = common.transformer_shapes(**sizes.model)
+def compiled_runs(
+    configs: dict[str, Callable[[], optax.GradientTransformation]], shapes: Any
+) -> tuple[dict[str, common.Compiled], dict[str, Callable[[int], None]]]:
+    """Each configuration's jitted optimizer step on ``shapes``, and a function that runs
+    it ``steps`` times on the same gradients (params and state carried along)."""
     params, grads = common.params_and_grads(shapes)
-    compiled, runs, costs = {}, {}, {}
-    for label, make in CONFIGS.items():
+    compiled, runs = {}, {}
+    for label, make in configs.items():
         common.log(f"  compiling {label}")
         tx = make()
         compiled[label] = common.compile_jit(
             common.train_step(tx, False), *common.step_args(tx, shapes)
         )
-        costs[label] = cost_of(compiled[label])
         held = {"params": jax.tree.map(jnp.copy, params), "state": tx.init(params)}
 
         def run(steps: int, run=compiled[label].run, held=held) -> None:
@@ -104,6 +105,14 @@ def measure(quick: bool) -> str:
             held["params"], held["state"] = p, s
 
         runs[label] = run
+    return compiled, runs
+
+
+def measure(quick: bool) -> str:
+    sizes = common.sizes(quick)
+    shapes = common.transformer_shapes(**sizes.model)
+    compiled, runs = compiled_runs(CONFIGS, shapes)
+    costs = {label: cost_of(c) for label, c in compiled.items()}
     steps = max(1, min(20, common.block_steps(runs, sizes.block_s)))
     wall, _ = common.interleave(runs, sizes.rounds, steps)
     base, muon = "adamw", "adamw + Muon Newton-Schulz (5 steps, float32)"

@@ -25,8 +25,6 @@ import argparse
 import sys
 
 import common
-import jax
-import jax.numpy as jnp
 import optax
 import spectra
 
@@ -58,22 +56,7 @@ CONFIGS = {
 def measure(quick: bool) -> str:
     sizes = common.sizes(quick)
     shapes = common.transformer_shapes(**sizes.model)
-    params, grads = common.params_and_grads(shapes)
-    runs = {}
-    for label, make in CONFIGS.items():
-        common.log(f"  compiling {label}")
-        tx = make()
-        compiled = common.compile_jit(common.train_step(tx, False), *common.step_args(tx, shapes))
-        held = {"params": jax.tree.map(jnp.copy, params), "state": tx.init(params)}
-
-        def run(steps: int, run=compiled.run, held=held) -> None:
-            p, s = held["params"], held["state"]
-            for _ in range(steps):
-                p, s = run(p, s, grads, jnp.float32(0.0))
-            jax.block_until_ready(p)
-            held["params"], held["state"] = p, s
-
-        runs[label] = run
+    _, runs = spectra.compiled_runs(CONFIGS, shapes)
     # An exact SVD step takes seconds on a CPU: a block of few steps times it, and the
     # rounds are fewer than the other benchmarks' (which time millisecond steps).
     steps = max(1, min(STEPS, common.block_steps(runs, sizes.block_s)))
