@@ -158,7 +158,9 @@ def spectral_clip(
       matrices: ``(leaf name, shape) -> (fan_in_axes, fan_out_axes)`` or None
         (leave the leaf as it is), asked of every leaf of 2+ dimensions, as
         :func:`clipjax.spectra` asks it; default: a 2-D leaf is one matrix,
-        3+ dimensions are refused. The reference leaves its embeddings (by
+        3+ dimensions are refused; ``(fan_in_axes, ())`` reads one vector
+        per index of the other axes (stacked layer norms ``[layers, d]``:
+        ``((-1,), ())``). The reference leaves its embeddings (by
         name); ``lambda name, shape: None if "embed" in name else (0, 1)``
         does the same for a flax model's 2-D leaves.
       rank: clamp the top ``rank`` singular values of a randomized low-rank
