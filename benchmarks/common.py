@@ -611,6 +611,23 @@ def page(*blocks: str | list[str]) -> str:
     return "\n\n".join(b if isinstance(b, str) else "\n".join(b) for b in blocks) + "\n"
 
 
+def cost_page_main(
+    argv: list[str] | None, doc: str, script: str, title: str, heading: str, name: str,
+    measure: Callable[[bool], str],
+) -> None:  # fmt: skip
+    """The ``main`` of a one-section cost page: ``--quick`` and ``--out``, the header,
+    ``measure(quick)`` under ``heading``, printed and written to ``name``."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller tree, fewer rounds")
+    parser.add_argument("--out", help="folder of the page (default benchmarks/)")
+    args = parser.parse_args(argv)
+    head = header(command(script, argv))
+    text = page([f"# {title}", "", *head], heading, measure(args.quick))
+    print(text)
+    write(page_path(args.out, name), text)
+
+
 def page_path(folder: str | None, name: str) -> str:
     """The path of the page ``name`` in ``folder`` (made if missing), else in benchmarks/."""
     folder = folder or os.path.join(ROOT, "benchmarks")

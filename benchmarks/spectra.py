@@ -22,8 +22,6 @@ Writes ``benchmarks/SPECTRA.md``.
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -152,19 +150,15 @@ def measure(quick: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller tree, fewer rounds")
-    parser.add_argument("--out", help="folder of the page (default benchmarks/)")
-    args = parser.parse_args(argv)
-    head = common.header(common.command("spectra.py", argv))
-    text = common.page(
-        ["# What SPECTRA costs an AdamW step", "", *head],
+    common.cost_page_main(
+        argv,
+        __doc__,
+        "spectra.py",
+        "What SPECTRA costs an AdamW step",
         "## CPU step time, bytes and flops",
-        measure(args.quick),
+        "SPECTRA.md",
+        measure,
     )
-    print(text)
-    common.write(common.page_path(args.out, "SPECTRA.md"), text)
 
 
 if __name__ == "__main__":

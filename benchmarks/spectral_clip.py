@@ -21,9 +21,6 @@ Writes ``benchmarks/SPECTRAL_CLIP.md``.
 
 from __future__ import annotations
 
-import argparse
-import sys
-
 import common
 import optax
 import spectra
@@ -83,19 +80,15 @@ def measure(quick: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller tree, fewer rounds")
-    parser.add_argument("--out", help="folder of the page (default benchmarks/)")
-    args = parser.parse_args(argv)
-    head = common.header(common.command("spectral_clip.py", argv))
-    text = common.page(
-        ["# What spectral gradient clipping costs an AdamW step", "", *head],
+    common.cost_page_main(
+        argv,
+        __doc__,
+        "spectral_clip.py",
+        "What spectral gradient clipping costs an AdamW step",
         "## CPU step time",
-        measure(args.quick),
+        "SPECTRAL_CLIP.md",
+        measure,
     )
-    print(text)
-    common.write(common.page_path(args.out, "SPECTRAL_CLIP.md"), text)
 
 
 if __name__ == "__main__":
