@@ -78,13 +78,16 @@ def quantile_indices(quantile: float, window_size: int) -> np.ndarray:
     return np.asarray([int(quantile * (n - 1)) if n else 0 for n in range(window_size + 1)])
 
 
-def _svd(x: Array, rank: int | None, iterations: int, key: Array) -> tuple[Array, Array, Array]:
+def _svd(
+    x: Array, rank: int | None, iterations: int, key: Array | None
+) -> tuple[Array, Array, Array]:
     """``(U, S, Vh)`` of ``[n, rows, cols]``: exact, or the top ``rank`` by a randomized
     range finder (Halko et al.; ``torch.svd_lowrank``'s algorithm) with ``iterations``
     power iterations and ``rank + 5`` columns."""
     if rank is None:
         u, s, vh = jnp.linalg.svd(x, full_matrices=False)
         return u, s, vh
+    assert key is not None
     rows, cols = x.shape[-2:]
     k = min(rank, rows, cols)
     q = min(k + 5, rows, cols)
@@ -294,7 +297,11 @@ def spectral_clip(
         dtype = _grouping.norm_dtype(leaves)
         if not state.info.groups:
             return updates, state
-        key = jax.random.fold_in(jax.random.PRNGKey(LOWRANK_SEED), state.metrics["step"][0])
+        key = (
+            None
+            if rank is None
+            else jax.random.fold_in(jax.random.PRNGKey(LOWRANK_SEED), state.metrics["step"][0])
+        )
 
         # Every matrix as [n, rows, cols] over its largest magnitude, so that finite
         # entries give finite singular values; its SVD.
@@ -309,12 +316,12 @@ def spectral_clip(
             m = jnp.where(finite & (big > 0), big, 1.0)
             xs = jnp.where(finite[:, None, None], x / m[:, None, None], 0.0)
             if work:  # one decomposition at a time (clipjax._xla.after says why)
-                xs = _xla.after(xs, work[-1][6])
-            u, s, vh = _svd(xs, rank, power_iterations, jax.random.fold_in(key, i))
-            work.append((i, plan, x, m, finite, u, s, vh))
-        sigma = jnp.concatenate(
-            [jnp.where(f, s[:, 0] * m, jnp.nan) for _, _, _, m, f, _, s, _ in work]
-        )
+                xs = _xla.after(xs, work[-1][7])
+            u, s, vh = _svd(
+                xs, rank, power_iterations, None if key is None else jax.random.fold_in(key, i)
+            )
+            work.append((i, plan, x, xs, m, finite, u, s, vh))
+        sigma = jnp.concatenate([jnp.where(f, s[:, 0] * m, jnp.nan) for *_, m, f, _, s, _ in work])
         finite = jnp.concatenate([f for *_, f, _, _, _ in work])
         seen = state.metrics["count"]
         if rule == "constant":
@@ -338,7 +345,7 @@ def spectral_clip(
         new_leaves = list(leaves)
         norms, kept = [], []
         start = 0
-        for i, plan, x, m, f, u, s, vh in work:
+        for i, plan, x, xs, m, f, u, s, vh in work:
             stop = start + plan.count
             t, fire = tau[start:stop], fires[start:stop]
             bound = jnp.minimum(s, (t / m)[:, None])
@@ -348,7 +355,7 @@ def spectral_clip(
             else:
                 out = x + scale * ((u * (bound - s)[:, None, :].astype(u.dtype)) @ vh)
             out = jnp.where(fire[:, None, None], out, x)
-            norm = m * jnp.sqrt(jnp.sum(jnp.square(jnp.abs(x / m[:, None, None])), axis=(-2, -1)))
+            norm = m * jnp.sqrt(jnp.sum(jnp.square(jnp.abs(xs)), axis=(-2, -1)))
             after = m * jnp.sqrt(
                 jnp.sum(jnp.square(jnp.abs(out / m[:, None, None])), axis=(-2, -1))
             )
