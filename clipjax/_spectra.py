@@ -208,19 +208,25 @@ def _axes_tuple(axes: int | tuple[int, ...], ndim: int) -> tuple[int, ...]:
 
 
 def matrix_plan(
-    leaf_name: str, shape: tuple[int, ...], matrices: MatricesFn | None
+    leaf_name: str,
+    shape: tuple[int, ...],
+    matrices: MatricesFn | None,
+    who: str = ALGO,
+    vectors: bool = False,
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
     """``(batch, fan_in, fan_out)`` axes of a leaf of 2+ dimensions, or None (left as it is).
 
     Default (``matrices=None``): a 2-D leaf is ``[fan_in, fan_out]`` (flax's and
-    optax's kernel layout); a leaf of 3+ dimensions is refused.
+    optax's kernel layout); a leaf of 3+ dimensions is refused. With ``vectors``,
+    ``(fan_in_axes, ())`` reads one vector (an ``[n, 1]`` matrix) per index of the
+    other axes. Errors name ``who``.
     """
     ndim = len(shape)
     if matrices is None:
         if ndim == 2:
             return (), (0,), (1,)
         raise ValueError(
-            f"spectra: leaf {leaf_name!r} of shape {shape} is neither a vector nor a matrix; "
+            f"{who}: leaf {leaf_name!r} of shape {shape} is neither a vector nor a matrix; "
             "say which axes are its matrices' fan-in and fan-out with matrices=(a callable "
             "(name, shape) -> (fan_in_axes, fan_out_axes), or None to leave it), e.g. "
             "lambda name, shape: (-2, -1) for stacked layers [layers, in, out]"
@@ -230,20 +236,22 @@ def matrix_plan(
         return None
     if not (isinstance(axes, tuple) and len(axes) == 2):
         raise ValueError(
-            f"spectra: matrices({leaf_name!r}, {shape}) must return (fan_in_axes, "
+            f"{who}: matrices({leaf_name!r}, {shape}) must return (fan_in_axes, "
             f"fan_out_axes) or None, got {axes!r}"
         )
+    vector = vectors and axes[1] == ()
     try:
-        fan_in, fan_out = (_axes_tuple(a, ndim) for a in axes)
+        fan_in = _axes_tuple(axes[0], ndim)
+        fan_out = () if vector else _axes_tuple(axes[1], ndim)
     except TypeError:
         raise ValueError(
-            f"spectra: matrices({leaf_name!r}, {shape}) gave {axes!r}: each of fan_in_axes "
+            f"{who}: matrices({leaf_name!r}, {shape}) gave {axes!r}: each of fan_in_axes "
             "and fan_out_axes must be an int or a tuple of ints"
         ) from None
     named = fan_in + fan_out
-    if not fan_in or not fan_out or len(set(named)) != len(named):
+    if not fan_in or not (fan_out or vector) or len(set(named)) != len(named):
         raise ValueError(
-            f"spectra: matrices({leaf_name!r}, {shape}) gave {axes!r}: fan-in and fan-out "
+            f"{who}: matrices({leaf_name!r}, {shape}) gave {axes!r}: fan-in and fan-out "
             "must each name at least one axis, and no axis twice"
         )
     batch = tuple(a for a in range(ndim) if a not in named)

@@ -21,7 +21,7 @@ import optax
 
 from clipjax import _checks, _grouping, _kit, _stats, _xla
 from clipjax._metrics import GroupInfo
-from clipjax._spectra import MatricesFn, _axes_tuple, matrix_plan
+from clipjax._spectra import MatricesFn, matrix_plan
 
 Array = jax.Array
 ALGO = "spectral_clip"
@@ -235,22 +235,10 @@ def spectral_clip(
             return None
         if len(shape) == 1:
             return _Leaf((0,), shape[0], 1, 1, (leaf_name,))
-        axes = None if matrices is None else matrices(leaf_name, shape)
-        if matrices is not None and axes is None:
+        plan = matrix_plan(leaf_name, shape, matrices, who=who, vectors=True)
+        if plan is None:
             return None
-        vectors = isinstance(axes, tuple) and len(axes) == 2 and axes[1] == ()
-        try:
-            if vectors:
-                # (fan_in_axes, ()): a vector per index of the other axes, an [n, 1] matrix.
-                assert axes is not None
-                fan_in = _axes_tuple(axes[0], len(shape)) if axes[0] != () else ()
-                plan = matrix_plan(leaf_name, (*shape, 1), lambda *_: (fan_in, len(shape)))
-            else:
-                plan = matrix_plan(leaf_name, shape, None if axes is None else lambda *_: axes)
-        except (TypeError, ValueError) as e:
-            raise ValueError(str(e).replace("spectra:", f"{who}:", 1)) from None
-        assert plan is not None
-        batch, fan_in, fan_out = plan[0], plan[1], () if vectors else plan[2]
+        batch, fan_in, fan_out = plan
         count = math.prod(shape[a] for a in batch)
         names = (leaf_name,) if not batch else tuple(f"{leaf_name}[{i}]" for i in range(count))
         return _Leaf(
